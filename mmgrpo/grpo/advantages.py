@@ -1,0 +1,116 @@
+"""Group-relative advantages: how much better each completion did than its siblings.
+
+The G completions of one prompt sit in contiguous rows ``g*G .. g*G+G-1`` of every batch
+(the engine keeps this invariant; advantages depend on it). For group ``g`` with rewards
+``r_1..r_G``:
+
+    A_i = (r_i - mean(r)) / (std + 1e-4)        scale_rewards="group" (default)
+    A_i = (r_i - mean(r)) / (std_batch + 1e-4)  scale_rewards="batch"
+    A_i =  r_i - mean(r)                        scale_rewards="none"  (Dr. GRPO)
+
+``std`` is the Bessel-corrected (unbiased, divide by G-1) standard deviation, the same as
+TRL and ms-swift, so reward curves and advantages can be compared with theirs run for run.
+
+    >>> import torch
+    >>> adv, stats = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), num_generations=4)
+    >>> [round(a, 3) for a in adv.tolist()]
+    [1.5, -0.5, -0.5, -0.5]
+    >>> round(float(stats["reward_std"]), 4), float(stats["frac_reward_zero_std"])
+    (0.5, 0.0)
+
+Estimators are registered by name (``register_advantage``) so RLOO or REINFORCE++ can be
+added beside "grpo" without touching the engine: ``get_advantage(name)(rewards, G, scale)``.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from mmgrpo.errors import ConfigError
+
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4  # added to the std, not a clamp: a zero-std group gets advantages of exactly 0
+
+AdvantageFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn(rewards [N], num_generations, scale_rewards) -> (advantages [N], stats)``.
+
+    A duplicate name is an error, so a plugin cannot silently replace a built-in estimator.
+    """
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """The advantage estimator registered as ``name`` (``--advantage_estimator``)."""
+    if name not in _ADVANTAGES:
+        raise ConfigError(f"unknown advantage estimator {name!r}; choose one of {sorted(_ADVANTAGES)}")
+    return _ADVANTAGES[name]
+
+
+@register_advantage("grpo")
+def group_advantages(
+    rewards: Tensor, num_generations: int, scale_rewards: str = "group"
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO advantages: reward minus its group's mean, optionally divided by a std.
+
+    Args:
+        rewards: [N] fused (weighted-sum) reward per completion, N = num_prompts * G. The
+            engine resolves a reward function's ``None`` before this call: a NaN raises
+            ValueError (it would spread to every advantage of its group, or of the batch).
+        num_generations: G, completions per prompt; at least 2 (one completion has no sibling
+            to be compared with).
+        scale_rewards: "group" divides by each group's std, "batch" by the std of all N
+            rewards (the group mean is still subtracted), "none" does not divide (Dr. GRPO:
+            dividing by a small std up-weights near-unanimous groups, a difficulty bias).
+
+    Returns:
+        advantages: [N] float32, on the device of ``rewards``, with no grad.
+        stats: detached 0-dim tensors, for logging (call ``float()`` once per step):
+            ``reward_mean``; ``reward_std``: mean over groups of the group std;
+            ``frac_reward_zero_std``: fraction of groups whose G rewards are all equal
+            (their advantages are 0 and they teach nothing: the "loss is 0" confusion).
+
+    Under data parallelism pass the rewards of this rank only for "group" and "none" (groups
+    never straddle ranks); for "batch" the engine may gather them first to match TRL.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ConfigError(f"--scale_rewards {scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
+    if num_generations < 2:
+        raise ConfigError(f"--num_generations must be at least 2 for group advantages, got {num_generations}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"rewards must be [num_prompts * num_generations]; got shape {tuple(rewards.shape)} "
+            f"with num_generations={num_generations}"
+        )
+    if torch.isnan(rewards).any():
+        # an unscorable completion must be resolved by the engine (a number, or dropped with its
+        # group): a NaN here would silently poison its group's mean and std
+        raise ValueError("rewards contain NaN; the engine must resolve reward functions' None first")
+    rewards = rewards.detach().float()
+    grouped = rewards.view(-1, num_generations)  # [num_prompts, G]
+    group_mean = grouped.mean(dim=1, keepdim=True)  # [num_prompts, 1]
+    group_std = grouped.std(dim=1, keepdim=True)  # [num_prompts, 1], unbiased (G - 1)
+    advantages = grouped - group_mean  # [num_prompts, G]
+    if scale_rewards == "group":
+        advantages = advantages / (group_std + STD_EPS)
+    elif scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + STD_EPS)
+
+    zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
+    stats = {
+        "reward_mean": rewards.mean(),
+        "reward_std": group_std.mean(),
+        "frac_reward_zero_std": zero_std.float().mean(),
+    }
+    return advantages.reshape(-1), stats

@@ -1,0 +1,270 @@
+"""The GRPO policy loss and its variants (grpo, bnpo, dr_grpo, dapo, cispo; GSPO ratios).
+
+Per completion token t of completion i (docs/algorithm.md has the full derivation):
+
+    ratio_it = exp(logp_it - old_logp_it)                      importance_sampling_level="token"
+    ratio_i  = exp(mean_t(logp_it - old_logp_it))              importance_sampling_level="sequence" (GSPO)
+    loss_it  = -min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) + beta * kl_it
+    kl_it    = exp(ref_it - logp_it) - (ref_it - logp_it) - 1  (k3 estimator of KL(pi || pi_ref))
+
+then ``loss_type`` decides how the [N, T] token losses become one scalar. A loss type is a
+surrogate (the per-token term) plus an aggregation, registered with ``register_loss``.
+
+Gradient accumulation: the engine always SUMS the micro-batch losses of one optimizer step and
+passes the step totals ``num_items_in_batch`` (completion tokens) and ``num_sequences_in_batch``
+(completions) to every call. Then grpo, dr_grpo, dapo and cispo micro-batch losses add up exactly
+to the loss of the whole step, and bnpo adds up to the mean of its per-micro-batch losses (bnpo is
+defined per micro-batch). Under data parallelism, where gradients are averaged over ranks, pass
+the global totals divided by the world size. Left as None, each is the micro-batch's own count.
+
+    >>> import torch
+    >>> logps = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    >>> loss, metrics = policy_loss(logps, None, None, torch.tensor([2.0]), torch.ones(1, 3), beta=0.0)
+    >>> float(loss)  # on-policy: ratio 1, loss = -A
+    -2.0
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mmgrpo.errors import ConfigError
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a finite k3 even for a token the policy all but forbids
+
+# surrogate(ratio, logps, advantages, epsilon_low, epsilon_high)
+#   -> (per-token loss, mask of tokens clipped low, mask of tokens clipped high)
+Surrogate = Callable[[Tensor, Tensor, Tensor, float, float], tuple[Tensor, Tensor, Tensor]]
+# aggregate(per_token_loss [N, T], completion_mask [N, T] float, *, max_completion_length,
+#           num_items_in_batch, num_sequences_in_batch) -> scalar
+Aggregate = Callable[..., Tensor]
+
+
+def clipped_surrogate(
+    ratio: Tensor, logps: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's pessimistic clipped objective, negated: -min(ratio * A, clip(ratio) * A).
+
+    A token is clipped (its gradient is zero) only where clipping makes the objective smaller:
+    ratio > 1 + eps_high with A > 0, or ratio < 1 - eps with A < 0.
+    """
+    clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    clipped_low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return per_token_loss, clipped_low, clipped_high
+
+
+def cispo_surrogate(
+    ratio: Tensor, logps: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO (MiniMax-M1): -sg(min(ratio, 1 + eps_high)) * A * logp.
+
+    The importance weight is truncated and detached, so every token keeps a gradient (PPO
+    clipping drops the gradient of clipped tokens, often the rare "fork" tokens of reasoning).
+    Only the upper bound is used, as in the paper's experiments. The loss VALUE is not a
+    surrogate of the objective; its gradient is ``sg(w) * A * grad logp``.
+    """
+    weight = ratio.clamp(max=1 + epsilon_high).detach()
+    per_token_loss = -weight * advantages * logps
+    clipped_high = (ratio > 1 + epsilon_high).expand_as(per_token_loss)
+    return per_token_loss, torch.zeros_like(clipped_high), clipped_high
+
+
+@dataclass(frozen=True)
+class LossType:
+    surrogate: Surrogate
+    aggregate: Aggregate
+
+
+_LOSSES: dict[str, LossType] = {}
+
+
+def register_loss(name: str, surrogate: Surrogate = clipped_surrogate) -> Callable[[Aggregate], Aggregate]:
+    """Register an aggregation (and the per-token surrogate it pairs with) as ``--loss_type name``.
+
+    The decorated function is ``aggregate(per_token_loss [N, T], completion_mask [N, T], *,
+    max_completion_length, num_items_in_batch, num_sequences_in_batch) -> scalar``.
+    A duplicate name is an error.
+    """
+
+    def decorator(aggregate: Aggregate) -> Aggregate:
+        if name in _LOSSES:
+            raise ValueError(f"loss type {name!r} is already registered")
+        _LOSSES[name] = LossType(surrogate, aggregate)
+        return aggregate
+
+    return decorator
+
+
+def loss_types() -> list[str]:
+    return sorted(_LOSSES)
+
+
+def _masked_sum(per_token_loss: Tensor, completion_mask: Tensor) -> Tensor:
+    return (per_token_loss * completion_mask).sum()
+
+
+@register_loss("grpo")
+def _grpo(per_token_loss, completion_mask, *, num_sequences_in_batch=None, **_) -> Tensor:
+    # Mean over each completion's own tokens, then mean over completions (DeepSeekMath).
+    # A token of a short completion weighs more than one of a long completion.
+    per_sequence = (per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1)  # [N]
+    return per_sequence.sum() / (num_sequences_in_batch or per_token_loss.shape[0])
+
+
+@register_loss("bnpo")
+def _bnpo(per_token_loss, completion_mask, *, num_sequences_in_batch=None, **_) -> Tensor:
+    # Token mean over this micro-batch; with accumulation, weighted by the micro-batch's share
+    # of completions so equal micro-batches average (as TRL divides by the accumulation steps).
+    loss = _masked_sum(per_token_loss, completion_mask) / completion_mask.sum().clamp(min=1)
+    if num_sequences_in_batch:
+        loss = loss * per_token_loss.shape[0] / num_sequences_in_batch
+    return loss
+
+
+@register_loss("dr_grpo")
+def _dr_grpo(
+    per_token_loss, completion_mask, *, max_completion_length=None, num_sequences_in_batch=None, **_
+):
+    # A constant denominator: no length bias at all (Dr. GRPO, Liu et al. 2025).
+    if not max_completion_length:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+    num_sequences = num_sequences_in_batch or per_token_loss.shape[0]
+    return _masked_sum(per_token_loss, completion_mask) / (num_sequences * max_completion_length)
+
+
+@register_loss("dapo")
+def _dapo(per_token_loss, completion_mask, *, num_items_in_batch=None, **_) -> Tensor:
+    # Token mean over the whole optimizer step (DAPO): every token weighs the same, whatever
+    # the length of its completion or the micro-batch it landed in.
+    if num_items_in_batch is None:
+        num_tokens = completion_mask.sum().clamp(min=1)
+    elif isinstance(num_items_in_batch, Tensor):
+        num_tokens = num_items_in_batch.clamp(min=1)
+    else:
+        num_tokens = max(num_items_in_batch, 1)
+    return _masked_sum(per_token_loss, completion_mask) / num_tokens
+
+
+register_loss("cispo", surrogate=cispo_surrogate)(_dapo)  # MiniMax-M1 normalises over all tokens
+
+
+def _masked_mean(values: Tensor, completion_mask: Tensor) -> Tensor:
+    return ((values * completion_mask).sum() / completion_mask.sum().clamp(min=1)).detach()
+
+
+def policy_loss(
+    logps: Tensor,
+    old_logps: Tensor | None,
+    ref_logps: Tensor | None,
+    advantages: Tensor,
+    completion_mask: Tensor,
+    *,
+    loss_type: str = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    max_completion_length: int | None = None,
+    importance_sampling_level: str = "token",
+    num_items_in_batch: int | float | Tensor | None = None,
+    num_sequences_in_batch: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of one (micro-)batch of N completions padded to T tokens.
+
+    The defaults here are plain GRPO (DeepSeekMath); the training defaults (dapo, beta 0.04,
+    epsilon_high 0.28) live in ``mmgrpo/config.py``, see docs/algorithm.md.
+
+    Args:
+        logps: [N, T] log-probs of the completion tokens under the policy being trained (grad).
+        old_logps: [N, T] log-probs under the policy that sampled them (no grad), or None when
+            on-policy (num_iterations == 1): ``logps.detach()`` is used, the ratio is 1 and
+            its gradient is ``grad logp``.
+        ref_logps: [N, T] log-probs under the frozen reference model; may be None when
+            ``beta == 0``. Given with ``beta == 0`` the KL is still measured, for logging.
+        advantages: [N] one per completion (or [N, T] per token).
+        completion_mask: [N, T] 1 for a completion token that counts, 0 for padding (and for
+            tokens after EOS, or whole truncated completions if the engine masks them).
+        loss_type: a registered loss type, see ``loss_types()``.
+        epsilon, epsilon_high: clip range [1 - epsilon, 1 + epsilon_high]; epsilon_high None
+            means epsilon (symmetric). For cispo only the upper bound 1 + epsilon_high is used.
+        beta: weight of the k3 KL penalty to the reference model; 0 disables it.
+        max_completion_length: the constant denominator of dr_grpo.
+        importance_sampling_level: "token" (GRPO) or "sequence" (GSPO: one ratio per
+            completion, the geometric mean of its token ratios).
+        num_items_in_batch, num_sequences_in_batch: completion tokens and completions in the
+            whole optimizer step, for gradient accumulation (see the module docstring).
+
+    Returns:
+        loss: scalar with grad.
+        metrics: detached 0-dim tensors (masked means over the completion tokens): ``kl``,
+            ``ratio_mean``, ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``
+            (fraction of tokens whose gradient clipping removed: low, high, either).
+    """
+    if loss_type not in _LOSSES:
+        raise ConfigError(f"--loss_type {loss_type!r} is not one of {loss_types()}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ConfigError(
+            f"--importance_sampling_level {importance_sampling_level!r} is not one of "
+            f"{list(IMPORTANCE_SAMPLING_LEVELS)}"
+        )
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
+    if logps.dim() != 2 or completion_mask.shape != logps.shape:
+        raise ValueError(
+            f"logps {tuple(logps.shape)} and completion_mask {tuple(completion_mask.shape)} must be [N, T]"
+        )
+    if advantages.shape[0] != logps.shape[0]:
+        raise ValueError(f"advantages {tuple(advantages.shape)} do not match logps {tuple(logps.shape)}")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    loss_spec = _LOSSES[loss_type]
+
+    counts = completion_mask.bool()  # [N, T]
+    mask = completion_mask.to(logps.dtype)  # [N, T]
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # [N, 1]
+    advantages = advantages.to(logps.dtype)
+    if old_logps is None:
+        old_logps = logps.detach()
+
+    # where(), not a product: padding may hold any value (even -inf) and must not reach exp()
+    log_ratio = torch.where(counts, logps - old_logps, 0.0)  # [N, T]
+    if importance_sampling_level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
+    ratio = torch.exp(log_ratio)  # [N, T] or [N, 1]
+
+    per_token_loss, clipped_low, clipped_high = loss_spec.surrogate(
+        ratio, logps, advantages, epsilon, epsilon_high
+    )
+    per_token_loss = per_token_loss.expand_as(logps)  # [N, T]
+
+    kl = None
+    if ref_logps is not None:
+        with torch.set_grad_enabled(beta != 0.0 and torch.is_grad_enabled()):
+            ref_log_ratio = torch.where(counts, ref_logps - logps, 0.0)
+            ref_log_ratio = ref_log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+            kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1  # [N, T], >= 0
+        if beta != 0.0:
+            per_token_loss = per_token_loss + beta * kl
+
+    loss = loss_spec.aggregate(
+        per_token_loss,
+        mask,
+        max_completion_length=max_completion_length,
+        num_items_in_batch=num_items_in_batch,
+        num_sequences_in_batch=num_sequences_in_batch,
+    )
+
+    clipped_low = clipped_low.expand_as(logps).to(mask.dtype)
+    clipped_high = clipped_high.expand_as(logps).to(mask.dtype)
+    metrics = {
+        "kl": _masked_mean(kl, mask) if kl is not None else logps.new_zeros(()),
+        "ratio_mean": _masked_mean(ratio.expand_as(logps), mask),
+        "clip_ratio/low": _masked_mean(clipped_low, mask),
+        "clip_ratio/high": _masked_mean(clipped_high, mask),
+        "clip_ratio/region": _masked_mean(torch.maximum(clipped_low, clipped_high), mask),
+    }
+    return loss, metrics
