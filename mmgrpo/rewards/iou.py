@@ -1,0 +1,143 @@
+"""Grounding rewards: IoU between the first box in the answer and the reference box.
+
+Boxes are `[x1, y1, x2, y2]`. The model writes its box in its own coordinate convention
+(0-1000 normalised for Qwen2-VL/Qwen3-VL/InternVL, pixels of the resized input for Qwen2.5-VL);
+the template knows which, so the engine passes a `to_image_box` column: one callable per
+completion mapping a model box to original-image pixels (None means the box already is in
+original pixels). `solution` is in original-image pixels. Rewards never know the model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.text import extract_answer
+
+_NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))"
+_SEP = r"\s*,\s*"
+# `[x1, y1, x2, y2]` or `(x1, y1, x2, y2)` (JSON such as {"bbox_2d": [...]} contains the former),
+# or Qwen2-VL's native point pair `(x1,y1),(x2,y2)`.
+_BOX = re.compile(
+    r"[\[(]\s*" + _SEP.join([_NUM] * 4) + r"\s*[\])]"
+    r"|\(\s*" + _NUM + _SEP + _NUM + r"\s*\)\s*,?\s*\(\s*" + _NUM + _SEP + _NUM + r"\s*\)"
+)
+_BOX_KEYS = ("bbox_2d", "bbox", "box")
+
+
+def parse_boxes(text: str) -> list[list[float]]:
+    """Every box in `text`, in order of appearance.
+
+    >>> parse_boxes('[{"bbox_2d": [10, 20, 30.5, 40], "label": "cat"}, {"bbox_2d": [1, 2, 3, 4]}]')
+    [[10.0, 20.0, 30.5, 40.0], [1.0, 2.0, 3.0, 4.0]]
+    >>> parse_boxes("<|box_start|>(100,200),(300,400)<|box_end|>")
+    [[100.0, 200.0, 300.0, 400.0]]
+    """
+    boxes = []
+    for match in _BOX.finditer(text):
+        numbers = [g for g in match.groups() if g is not None]
+        boxes.append([float(n) for n in numbers])
+    return boxes
+
+
+def parse_box(text: str) -> list[float] | None:
+    """The first box in `text`, or None.
+
+    >>> parse_box("The dog is at [12, 30.5, 200, 180] and the cat at [1, 2, 3, 4].")
+    [12.0, 30.5, 200.0, 180.0]
+    >>> parse_box("(0.1, 0.2, 0.3, 0.4)"), parse_box("[1, 2, 3]"), parse_box("")
+    ([0.1, 0.2, 0.3, 0.4], None, None)
+    """
+    boxes = parse_boxes(text)
+    return boxes[0] if boxes else None
+
+
+def box_iou(a, b) -> float:
+    """Intersection over union of two `[x1, y1, x2, y2]` boxes; 0.0 if either is degenerate
+    (x2 <= x1, y2 <= y1, or not finite).
+
+    >>> box_iou([0, 0, 10, 10], [5, 0, 15, 10])  # overlap 50, union 150
+    0.3333333333333333
+    >>> box_iou([0, 0, 10, 10], [0, 0, 10, 10]), box_iou([0, 0, 10, 10], [10, 10, 0, 0])
+    (1.0, 0.0)
+    """
+    ax1, ay1, ax2, ay2 = (float(v) for v in a)
+    bx1, by1, bx2, by2 = (float(v) for v in b)
+    if not all(math.isfinite(v) for v in (ax1, ay1, ax2, ay2, bx1, by1, bx2, by2)):
+        return 0.0
+    if ax2 <= ax1 or ay2 <= ay1 or bx2 <= bx1 or by2 <= by1:
+        return 0.0
+    inter_w = max(0.0, min(ax2, bx2) - max(ax1, bx1))
+    inter_h = max(0.0, min(ay2, by2) - max(ay1, by1))
+    inter = inter_w * inter_h
+    union = (ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def gold_boxes(solution) -> list[list[float]]:
+    """The reference boxes of one sample: a box, a list of boxes, `{"bbox_2d": box}` dicts, or
+    text holding boxes (e.g. "<answer>[1, 2, 3, 4]</answer>").
+
+    >>> gold_boxes([1, 2, 3, 4]), gold_boxes([[1, 2, 3, 4], {"bbox": [5, 6, 7, 8]}])
+    ([[1.0, 2.0, 3.0, 4.0]], [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    """
+    if hasattr(solution, "tolist"):  # a numpy array from a Parquet column
+        solution = solution.tolist()
+    if isinstance(solution, str):
+        return parse_boxes(solution)
+    if isinstance(solution, dict):
+        for key in _BOX_KEYS:
+            if key in solution:
+                return gold_boxes(solution[key])
+        raise ValueError(f"a box solution dict needs one of the keys {_BOX_KEYS}, got {sorted(solution)}")
+    if isinstance(solution, (list, tuple)):
+        if len(solution) == 4 and all(isinstance(v, (int, float)) for v in solution):
+            return [[float(v) for v in solution]]
+        return [box for item in solution for box in gold_boxes(item)]
+    raise ValueError(f"a box solution must be [x1, y1, x2, y2], a list of boxes or text; got {solution!r}")
+
+
+def _ious(completions: list[str], solution: list, to_image_box) -> list[float]:
+    mappers = to_image_box if to_image_box is not None else [None] * len(completions)
+    scores = []
+    for completion, gold, to_image in zip(completions, solution, mappers, strict=True):
+        golds = gold_boxes(gold)
+        if not golds:
+            raise ValueError(f"the solution {gold!r} holds no [x1, y1, x2, y2] box")
+        box = parse_box(extract_answer(completion))
+        if box is None:
+            scores.append(0.0)
+            continue
+        if to_image is not None:
+            box = [float(v) for v in to_image(box)]
+        scores.append(max(box_iou(box, g) for g in golds))
+    return scores
+
+
+@register_reward("iou")
+def iou_reward(
+    completions: list[str], solution: list, to_image_box: list | None = None, **columns
+) -> list[float]:
+    """`iou`: continuous IoU of the first box in the answer part with the reference box
+    (the best over several references); no box or a degenerate one scores 0.0.
+
+    Qwen2-VL writes boxes in 0-1000 coordinates; here the image is 640 x 480:
+
+    >>> to_pixels = lambda b: [b[0] * 640 / 1000, b[1] * 480 / 1000, b[2] * 640 / 1000, b[3] * 480 / 1000]
+    >>> iou_reward(["<answer>[0, 0, 500, 500]</answer>", "<answer>none</answer>"],
+    ...            solution=[[0, 0, 320, 120]] * 2, to_image_box=[to_pixels] * 2)
+    [0.5, 0.0]
+    """
+    return _ious(completions, solution, to_image_box)
+
+
+@register_reward("iou@0.5")
+def iou_at_50_reward(completions: list[str], solution: list, to_image_box: list | None = None, **columns):
+    """`iou@0.5`: 1.0 if the IoU of the first answer box with the reference is at least 0.5.
+
+    >>> # IoUs 50/100 = 0.5, 20/50 = 0.4, none
+    >>> iou_at_50_reward(["[0, 0, 10, 10]", "[0, 0, 10, 2]", "no box"], solution=[[0, 0, 10, 5]] * 3)
+    [1.0, 0.0, 0.0]
+    """
+    return [float(v >= 0.5) for v in _ious(completions, solution, to_image_box)]

@@ -1,0 +1,291 @@
+"""The reward registry, plugin loading, and `compute_rewards`, which the engine calls once a step.
+
+A reward is a plain function `f(completions: list[str], **columns) -> list[float | None]`: one
+value per completion, None to skip that sample for this reward. Columns are lists aligned with
+completions (`solution`, `sample_id`, `to_image_box`, and every other dataset column).
+
+    >>> @register_reward("doc_is_short")
+    ... def is_short(completions, **columns):
+    ...     return [float(len(c) < 10) for c in completions]
+    >>> get_reward("doc_is_short") is is_short
+    True
+    >>> per_func, total = compute_rewards(["doc_is_short", is_short], [1.0, 0.5], ["ok", "far too long"], {})
+    >>> per_func.tolist(), total.tolist()
+    ([[1.0, 0.0], [1.0, 0.0]], [1.5, 0.0])
+    >>> del _REGISTRY["doc_is_short"]  # (keeps the registry as it was for other tests)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from mmgrpo.errors import ConfigError, RewardError
+
+logger = logging.getLogger("mmgrpo.rewards")
+
+RewardFunc = Callable[..., list]
+
+_REGISTRY: dict[str, RewardFunc] = {}
+_PLUGINS: dict[str, object] = {}  # absolute file path -> loaded module (a file is executed once)
+_WARNED: set[str] = set()  # warnings already logged (once per reward and kind)
+
+
+def register_reward(name: str):
+    """Decorator: register a reward under `name` (what `--reward_funcs` takes).
+
+    A second registration under the same name is a ConfigError, never a silent override.
+    """
+
+    def decorator(func: RewardFunc) -> RewardFunc:
+        if name in _REGISTRY:
+            raise ConfigError(
+                f"reward '{name}' is already registered (by {_describe(_REGISTRY[name])}); "
+                f"choose another name for {_describe(func)}"
+            )
+        if not callable(func):
+            raise ConfigError(f"reward '{name}' must be a function, got {type(func).__name__}")
+        func.reward_name = name
+        _REGISTRY[name] = func
+        return func
+
+    return decorator
+
+
+def list_rewards() -> list[str]:
+    """Names of the registered rewards, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_reward(spec: str | RewardFunc) -> RewardFunc:
+    """A reward function from a registered name or a `path/to/file.py:function` plugin.
+
+    A callable is returned unchanged. The plugin file is executed once as a module (so it may
+    import anything and may itself use `@register_reward`); the function need not be registered.
+    """
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"a reward is a registered name or 'path/to/file.py:function', got {spec!r}")
+    spec = spec.strip()
+    _load_builtins()
+    if spec in _REGISTRY:
+        return _REGISTRY[spec]
+    if ":" in spec or spec.endswith(".py"):
+        return _load_plugin(spec)
+    raise ConfigError(
+        f"unknown reward '{spec}'. Registered rewards: {', '.join(sorted(_REGISTRY))}. "
+        "For your own reward pass 'path/to/file.py:function_name'."
+    )
+
+
+def reward_name(func: RewardFunc) -> str:
+    """The name a reward is logged and reported under."""
+    return getattr(func, "reward_name", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _describe(func) -> str:
+    module = getattr(func, "__module__", "?")
+    return f"{module}.{getattr(func, '__qualname__', repr(func))}"
+
+
+def _load_builtins() -> None:
+    # The built-in rewards register themselves when the package is imported.
+    import mmgrpo.rewards  # noqa: F401
+
+
+def _load_plugin(spec: str) -> RewardFunc:
+    path, sep, func_name = spec.rpartition(":")
+    if not sep or not path or not func_name:
+        raise ConfigError(
+            f"reward plugin '{spec}' must be 'path/to/file.py:function_name' "
+            "(the file path, a colon, then the function defined in it)"
+        )
+    if not path.endswith(".py"):
+        raise ConfigError(
+            f"reward plugin '{spec}': '{path}' is not a .py file; write 'path/to/file.py:{func_name}'"
+        )
+    abs_path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(abs_path):
+        raise ConfigError(
+            f"reward plugin '{spec}': file '{path}' not found (looked at {abs_path}); "
+            "give a path relative to the working directory or an absolute one"
+        )
+    module = _PLUGINS.get(abs_path)
+    if module is None:
+        stem = os.path.splitext(os.path.basename(abs_path))[0]
+        digest = hashlib.sha1(abs_path.encode()).hexdigest()[:8]
+        module_name = f"mmgrpo_reward_plugin_{stem}_{digest}"
+        module_spec = importlib.util.spec_from_file_location(module_name, abs_path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up here
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise ConfigError(
+                f"reward plugin '{spec}': importing {abs_path} failed with {type(exc).__name__}: {exc}; "
+                f"fix the file (run `python {path}` to see the full error)"
+            ) from exc
+        _PLUGINS[abs_path] = module
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(
+            f"reward plugin '{spec}': {path} defines no function '{func_name}'. "
+            f"Functions it defines: {', '.join(found) or 'none'}"
+        )
+    if getattr(func, "reward_name", None) is None:
+        try:
+            func.reward_name = func_name
+        except AttributeError:  # e.g. a bound method or a C function
+            pass
+    return func
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message)
+
+
+def _sample_label(index: int, columns: dict) -> str:
+    ids = columns.get("sample_id")
+    if isinstance(ids, (list, tuple)) and index < len(ids):
+        return f"sample {index} (id {ids[index]!r})"
+    return f"sample {index}"
+
+
+def _to_float(value, name: str, index: int, columns: dict) -> float:
+    """A reward value as a float; None becomes NaN. Anything else non-numeric is a RewardError."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise RewardError(
+            f"reward '{name}' returned {value!r} for {_sample_label(index, columns)}; "
+            "a reward returns a float (or None to skip the sample)"
+        ) from None
+
+
+def _call_one_reward(func: RewardFunc, completions: list[str], columns: dict, on_error: str) -> list[float]:
+    """Run one reward on the batch; on an exception, rerun sample by sample to name the culprit."""
+    name = reward_name(func)
+    n = len(completions)
+    try:
+        values = func(completions, **columns)
+    except Exception as batch_exc:
+        values = []
+        for i in range(n):
+            one_columns = {k: v[i : i + 1] for k, v in columns.items()}
+            try:
+                one = func(completions[i : i + 1], **one_columns)
+                if one is None or len(one) != 1:
+                    raise ValueError(f"returned {one!r} for a batch of one")
+                values.append(one[0])
+            except Exception as exc:
+                message = (
+                    f"reward '{name}' raised on {_sample_label(i, columns)}: {type(exc).__name__}: {exc} "
+                    f"(columns given: {', '.join(sorted(columns)) or 'none'}). Fix the reward or the dataset "
+                    "column it reads; on_error='none' scores such samples None (skipped) with a warning"
+                )
+                if on_error == "raise":
+                    raise RewardError(message) from exc
+                _warn_once(f"raised:{name}", message + " [warned once; later failures are skipped silently]")
+                values.append(None)
+        if all(v is not None for v in values) and on_error == "raise":
+            # Each sample alone works: the failure depends on the batch as a whole.
+            raise RewardError(
+                f"reward '{name}' raised on a batch of {n} but not on any sample alone: "
+                f"{type(batch_exc).__name__}: {batch_exc}"
+            ) from batch_exc
+    if values is None or not hasattr(values, "__len__"):
+        raise RewardError(
+            f"reward '{name}' returned {type(values).__name__}; it must return a list, one value per completion"
+        )
+    if len(values) != n:
+        raise RewardError(
+            f"reward '{name}' returned {len(values)} values for {n} completions; it must return one "
+            "value per completion (None to skip one)"
+        )
+    return [_to_float(v, name, i, columns) for i, v in enumerate(values)]
+
+
+def compute_rewards(
+    funcs: Sequence[RewardFunc | str],
+    weights: Sequence[float] | None,
+    completions: list[str],
+    columns: dict[str, list] | None = None,
+    *,
+    on_error: str = "raise",
+):
+    """Run every reward on a batch and combine them.
+
+    Returns `(per_func, total)`, float32 torch tensors:
+    - `per_func` [num_funcs, N]: each reward's values, NaN where a reward returned None
+      (or, with `on_error="none"`, raised);
+    - `total` [N]: `sum_f weight_f * reward_f` over the rewards that returned a value for that
+      sample (None counts as absent, as TRL's nansum). A sample no reward scored gets 0.0 and a
+      warning (once); `per_func[:, i].isnan().all()` tells the caller which samples those are.
+
+    `weights` None means 1.0 each. `columns` are lists aligned with `completions`; a `sample_id`
+    column, when present, is named in errors. A reward that raises is a RewardError naming the
+    reward, the sample and the exception; `on_error="none"` instead logs a warning once per
+    reward and scores the failing samples None. A reward returning the wrong number of values
+    is always a RewardError.
+
+    >>> def half(completions, **columns):
+    ...     return [0.5 if c else None for c in completions]
+    >>> per_func, total = compute_rewards([half, "answer_format"], [2.0, 1.0], ["<answer>x</answer>", ""], {})
+    >>> per_func.tolist()
+    [[0.5, nan], [1.0, 0.0]]
+    >>> total.tolist()
+    [2.0, 0.0]
+    """
+    import torch
+
+    if on_error not in ("raise", "none"):
+        raise ConfigError(f"on_error must be 'raise' or 'none', got {on_error!r}")
+    funcs = [get_reward(f) for f in funcs]
+    if not funcs:
+        raise ConfigError(
+            "no reward functions given; pass at least one, e.g. --reward_funcs format vqa_accuracy"
+        )
+    weights = [1.0] * len(funcs) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(funcs):
+        raise ConfigError(
+            f"{len(weights)} reward weights for {len(funcs)} reward functions "
+            f"({', '.join(reward_name(f) for f in funcs)}); give one weight per function"
+        )
+    completions = list(completions)
+    columns = dict(columns or {})
+    n = len(completions)
+    for key, column in columns.items():
+        if not isinstance(column, (list, tuple)) or len(column) != n:
+            length = len(column) if hasattr(column, "__len__") else type(column).__name__
+            raise ValueError(
+                f"reward column '{key}' must be a list of {n} values (one per completion), got {length}"
+            )
+        columns[key] = list(column)
+
+    per_func = torch.tensor(
+        [_call_one_reward(f, completions, columns, on_error) for f in funcs], dtype=torch.float32
+    ).reshape(len(funcs), n)  # [num_funcs, N]
+    weight = torch.tensor(weights, dtype=torch.float32).unsqueeze(1)  # [num_funcs, 1]
+    total = (per_func * weight).nansum(dim=0)  # [N]
+    unscored = per_func.isnan().all(dim=0)  # [N]
+    if unscored.any():
+        first = int(unscored.nonzero()[0])
+        _warn_once(
+            "unscored",
+            f"no reward returned a value for {int(unscored.sum())} of {n} samples (first: "
+            f"{_sample_label(first, columns)}); they get total reward 0.0. [warned once]",
+        )
+    return per_func, total
