@@ -1,0 +1,157 @@
+"""Training-run report: built from a fabricated run directory (20 logged steps, completions with a
+real PNG), its embedded images decode, and headless Chromium renders it to a non-blank page.
+
+Chromium is required, not optional: on Debian `apt-get update && apt-get install -y chromium`.
+"""
+
+import base64
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from mmgrpo.errors import ConfigError
+from mmgrpo.eval.report import write_report
+
+CHROMIUM = "/usr/bin/chromium"
+APT_HINT = "apt-get update && apt-get install -y chromium"
+
+
+def _fabricate_run(run_dir, steps=20):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            row = {
+                "step": step,
+                "reward": 0.2 + 0.03 * step + 0.02 * rng.standard_normal(),
+                "reward/format": min(1.0, 0.5 + 0.04 * step),
+                "reward/iou": 0.1 + 0.02 * step,
+                "reward_std": 0.1,
+                "kl": 0.001 * step,
+                "entropy": 1.5 - 0.03 * step,
+                "completion_length": 80 - step,
+                "clip_ratio/low_mean": 0.01,
+                "clip_ratio/high_mean": 0.02,
+                "clip_ratio/region_mean": 0.03,
+                "time/gen": 3.0,
+                "time/reward": 0.1,
+                "time/update": 1.5,
+                "time/step": 4.8,  # the whole step: drawn as a line over the stacked phases
+                "learning_rate": 1e-6,
+                "loss": 0.05 * rng.standard_normal(),
+                "grad_norm": 0.5 + 0.1 * rng.random(),
+                "perf/tokens_per_s": 900.0 + step,  # not a known panel: an "other" panel
+            }
+            if step % 5 == 0:
+                row["eval/iou_acc@0.5"] = 0.3 + 0.02 * step
+            f.write(json.dumps(row) + "\n")
+
+    image = Image.new("RGB", (320, 240), "white")
+    ImageDraw.Draw(image).rectangle([40, 60, 200, 180], fill=(200, 30, 30))
+    image.save(run_dir / "square.png")
+    data_uri = "data:image/png;base64," + base64.b64encode((run_dir / "square.png").read_bytes()).decode()
+    with open(run_dir / "completions.jsonl", "w") as f:
+        for step in (1, 10, 20):
+            for k in range(3):
+                # as the engine writes them: chat messages, image refs (a path relative to the run
+                # directory, a data URI, one missing file), per-completion rewards, reward, advantage
+                image = "square.png" if step != 20 else data_uri
+                record = {
+                    "step": step,
+                    "sample_id": f"shapes/train/{k}",
+                    "prompt": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "image"}, {"type": "text", "text": "Where is it?"}],
+                        }
+                    ],
+                    "images": [image] if k != 1 else ["no/such/image.png"],
+                    "solution": [40, 60, 200, 180],
+                    "completions": ["<answer>[40, 60, 200, 180]</answer>", "<script>alert(1)</script>"],
+                    "rewards": {"format": [1.0, 0.0], "iou": [1.0, None]},
+                    "reward": [2.0, 0.0],
+                    "advantage": [0.7071, -0.7071],
+                }
+                f.write(json.dumps(record) + "\n")
+        f.write('{"step": 21, "sample_')  # a run still writing: torn last line
+    return run_dir
+
+
+def _embedded_images(page):
+    return re.findall(r'src="data:image/(png|jpeg);base64,([A-Za-z0-9+/=]+)"', page)
+
+
+def test_report_embeds_every_plot_and_thumbnail(tmp_path):
+    run_dir = _fabricate_run(tmp_path / "run")
+    out = write_report(run_dir)
+    assert out == run_dir / "report.html"
+    page = out.read_text()
+
+    images = _embedded_images(page)
+    formats = []
+    for kind, data in images:
+        with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as decoded:
+            decoded.load()
+            formats.append(decoded.format)
+            assert decoded.format == {"png": "PNG", "jpeg": "JPEG"}[kind]
+            assert decoded.width > 10 and decoded.height > 10
+    # reward, kl, entropy, length, clip, time, eval, loss, grad_norm, lr, perf: 11 plots
+    assert formats.count("PNG") == 11
+    # 3 steps shown x 2 samples each, one of them without a readable image
+    assert formats.count("JPEG") == 3
+    assert "image not readable: no/such/image.png" in page
+    assert "&lt;image&gt;Where is it?" in page and "solution: [40, 60, 200, 180]" in page
+    assert "<th>format</th><th>iou</th><th>reward</th><th>advantage</th>" in page
+    pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+    assert len(pngs) == 11 and "time.png" in pngs and "other_perf.png" in pngs
+    # completions are escaped, never executed
+    assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
+    # self-contained: nothing fetched from anywhere
+    assert not re.search(r'(src|href)="(?!data:)', page)
+
+
+def test_report_skips_absent_keys(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(5))
+    )
+    page = write_report(run_dir).read_text()
+    assert len(_embedded_images(page)) == 1
+    assert "No completions.jsonl" in page
+
+
+def test_missing_metrics_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl not found"):
+        write_report(tmp_path)
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
+        pytest.fail(f"headless Chromium is needed to check the HTML report: run `{APT_HINT}`")
+    run_dir = _fabricate_run(tmp_path / "run")
+    html_path = write_report(run_dir)
+    screenshot = tmp_path / "shot.png"
+    command = [
+        CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={screenshot}", "--window-size=1200,2000",
+        html_path.resolve().as_uri(),
+    ]  # fmt: skip
+    env = {**os.environ, "HOME": str(tmp_path)}  # Chromium writes under HOME
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert screenshot.exists(), f"no screenshot (exit {completed.returncode}): {completed.stderr[-2000:]}"
+    with Image.open(screenshot) as shot:
+        pixels = np.asarray(shot.convert("L"), dtype=np.float64)  # [height, width]
+    assert pixels.shape == (2000, 1200)
+    # a blank (all-white) page has variance 0; plots and text give plenty
+    assert pixels.var() > 100, pixels.var()
+    assert (pixels < 128).mean() > 0.005  # some dark pixels: text, axes, lines
