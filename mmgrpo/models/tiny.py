@@ -1,0 +1,517 @@
+"""Tiny random checkpoints, built offline in seconds, for tests, demos and benchmarks.
+
+No weights can be downloaded here, so every test model is built from a config object with
+seeded random weights, a byte-level BPE tokenizer trained on a fixed built-in corpus, the
+family's special tokens at fixed ids, a chat template and the family's real processor classes.
+The same recipe always gives byte-identical files.
+
+    python -c "from mmgrpo.models.tiny import build_tiny; print(build_tiny('qwen2-vl'))"
+    python -m mmgrpo.models.tiny qwen2.5-vl --hidden_size 256 --vocab_size 151936
+
+Anywhere a model path is accepted, `tiny:<family>` builds (once, then cached) and uses one:
+`resolve_model_path("tiny:qwen2-vl")` -> `~/.cache/mmgrpo/models/qwen2-vl-<hash>`.
+
+Adding a family is one `TinyRecipe` entry in `RECIPES`: its special tokens, chat template,
+a config builder, the model class and a processor builder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmgrpo.errors import ConfigError
+
+BUILDER_VERSION = 1  # bump when a recipe's output changes, so caches rebuild
+BPE_VOCAB_SIZE = 1500  # trained byte-level BPE tokens; the special tokens start right after
+TINY_PREFIX = "tiny:"
+
+# Size of every tiny model unless overridden (about 1M parameters).
+DEFAULT_DIMS = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # vLLM's CPU attention takes only 32, 64, 80 and up
+    "intermediate_size": 256,
+    "vocab_size": None,  # None: the tokenizer's size rounded up to a multiple of 64
+    "vision_depth": 2,
+    "vision_embed_dim": 64,
+    "vision_num_heads": 2,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "max_position_embeddings": 4096,
+    "seed": 0,
+}
+
+# Small pixel budgets suit tiny models: an image is 4 to 64 merged tokens, a video frame 4 to 16.
+IMAGE_MIN_PIXELS = 28 * 28 * 4
+IMAGE_MAX_PIXELS = 28 * 28 * 64
+VIDEO_MIN_PIXELS = 28 * 28 * 4
+VIDEO_MAX_PIXELS = 28 * 28 * 16
+
+# The Qwen2-VL vocabulary's special tokens, in the real vocabulary's order (ids 151643 ...).
+QWEN2_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL appends tool-call and fill-in-the-middle tokens (ids 151657 ...).
+QWEN2_5_VL_SPECIAL_TOKENS = QWEN2_VL_SPECIAL_TOKENS + (
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+
+# Our own Jinja template, equivalent in output to Qwen2-VL's: a default system turn, one
+# vision block per image or video part, text parts concatenated as they are.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set counts = namespace(image=0, video=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message.role != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' or 'image' in part or 'image_url' in part %}"
+    "{% set counts.image = counts.image + 1 %}"
+    "{% if add_vision_id %}Picture {{ counts.image }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type == 'video' or 'video' in part %}"
+    "{% set counts.video = counts.video + 1 %}"
+    "{% if add_vision_id %}Video {{ counts.video }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part.text }}"
+    "{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixed tokenizer corpus
+# ---------------------------------------------------------------------------------------------
+
+_COLOURS = "red green blue yellow orange purple pink brown black white gray grey cyan magenta"
+_SHAPES = "circle square triangle rectangle star ellipse oval line dot box diamond hexagon polygon"
+_NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve twenty thirty forty "
+    "fifty hundred thousand first second third fourth fifth half"
+)
+_WORDS = (
+    "the a an is are was were be of in on at to from with and or not no yes this that these those "
+    "what which where when who how many much there here it its image picture photo video frame "
+    "audio sound speech left right top bottom middle center above below next between inside "
+    "outside big small large tiny bigger smaller largest smallest count number color colour shape "
+    "object objects answer question think reasoning step final box bounding coordinates point "
+    "x y width height area total sum minus plus times equals correct wrong true false please "
+    "describe explain find locate show give tell me you i we they he she user assistant system "
+    "helpful hello thanks sure let us first then so because therefore output format only"
+)
+_TEMPLATES = (
+    "<think>{reasoning}</think><answer>{answer}</answer>",
+    "How many {shape}s are in the image? <answer>{n}</answer>",
+    "The {colour} {shape} is at ({x}, {y}) and its box is [{x}, {y}, {x2}, {y2}].",
+    "What colour is the {shape}? The answer is {colour}.",
+    "User: what is {a} plus {b}? Assistant: {a} + {b} = {c}.",
+    "You are a helpful assistant. Please think step by step and answer in the format.",
+    "system\nYou are a helpful assistant.\nuser\nWhat is in the picture?\nassistant\nAnswer: {answer}",
+)
+
+
+def tokenizer_corpus() -> list[str]:
+    """The fixed text the tiny tokenizer is trained on (deterministic, about 5k lines)."""
+    colours, shapes, numbers = _COLOURS.split(), _SHAPES.split(), _NUMBERS.split()
+    lines = [_COLOURS, _SHAPES, _NUMBERS, _WORDS, " ".join(str(i) for i in range(1001))]
+    for i in range(3000):
+        colour, shape, word = colours[i % len(colours)], shapes[i % len(shapes)], numbers[i % len(numbers)]
+        a, b = (i * 7) % 100, (i * 13) % 100
+        fields = {
+            "reasoning": f"I see {word} {colour} {shape}s, so the count is {i % 11}.",
+            "answer": word if i % 2 else str(i % 11),
+            "shape": shape,
+            "colour": colour,
+            "n": i % 11,
+            "x": (i * 37) % 1000,
+            "y": (i * 91) % 1000,
+            "x2": (i * 37) % 1000 + 50,
+            "y2": (i * 91) % 1000 + 50,
+            "a": a,
+            "b": b,
+            "c": a + b,
+        }
+        lines.append(_TEMPLATES[i % len(_TEMPLATES)].format(**fields))
+    return lines
+
+
+def train_bpe(vocab_size: int = BPE_VOCAB_SIZE) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train Qwen2's byte-level BPE on the fixed corpus; returns (vocab, merges).
+
+    The vocab has exactly `vocab_size` entries (padded with never-produced filler tokens if the
+    trainer stops short), so the special tokens that follow always get the same ids.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    state = json.loads(tokenizer.to_str())["model"]
+    vocab: dict[str, int] = state["vocab"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    _pad_vocab(vocab, vocab_size)
+    return vocab, merges
+
+
+def _pad_vocab(vocab: dict[str, int], size: int) -> None:
+    """Fill `vocab` up to `size` ids with tokens no merge produces (never encoded, decode as text)."""
+    next_id = len(vocab)
+    while next_id < size:
+        vocab[f"<|unused_{next_id}|>"] = next_id
+        next_id += 1
+
+
+def build_tokenizer(special_tokens: tuple[str, ...], chat_template: str, vocab_size: int | None):
+    """Qwen2Tokenizer: trained BPE, then `special_tokens` at ids BPE_VOCAB_SIZE + i, then fillers.
+
+    `vocab_size` None pads to a multiple of 64; a larger value (151936 like the real Qwen
+    vocabularies) pads with unused tokens, so len(tokenizer) always equals the model's vocab.
+    """
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = train_bpe()
+    for token in special_tokens:
+        vocab[token] = len(vocab)
+    min_size = len(vocab)
+    vocab_size = vocab_size or -(-min_size // 64) * 64
+    if vocab_size < min_size:
+        raise ConfigError(f"tiny model vocab_size={vocab_size} is below the {min_size} tokens it needs")
+    _pad_vocab(vocab, vocab_size)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    # The tokens exist in the vocab already: adding them as special keeps their ids.
+    tokenizer.add_special_tokens(
+        {"extra_special_tokens": [AddedToken(t, special=True, normalized=False) for t in special_tokens]}
+    )
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes: one entry per family
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """How to build one family's tiny checkpoint."""
+
+    family: str  # the name after "tiny:", also the template name
+    special_tokens: tuple[str, ...]
+    chat_template: str
+    make_config: Callable  # (dims, vocab_size, token_ids: dict[str, int]) -> PreTrainedConfig
+    model_class: str  # transformers class name, built with `cls(config)`
+    make_processor: Callable  # (dims) -> ((tokenizer) -> ProcessorMixin)
+
+
+def _qwen_text_dims(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": dims["num_hidden_layers"],
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"],
+        "max_position_embeddings": dims["max_position_embeddings"],
+        # mRoPE splits the rotary half-dimension into (temporal, height, width) sections
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": _mrope(dims)},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _mrope(dims: dict) -> list[int]:
+    """Split head_dim / 2 in the proportions of Qwen's [16, 24, 24] (of 64)."""
+    half = dims["head_dim"] // 2
+    temporal = half // 4
+    spatial = (half - temporal) // 2
+    return [temporal, spatial, half - temporal - spatial]
+
+
+def _qwen_vl_ids(ids: dict[str, int]) -> dict:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen2_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2VLConfig
+
+    vision = {
+        "depth": dims["vision_depth"],
+        "embed_dim": dims["vision_embed_dim"],
+        "hidden_size": dims["hidden_size"],  # the merger projects into the LLM width
+        "num_heads": dims["vision_num_heads"],
+        "mlp_ratio": 2,
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+    }
+    return Qwen2VLConfig(
+        text_config=_qwen_text_dims(dims, vocab_size, ids), vision_config=vision, **_qwen_vl_ids(ids)
+    )
+
+
+def _qwen2_5_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2_5_VLConfig
+
+    vision = {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "out_hidden_size": dims["hidden_size"],
+        "num_heads": dims["vision_num_heads"],
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+        "window_size": 112,
+        "fullatt_block_indexes": [dims["vision_depth"] - 1],  # window attention elsewhere
+        "tokens_per_second": 2,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=_qwen_text_dims(dims, vocab_size, ids), vision_config=vision, **_qwen_vl_ids(ids)
+    )
+
+
+def _qwen_vl_processor(processor_class: str, dims: dict):
+    def make(tokenizer):
+        import transformers
+        from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+        patch = {
+            "patch_size": dims["patch_size"],
+            "merge_size": dims["spatial_merge_size"],
+            "temporal_patch_size": dims["temporal_patch_size"],
+        }
+        image_processor = Qwen2VLImageProcessor(
+            min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS, **patch
+        )
+        video_processor = Qwen2VLVideoProcessor(
+            min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, **patch
+        )
+        if hasattr(video_processor, "cap_pixels_per_frame"):
+            video_processor.cap_pixels_per_frame = False  # the per-frame max_pixels is the cap
+        cls = getattr(transformers, processor_class)
+        return cls(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+RECIPES: dict[str, TinyRecipe] = {
+    "qwen2-vl": TinyRecipe(
+        family="qwen2-vl",
+        special_tokens=QWEN2_VL_SPECIAL_TOKENS,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        make_config=_qwen2_vl_config,
+        model_class="Qwen2VLForConditionalGeneration",
+        make_processor=lambda dims: _qwen_vl_processor("Qwen2VLProcessor", dims),
+    ),
+    "qwen2.5-vl": TinyRecipe(
+        family="qwen2.5-vl",
+        special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        make_config=_qwen2_5_vl_config,
+        model_class="Qwen2_5_VLForConditionalGeneration",
+        make_processor=lambda dims: _qwen_vl_processor("Qwen2_5_VLProcessor", dims),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and caching
+# ---------------------------------------------------------------------------------------------
+
+
+def _recipe(family: str) -> TinyRecipe:
+    if family not in RECIPES:
+        raise ConfigError(f"unknown tiny model family {family!r}; known: {', '.join(sorted(RECIPES))}")
+    return RECIPES[family]
+
+
+def _dims(overrides: dict) -> dict:
+    unknown = set(overrides) - set(DEFAULT_DIMS)
+    if unknown:
+        raise ConfigError(
+            f"unknown tiny model override(s) {sorted(unknown)}; known: {', '.join(sorted(DEFAULT_DIMS))}"
+        )
+    return {**DEFAULT_DIMS, **overrides}
+
+
+def recipe_hash(family: str, **overrides) -> str:
+    """A short hash of everything that determines the built files."""
+    import tokenizers
+    import transformers
+
+    key = {
+        "family": family,
+        "dims": _dims(overrides),
+        "builder": BUILDER_VERSION,
+        "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),  # any recipe edit rebuilds
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """`$MMGRPO_CACHE/models` if set, else `~/.cache/mmgrpo/models`."""
+    root = os.environ.get("MMGRPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mmgrpo")
+    return Path(root) / "models"
+
+
+def build_tiny(family: str, cache_dir: str | os.PathLike | None = None, **overrides) -> Path:
+    """Build (or find in the cache) the tiny random checkpoint of `family`; returns its folder.
+
+    `overrides` change `DEFAULT_DIMS` entries, e.g. `hidden_size=256, vocab_size=151936`.
+    Safe under concurrent callers: each builds in a private temp folder and renames it into
+    place; the first rename wins and the others discard their copy.
+    """
+    recipe = _recipe(family)
+    dims = _dims(overrides)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"{family}-{recipe_hash(family, **overrides)}"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=cache_dir))
+    try:
+        _write_checkpoint(recipe, dims, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_checkpoint(recipe: TinyRecipe, dims: dict, out: Path) -> None:
+    import torch
+    import transformers
+
+    tokenizer = build_tokenizer(recipe.special_tokens, recipe.chat_template, dims["vocab_size"])
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in recipe.special_tokens}
+    config = recipe.make_config(dims, len(tokenizer), ids)
+    config.eos_token_id = ids["<|im_end|>"]
+    config.pad_token_id = ids["<|endoftext|>"]
+    config.bos_token_id = ids["<|endoftext|>"]
+
+    torch.manual_seed(dims["seed"])
+    model = getattr(transformers, recipe.model_class)(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+    )
+    model.save_pretrained(out)
+    recipe.make_processor(dims)(tokenizer).save_pretrained(out)
+    (out / "mmgrpo_tiny.json").write_text(
+        json.dumps({"family": recipe.family, "dims": dims}, indent=2) + "\n"
+    )
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`tiny:<family>` -> the built checkpoint's folder; anything else is returned unchanged.
+
+    >>> resolve_model_path("Qwen/Qwen2-VL-2B-Instruct")
+    'Qwen/Qwen2-VL-2B-Instruct'
+    """
+    name_or_path = str(name_or_path)
+    if not name_or_path.startswith(TINY_PREFIX):
+        return name_or_path
+    return str(build_tiny(name_or_path[len(TINY_PREFIX) :]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m mmgrpo.models.tiny FAMILY [--hidden_size N ...]`: build and print the path."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Build a tiny random checkpoint (cached) and print its folder."
+    )
+    parser.add_argument("family", choices=sorted(RECIPES))
+    parser.add_argument(
+        "--cache_dir", default=None, help="default: $MMGRPO_CACHE/models or ~/.cache/mmgrpo/models"
+    )
+    for name, value in DEFAULT_DIMS.items():
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"default {value}")
+    args = vars(parser.parse_args(argv))
+    family, cache_dir = args.pop("family"), args.pop("cache_dir")
+    print(build_tiny(family, cache_dir, **{k: v for k, v in args.items() if v is not None}))
+
+
+if __name__ == "__main__":
+    main()
