@@ -158,8 +158,11 @@ def normalize_row(
         for kind, refs in inline.items():
             if refs and media[kind]:
                 raise DataError(
-                    where.field(kind, f"media are given both inline in the message parts and in '{kind}'; "
-                                "give them in one place")
+                    where.field(
+                        kind,
+                        f"media are given both inline in the message parts and in '{kind}'; "
+                        "give them in one place",
+                    )
                 )
             if refs:
                 media[kind] = refs
@@ -175,7 +178,9 @@ def normalize_row(
         response = row.get("response")
         if response is not None:
             extra.setdefault("solution", response)
-            messages.append({"role": "assistant", "content": response if isinstance(response, str) else str(response)})
+            messages.append(
+                {"role": "assistant", "content": response if isinstance(response, str) else str(response)}
+            )
     else:
         raise DataError(
             f"{where}: the row has neither 'messages' nor 'query' (it has {sorted(row)}); "
@@ -201,7 +206,7 @@ def normalize_row(
                     kind,
                     f"the messages hold {placeholders} {tag} placeholder(s) but '{kind}' has "
                     f"{len(media[kind])} entr{'y' if len(media[kind]) == 1 else 'ies'}; put one {tag} tag "
-                    f"(or {{\"type\": \"{kind[:-1]}\"}} part) in the messages per entry",
+                    f'(or {{"type": "{kind[:-1]}"}} part) in the messages per entry',
                 )
             )
     return Sample(
@@ -267,7 +272,10 @@ def _normalize_messages(messages, where: _Where) -> tuple[list[dict], dict[str, 
             continue
         if not isinstance(content, list):
             raise DataError(
-                where.field(f"messages[{i}].content", f"must be a string or a list of parts, got {type(content).__name__}")
+                where.field(
+                    f"messages[{i}].content",
+                    f"must be a string or a list of parts, got {type(content).__name__}",
+                )
             )
         parts = []
         for j, part in enumerate(content):
@@ -276,7 +284,8 @@ def _normalize_messages(messages, where: _Where) -> tuple[list[dict], dict[str, 
                 part = {"type": "text", "text": part}
             if not isinstance(part, dict):
                 raise DataError(where.field(name, f"must be an object, got {type(part).__name__}"))
-            part = {key: value for key, value in part.items() if value is not None}  # Arrow fills absent keys with null
+            # Arrow fills keys that other rows have with null: drop them
+            part = {key: value for key, value in part.items() if value is not None}
             kind = f"{part.get('type')}s"
             if part.get("type") == "text":
                 text = part.get("text", "")
@@ -285,8 +294,11 @@ def _normalize_messages(messages, where: _Where) -> tuple[list[dict], dict[str, 
                 for tag in MEDIA_TAGS.values():
                     if tag in text:
                         raise DataError(
-                            where.field(name, f"a text part holds a {tag} tag; use a {{\"type\": "
-                                        f"\"{tag[1:-1]}\"}} part instead")
+                            where.field(
+                                name,
+                                f'a text part holds a {tag} tag; use a {{"type": '
+                                f'"{tag[1:-1]}"}} part instead',
+                            )
                         )
                 parts.append({"type": "text", "text": text})
             elif kind in MEDIA_KINDS:
@@ -298,14 +310,19 @@ def _normalize_messages(messages, where: _Where) -> tuple[list[dict], dict[str, 
                 parts.append({"type": part["type"]})
             else:
                 raise DataError(
-                    where.field(f"{name}.type", f"is {part.get('type')!r}; use one of text, image, video, audio")
+                    where.field(
+                        f"{name}.type", f"is {part.get('type')!r}; use one of text, image, video, audio"
+                    )
                 )
         out.append({"role": role, "content": parts})
     for kind in MEDIA_KINDS:
         if inline[kind] and parts_without_ref[kind]:
             raise DataError(
-                where.field("messages", f"some {kind[:-1]} parts carry their media and some do not; "
-                            f"give every {kind[:-1]} inline, or none and list them in '{kind}'")
+                where.field(
+                    "messages",
+                    f"some {kind[:-1]} parts carry their media and some do not; "
+                    f"give every {kind[:-1]} inline, or none and list them in '{kind}'",
+                )
             )
     return out, inline
 
