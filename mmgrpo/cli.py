@@ -1,0 +1,119 @@
+"""The `mmgrpo` command.
+
+    mmgrpo train    --model tiny:qwen2-vl --dataset shapes-color --reward_funcs vqa_accuracy format
+    mmgrpo sft      --model tiny:qwen2-vl --dataset shapes-color --max_steps 100
+    mmgrpo eval     --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test
+    mmgrpo compare  runs/a/eval runs/b/eval
+    mmgrpo report   runs/x
+    mmgrpo datasets
+    mmgrpo demo
+
+`mmgrpo <command> --help` explains each. Errors about input print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+COMMANDS = {
+    "train": "GRPO training (flags as in TRL / ms-swift)",
+    "sft": "supervised warm start on the dataset's reference answers",
+    "eval": "evaluate a model on a dataset split: eval.json + report.md",
+    "compare": "A/B comparison of two evals with bootstrap intervals and p-values",
+    "report": "HTML report with plots of a training run",
+    "datasets": "list the dataset registry with splits and sizes",
+    "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
+}
+
+
+def _usage() -> str:
+    lines = [__doc__.strip().splitlines()[0], "", "commands:"]
+    lines += [f"  {name:<10}{text}" for name, text in COMMANDS.items()]
+    lines += ["", "Run `mmgrpo <command> --help` for its options."]
+    return "\n".join(lines)
+
+
+def cmd_train(argv):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import train
+
+    out = train(TrainConfig.from_args(argv))
+    print(f"run written to {out}")
+
+
+def cmd_sft(argv):
+    from mmgrpo.config import SFTConfig, build_parser, config_from_namespace
+    from mmgrpo.sft import sft
+
+    parser = build_parser(SFTConfig, prog="mmgrpo sft", description="Supervised warm start: cross-entropy on the answer tokens.")
+    out = sft(config_from_namespace(SFTConfig, parser.parse_args(argv)))
+    print(f"SFT model written to {out}")
+
+
+def cmd_datasets(argv):
+    import argparse
+
+    from rich.console import Console
+
+    from mmgrpo.data.registry import print_registry
+
+    parser = argparse.ArgumentParser(prog="mmgrpo datasets", description="List the dataset registry (built-in and user files).")
+    parser.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
+    args = parser.parse_args(argv)
+    print_registry(Console(), extra_files=args.dataset_registry)
+
+
+def cmd_eval(argv):
+    from mmgrpo.eval.run import main as eval_main
+
+    eval_main(argv)
+
+
+def cmd_compare(argv):
+    from mmgrpo.eval.run import compare_main
+
+    compare_main(argv)
+
+
+def cmd_report(argv):
+    import argparse
+
+    from mmgrpo.eval.report import write_report
+
+    parser = argparse.ArgumentParser(prog="mmgrpo report", description="Write RUN_DIR/report.html (and PNG plots) for a training run.")
+    parser.add_argument("run_dir", help="A training output folder holding metrics.jsonl.")
+    args = parser.parse_args(argv)
+    print(f"report written to {write_report(args.run_dir)}")
+
+
+def cmd_demo(argv):
+    from mmgrpo.demo import main as demo_main
+
+    demo_main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"mmgrpo: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
+        sys.exit(2)
+    from mmgrpo.errors import MMGRPOError
+
+    try:
+        globals()[f"cmd_{command}"](rest)
+    except MMGRPOError as exc:
+        print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"mmgrpo {command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

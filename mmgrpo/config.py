@@ -1,0 +1,343 @@
+"""Every option of `mmgrpo train` and `mmgrpo sft`, in one place.
+
+Nested dataclasses are the single source of truth. The docstring under each field is its
+`--help` text. A YAML file (`--config run.yaml`, nested by section or flat) overrides the
+defaults, and command-line flags override the YAML. Flag names follow TRL and ms-swift.
+
+    >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
+    >>> cfg.rollout.num_generations, cfg.algo.beta
+    (8, 0.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mmgrpo.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    model: str = "tiny:qwen2-vl"
+    """Model folder, hub id, or `tiny:<family>` for a tiny random checkpoint built offline."""
+    model_type: str | None = None
+    """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). Inferred from `tiny:<family>` models."""
+    max_pixels: int | None = None
+    """Upper bound on an image's pixels after resizing (fewer visual tokens, less memory)."""
+    min_pixels: int | None = None
+    """Lower bound on an image's pixels after resizing."""
+    video_fps: float = 2.0
+    """Frames per second sampled from a video file."""
+    video_nframes: int | None = None
+    """A fixed number of frames per video (overrides `video_fps`)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: about 20% slower, much less activation memory."""
+
+
+@dataclass
+class DataConfig:
+    dataset: list[str] = field(default_factory=lambda: ["shapes-color"])
+    """Registered names (`name`, `name:split`), files (.json/.jsonl/.parquet) or mixtures (`a:0.7 b:0.3`)."""
+    dataset_registry: list[str] = field(default_factory=list)
+    """Extra dataset registry YAML files (also read from $MMGRPO_DATASET_REGISTRY)."""
+    split: str = "train"
+    """Split to train on when a dataset spec names none."""
+    max_prompt_length: int = 2048
+    """Longest prompt in tokens, media tokens included. Longer prompts are an error."""
+    dataloader_num_workers: int = 2
+    """Worker processes that decode media and encode prompts ahead of the training step."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    """Rollout engine: `hf` (transformers generate)."""
+    num_generations: int = 8
+    """G: completions sampled per prompt. Advantages are computed within each group of G."""
+    max_completion_length: int = 256
+    """Longest completion in tokens; longer ones are cut (and count as truncated)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are computed at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_completion_length from the loss (DAPO)."""
+
+
+@dataclass
+class AlgoConfig:
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward names or `path/file.py:fn` plugins. Empty: the dataset's defaults."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (default 1.0 each)."""
+    reward_errors: str = "raise"
+    """What a raising reward does: `raise` stops with the sample named; `none` skips that sample."""
+    loss_type: str = "dapo"
+    """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md)."""
+    beta: float = 0.04
+    """KL coefficient to the reference model (k3 estimator). 0 loads no reference model."""
+    epsilon: float = 0.2
+    """Lower clipping range of the importance ratio."""
+    epsilon_high: float | None = 0.28
+    """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
+    scale_rewards: str = "group"
+    """Advantage scaling: group (divide by group std) | batch | none (Dr. GRPO)."""
+    num_iterations: int = 1
+    """Optimisation passes over each rollout batch (mu); >1 uses old log-probs in the ratio."""
+    importance_sampling_level: str = "token"
+    """`token` (GRPO) or `sequence` (GSPO)."""
+    advantage_estimator: str = "grpo"
+    """Registered advantage estimator."""
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2 (0.99 reacts faster than 0.999 to the shifting RL gradients)."""
+    warmup_ratio: float = 0.0
+    """Fraction of max_steps with a linear warm-up."""
+    lr_scheduler_type: str = "cosine"
+    """`cosine` (to 10% of peak) or `constant` after warm-up."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    per_device_train_batch_size: int = 8
+    """Completions per micro-batch (as in TRL: must be a multiple of num_generations... per step)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer update. A rollout batch is batch_size x accumulation completions."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    output_dir: str = "runs/latest"
+    """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
+    max_steps: int = 100
+    """Rollout steps (each: generate, reward, num_iterations optimizer updates). -1: by epochs."""
+    num_train_epochs: float = 1.0
+    """Epochs over the prompts, used when max_steps is -1."""
+    save_steps: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    logging_steps: int = 1
+    """Print and log every N steps."""
+    log_completions: int = 4
+    """Prompts per step written to completions.jsonl (all G completions of each)."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    bf16: bool = False
+    """bfloat16 autocast (fp32 master weights). Use on GPUs that support it."""
+    max_nonfinite_steps: int = 5
+    """Stop after this many steps with a NaN/inf loss (each one is skipped with a warning)."""
+    torch_threads: int | None = None
+    """torch intra-op threads (CPU). Default: torch's choice."""
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> TrainConfig:
+        """Defaults <- `--config` YAML <- command-line flags."""
+        parser = build_parser(cls)
+        ns = parser.parse_args(argv)
+        return config_from_namespace(cls, ns)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Contradictions that would fail later are errors now, before any model loads."""
+        validate(self)
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """Supervised warm start on the dataset's reference answers (cross-entropy on answer tokens)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-3, per_device_train_batch_size=32))
+    max_steps: int = 200
+    """Optimizer steps of supervised training."""
+
+
+# ---- dataclass <-> argparse / YAML ---------------------------------------------------------
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass (its `--help` text)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _leaves(cls, prefix=()):
+    """(path, field, owning class) for every non-dataclass field, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, prefix + (f.name,))
+        else:
+            yield prefix + (f.name,), tp, cls
+
+
+def _scalar_type(tp):
+    """(element parser, is_list) for a field annotation."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        return _scalar_type(args[0])
+    if origin is list:
+        return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_optional(elem):
+    def parse(text):
+        if text.lower() in ("none", "null"):
+            return None
+        return _parse_bool(text) if elem is bool else elem(text)
+
+    return parse
+
+
+def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description or (cls.__doc__ or "").strip().splitlines()[0],
+    )
+    parser.add_argument("--config", help="YAML file of options (nested by section or flat); flags override it.")
+    default = cls()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for path, tp, owner in _leaves(cls):
+        name = path[-1]
+        group = groups.setdefault(path[0] if len(path) > 1 else "run", parser.add_argument_group(path[0] if len(path) > 1 else "run"))
+        elem, is_list = _scalar_type(tp)
+        value = default
+        for part in path:
+            value = getattr(value, part)
+        kwargs = dict(dest=".".join(path), metavar=name.upper(), default=argparse.SUPPRESS, help=f"{field_docs(owner).get(name, '')} (default: {value})".replace("%", "%%"))
+        if is_list:
+            group.add_argument(f"--{name}", nargs="*", type=_parse_optional(elem), **kwargs)
+        elif elem is bool:
+            group.add_argument(f"--{name}", nargs="?", const=True, type=_parse_bool, **kwargs)
+        else:
+            group.add_argument(f"--{name}", type=_parse_optional(elem), **kwargs)
+    return parser
+
+
+def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
+    """Map a nested or flat YAML mapping to dotted field paths; unknown keys are errors."""
+    by_name = {path[-1]: ".".join(path) for path, _, _ in _leaves(cls)}
+    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim")}
+    out = {}
+    for key, value in (data or {}).items():
+        if key in sections and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                if sub not in by_name:
+                    raise ConfigError(f"{source}: unknown option {key}.{sub}. Run `mmgrpo train --help` for the list.")
+                out[by_name[sub]] = sub_value
+        elif key in by_name:
+            out[by_name[key]] = value
+        else:
+            raise ConfigError(f"{source}: unknown option {key!r}. Run `mmgrpo train --help` for the list.")
+    return out
+
+
+def _set_path(obj, dotted: str, value) -> None:
+    *parents, name = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+
+
+def config_from_namespace(cls, ns: argparse.Namespace):
+    cfg = cls()
+    if getattr(ns, "config", None):
+        path = Path(ns.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file.")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
+        for dotted, value in _flatten_yaml(data, cls, str(path)).items():
+            _set_path(cfg, dotted, value)
+    for dotted, value in vars(ns).items():
+        if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
+            _set_path(cfg, dotted, value)
+    if cfg.model.model_type is None and cfg.model.model.startswith("tiny:"):
+        cfg.model.model_type = cfg.model.model.split(":", 1)[1]
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    g = cfg.rollout.num_generations
+    batch = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
+    if g < 2 and not isinstance(cfg, SFTConfig):
+        raise ConfigError(f"--num_generations {g}: GRPO needs at least 2 completions per prompt to compare.")
+    if not isinstance(cfg, SFTConfig) and batch % g:
+        raise ConfigError(
+            f"--per_device_train_batch_size {cfg.optim.per_device_train_batch_size} x --gradient_accumulation_steps "
+            f"{cfg.optim.gradient_accumulation_steps} = {batch} completions per step is not divisible by "
+            f"--num_generations {g}: each prompt's {g} completions must stay in one step."
+        )
+    if cfg.model.model_type is None:
+        raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
+    choices = {
+        "loss_type": (cfg.algo.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")),
+        "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
+        "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
+        "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
+        "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
+        "backend": (cfg.rollout.backend, ("hf",)),
+    }
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(allowed)}.")
+    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
+        raise ConfigError(
+            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {len(cfg.algo.reward_funcs)} --reward_funcs: give one weight per function."
+        )
+    if cfg.algo.beta < 0 or cfg.algo.epsilon <= 0:
+        raise ConfigError("--beta must be >= 0 and --epsilon > 0.")
+    if cfg.algo.num_iterations < 1:
+        raise ConfigError("--num_iterations must be at least 1.")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
+    if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
+        raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")

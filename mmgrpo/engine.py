@@ -1,0 +1,280 @@
+"""The GRPO training loop, read top to bottom.
+
+    mmgrpo train --model tiny:qwen2-vl --dataset shapes-color \\
+        --reward_funcs vqa_accuracy format --num_generations 4 --max_steps 3 --output_dir runs/try
+
+One step (`grpo_step`):
+    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous)
+    reward    every reward function on every completion, weighted sum
+    old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
+    adv       group-relative advantages
+    update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
+    log       metrics.jsonl, TensorBoard, completions.jsonl; each phase's seconds under time/<phase>
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+import warnings
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmgrpo.config import TrainConfig
+from mmgrpo.errors import ConfigError
+from mmgrpo.grpo.advantages import group_advantages
+from mmgrpo.grpo.losses import policy_loss
+from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.runlog import RunLogger, progress_bar
+from mmgrpo.setup import build_run
+
+
+class Timers:
+    """Named wall-clock timers: `with timers("rollout"): ...` -> {"time/rollout": seconds}."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    warmup = int(cfg.optim.warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.optim.lr_scheduler_type == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to 10% of peak
+
+    return factor
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
+
+
+def micro_batches(num_rows: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+
+def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
+    """One GRPO step on B prompts. Returns (metrics, completion records for the log)."""
+    cfg, policy, template = run.cfg, run.policy, run.template
+    G = cfg.rollout.num_generations
+    timers = Timers()
+    samples = [sample for sample, _ in prompts]
+    encoded = [enc for _, enc in prompts]
+    # Row i of every per-completion tensor belongs to prompt i // G: advantages depend on it.
+    row_prompts = [encoded[i // G] for i in range(len(encoded) * G)]
+
+    with timers("rollout"):
+        prompt_batch = template.collate(encoded)
+        params = SamplingParams(
+            num_generations=G,
+            max_new_tokens=cfg.rollout.max_completion_length,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+        )
+        with autocast(cfg, run.device):
+            rollout = policy.generate(prompt_batch, params)
+        completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
+        completions = template.tokenizer.batch_decode(completion_ids * completion_mask, skip_special_tokens=True)
+
+    with timers("reward"):
+        columns = reward_columns(samples, encoded, template, G)
+        per_func, rewards = run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
+
+    loss_mask = completion_mask.clone()
+    if cfg.rollout.mask_truncated_completions:
+        loss_mask[rollout.truncated] = 0
+    slices = micro_batches(len(row_prompts), cfg.optim.per_device_train_batch_size)
+    row_batches = [template.collate(row_prompts[s]) for s in slices]
+
+    old_logps = None
+    if cfg.algo.num_iterations > 1:
+        with timers("old"), torch.no_grad(), autocast(cfg, run.device):
+            old_logps = torch.cat([
+                policy.completion_logprobs(b, completion_ids[s], completion_mask[s], temperature=cfg.rollout.temperature)[0]
+                for b, s in zip(row_batches, slices)
+            ])
+    ref_logps = None
+    if cfg.algo.beta > 0:
+        with timers("ref"), torch.no_grad(), autocast(cfg, run.device):
+            ref_logps = torch.cat([
+                policy.completion_logprobs(
+                    b, completion_ids[s], completion_mask[s], temperature=cfg.rollout.temperature, model=run.ref_model
+                )[0]
+                for b, s in zip(row_batches, slices)
+            ])
+
+    with timers("adv"):
+        advantages, adv_stats = group_advantages(torch.nan_to_num(rewards, nan=0.0), G, cfg.algo.scale_rewards)
+
+    with timers("update"):
+        loss_metrics = update_policy(run, row_batches, slices, completion_ids, completion_mask, loss_mask,
+                                     advantages, old_logps, ref_logps)
+
+    lengths = completion_mask.sum(1).float()
+    metrics = {
+        "step": step,
+        "reward": float(rewards.nanmean()),
+        "reward_std": adv_stats["reward_std"],
+        "frac_reward_zero_std": adv_stats["frac_reward_zero_std"],
+        "completion_length": float(lengths.mean()),
+        "completion_length_max": float(lengths.max()),
+        "clipped_ratio": float(rollout.truncated.float().mean()),
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        **loss_metrics,
+    }
+    for name, values in zip(run.rewards.names, per_func):
+        metrics[f"reward/{name}"] = float(values.nanmean())
+        metrics[f"reward/{name}_std"] = float(values[~values.isnan()].std()) if (~values.isnan()).sum() > 1 else 0.0
+    modalities = [s.modality for s in samples for _ in range(G)]
+    for modality in sorted(set(modalities)):
+        rows = torch.tensor([m == modality for m in modalities])
+        metrics[f"reward/{modality}"] = float(rewards[rows].nanmean())
+    metrics.update(timers.seconds)
+    metrics["time/step"] = sum(timers.seconds.values())
+    metrics["samples_per_s"] = len(row_prompts) / metrics["time/step"]
+
+    records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
+    return metrics, records
+
+
+def update_policy(run, row_batches, slices, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
+    """num_iterations passes of gradient-accumulated updates over the rollout batch."""
+    cfg, policy = run.cfg, run.policy
+    accumulation = cfg.optim.gradient_accumulation_steps
+    total_tokens = loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
+    token_weighted: dict[str, float] = {}  # metrics averaged over tokens of the whole step
+    update_losses = []
+    for _ in range(cfg.algo.num_iterations):
+        for start in range(0, len(slices), accumulation):
+            group = range(start, min(start + accumulation, len(slices)))
+            # Each micro-batch's loss is normalised by the tokens / sequences of the whole update,
+            # so the micro-batch losses (and gradients) add up to those of one big batch.
+            update_tokens = sum(loss_mask[slices[i]].sum() for i in group).clamp(min=1)
+            update_sequences = sum(slices[i].stop - slices[i].start for i in group)
+            update_loss = 0.0
+            for i in group:
+                s = slices[i]
+                with autocast(cfg, run.device):
+                    logps, entropy = policy.completion_logprobs(
+                        row_batches[i], completion_ids[s], completion_mask[s],
+                        temperature=cfg.rollout.temperature, compute_entropy=True,
+                    )
+                    loss, metrics = policy_loss(
+                        logps, None if old_logps is None else old_logps[s], None if ref_logps is None else ref_logps[s],
+                        advantages[s], loss_mask[s],
+                        loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high,
+                        beta=cfg.algo.beta, max_completion_length=cfg.rollout.max_completion_length,
+                        importance_sampling_level=cfg.algo.importance_sampling_level,
+                        num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
+                    )
+                if not torch.isfinite(loss):
+                    run.nonfinite_steps += 1
+                    warnings.warn(f"non-finite loss ({loss.item()}) at step {run.step}: update skipped "
+                                  f"({run.nonfinite_steps}/{cfg.max_nonfinite_steps} allowed)", stacklevel=1)
+                    run.optimizer.zero_grad(set_to_none=True)
+                    return {"loss": float("nan"), "nonfinite_steps": run.nonfinite_steps}
+                loss.backward()
+                update_loss += float(loss)
+                tokens = loss_mask[s].bool()
+                metrics["entropy"] = entropy[tokens].mean() if tokens.any() else 0.0
+                share = float(loss_mask[s].sum() / total_tokens)
+                for key, value in metrics.items():
+                    token_weighted[key] = token_weighted.get(key, 0.0) + float(value) * share
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                policy.trainable_parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            )
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            update_losses.append(update_loss)
+    run.scheduler.step()
+    return {**token_weighted, "loss": sum(update_losses) / len(update_losses), "grad_norm": float(grad_norm),
+            "nonfinite_steps": run.nonfinite_steps}
+
+
+def reward_columns(samples, encoded, template, G: int) -> dict[str, list]:
+    """Each sample's columns repeated for its G completions, plus what rewards may need."""
+    columns: dict[str, list] = {}
+    keys = sorted({k for s in samples for k in s.columns})
+    for key in keys:
+        columns[key] = [s.columns.get(key) for s in samples for _ in range(G)]
+    columns["sample_id"] = [s.id for s in samples for _ in range(G)]
+    columns["modality"] = [s.modality for s in samples for _ in range(G)]
+    # Rewards get boxes in original-image pixels: the template owns the model's convention.
+    columns["to_image_box"] = [template.box_mapper(enc) for enc in encoded for _ in range(G)]
+    return columns
+
+
+def completion_records(samples, completions, names, per_func, rewards, advantages, G, step, limit) -> list[dict]:
+    records = []
+    for p, sample in enumerate(samples[:limit]):
+        rows = range(p * G, (p + 1) * G)
+        records.append({
+            "step": step,
+            "sample_id": sample.id,
+            "prompt": sample.messages,
+            "images": [ref for ref in sample.images if isinstance(ref, str)],
+            "solution": sample.columns.get("solution"),
+            "completions": [completions[r] for r in rows],
+            "rewards": {name: [None if math.isnan(v) else v for v in per_func[f, rows.start:rows.stop].tolist()]
+                        for f, name in enumerate(names)},
+            "reward": rewards[rows.start:rows.stop].tolist(),
+            "advantage": advantages[rows.start:rows.stop].tolist(),
+        })
+    return records
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run GRPO as configured; returns the output folder."""
+    cfg.validate()
+    run = build_run(cfg)  # rewards and data checked before any model loads
+    seed_everything(cfg.seed)
+    out = Path(cfg.output_dir)
+    logger = RunLogger(out, cfg)
+    prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
+    total_steps = run.total_steps(prompts_per_step)
+    run.optimizer = torch.optim.AdamW(
+        run.policy.trainable_parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
+        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+    )
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg, total_steps))
+    batches = run.prompt_batches(prompts_per_step)
+    with progress_bar(total_steps, "GRPO") as bar:
+        for step in range(1, total_steps + 1):
+            run.step = step
+            torch.manual_seed(cfg.seed * 100_003 + step)  # sampling is reproducible per step
+            metrics, records = grpo_step(run, next(batches), step)
+            logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
+            bar.advance(metrics)
+            if run.nonfinite_steps >= cfg.max_nonfinite_steps:
+                raise ConfigError(
+                    f"{run.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
+                    "use fp32, or raise --max_nonfinite_steps."
+                )
+            if cfg.save_steps and step % cfg.save_steps == 0 and step != total_steps:
+                run.save(out / f"checkpoint-{step}")
+    run.save(out / f"checkpoint-{total_steps}")
+    logger.close()
+    return out
+

@@ -1,0 +1,148 @@
+"""`mmgrpo eval` and `mmgrpo compare`: run a model over a dataset split and score it.
+
+    mmgrpo eval --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test \\
+        --metrics vqa_accuracy --output_dir runs/x/eval
+    mmgrpo compare runs/sft/eval runs/grpo/eval --output runs/compare.json
+
+Generation is batched through the same policy and template as training (greedy by default;
+`--num_samples k --temperature t` for pass@k / mean@k). Per-sample results are flushed as
+they come, so an interrupted eval resumes with `--resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from mmgrpo.eval.results import run_eval
+from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.runlog import console, progress_bar
+
+
+class PolicyGenerator:
+    """generate_fn for `run_eval`: a batch of Samples -> k completions each (+ box mappers)."""
+
+    def __init__(self, policy, template, *, max_new_tokens: int, temperature: float = 1.0, media_kwargs=None, bar=None):
+        self.policy, self.template = policy, template
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.media_kwargs = media_kwargs or {}
+        self.bar = bar
+
+    @torch.no_grad()
+    def __call__(self, samples: list, num_samples: int):
+        encoded = [self.template.encode_prompt(sample.load_media(**self.media_kwargs)) for sample in samples]
+        params = SamplingParams(
+            num_generations=num_samples, max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature, greedy=num_samples == 1,
+        )
+        rollout = self.policy.generate(self.template.collate(encoded), params)
+        texts = self.template.tokenizer.batch_decode(rollout.completion_ids * rollout.completion_mask, skip_special_tokens=True)
+        completions = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(samples))]
+        if self.bar is not None:
+            self.bar.advance({"reward": float("nan"), "time/step": float("nan")}, amount=len(samples))
+        return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
+
+
+def evaluate(policy, template, dataset, output_dir, *, metrics: list[str], model_name: str, num_samples: int = 1,
+             max_new_tokens: int = 64, temperature: float = 1.0, batch_size: int = 32, resume: bool = False,
+             limit: int | None = None, media_kwargs=None, show_progress: bool = True) -> dict:
+    """Score `policy` on every sample of `dataset` (a DatasetView); writes eval.json and returns it."""
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    samples = (dataset[i] for i in range(count))
+    with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress) as bar:
+        generate = PolicyGenerator(policy, template, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   media_kwargs=media_kwargs, bar=bar)
+        return run_eval(
+            samples, generate, output_dir, model=model_name, dataset=getattr(dataset, "name", str(dataset)),
+            split=getattr(dataset, "split", ""), metrics=metrics, num_samples=num_samples, batch_size=batch_size,
+            resume=resume, config={"max_new_tokens": max_new_tokens, "temperature": temperature},
+        )
+
+
+def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None):
+    from mmgrpo.models.loading import load_model, load_processor
+    from mmgrpo.models.tiny import resolve_model_path
+    from mmgrpo.policy import Policy
+    from mmgrpo.templates import get_template
+
+    if model_type is None and model_path.startswith("tiny:"):
+        model_type = model_path.split(":", 1)[1]
+    if model_type is None:
+        from mmgrpo.errors import ConfigError
+
+        raise ConfigError(f"--model_type is required for --model {model_path} (e.g. --model_type qwen2-vl).")
+    path = resolve_model_path(model_path)
+    template = get_template(model_type, load_processor(path), max_pixels=max_pixels, min_pixels=min_pixels)
+    model = load_model(path).eval()
+    return Policy(model, template), template
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmgrpo eval", description="Evaluate a model on a dataset split: eval.json + eval.md.")
+    p.add_argument("--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>.")
+    p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family>.")
+    p.add_argument("--dataset", required=True, help="NAME[:split] (default split: test) or a data file.")
+    p.add_argument("--metrics", nargs="*", default=None, help="Metrics (default: the dataset's reward functions).")
+    p.add_argument("--num_samples", type=int, default=1, help="Completions per sample (1 = greedy; k for pass@k/mean@k).")
+    p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when --num_samples > 1.")
+    p.add_argument("--max_completion_length", type=int, default=64, help="Longest completion in tokens.")
+    p.add_argument("--batch_size", type=int, default=32, help="Samples per generate call.")
+    p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N samples.")
+    p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit after resizing.")
+    p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
+    p.add_argument("--output_dir", required=True, help="Where eval.json, eval.md and samples.jsonl go.")
+    p.add_argument("--resume", action="store_true", help="Continue an interrupted eval in --output_dir.")
+    return p
+
+
+def main(argv: list[str]) -> dict:
+    from mmgrpo.data.registry import resolve_dataset
+
+    args = eval_parser().parse_args(argv)
+    dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
+    metrics = args.metrics or dataset.reward_funcs
+    policy, template = load_policy(args.model, args.model_type, max_pixels=args.max_pixels)
+    result = evaluate(
+        policy, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
+        num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,
+        batch_size=args.batch_size, resume=args.resume, limit=args.limit,
+    )
+    for name, value in result["metrics"].items():
+        console.print(f"{name}: {value}")
+    console.print(f"eval written to {Path(args.output_dir) / 'eval.json'}")
+    return result
+
+
+def compare_main(argv: list[str]) -> dict:
+    from mmgrpo.eval.compare import compare, print_compare, write_compare
+
+    p = argparse.ArgumentParser(
+        prog="mmgrpo compare",
+        description="A/B comparison of two evals (eval.json files or their folders; A is the baseline): "
+        "per metric the difference with a 95%% paired bootstrap interval and a p-value.",
+    )
+    p.add_argument("a", help="Baseline: an eval.json or its folder; or a model when --dataset is given.")
+    p.add_argument("b", help="Candidate: as A.")
+    p.add_argument("--dataset", help="Evaluate A and B (models) on this NAME[:split] first.")
+    p.add_argument("--model_type", help="Template name when A and B are models.")
+    p.add_argument("--metrics", nargs="*", default=None, help="Metrics when evaluating models.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the bootstrap and permutation draws.")
+    p.add_argument("--n_boot", type=int, default=10_000, help="Bootstrap resamples / permutations.")
+    p.add_argument("--output", default=None, help="Write the comparison (JSON + Markdown) to this file or folder.")
+    args = p.parse_args(argv)
+    a, b = args.a, args.b
+    if args.dataset:
+        out = Path(args.output or "runs/compare")
+        for name, model in (("a", args.a), ("b", args.b)):
+            main(["--model", model, "--dataset", args.dataset, "--output_dir", str(out / f"eval_{name}")]
+                 + (["--model_type", args.model_type] if args.model_type else [])
+                 + (["--metrics", *args.metrics] if args.metrics else []))
+        a, b = out / "eval_a", out / "eval_b"
+    result = compare(a, b, seed=args.seed, n_boot=args.n_boot)
+    print_compare(result)
+    if args.output:
+        paths = write_compare(result, args.output)
+        console.print(f"comparison written to {paths[0]}")
+    return result

@@ -1,0 +1,46 @@
+"""Rollout with transformers' `generate`: the reference backend, on any device.
+
+The G samples of a prompt come from `num_return_sequences=G`, so they stay contiguous.
+Placeholder tokens (`<|image_pad|>` ...) are suppressed: a sampled placeholder would break
+the training forward ("image features and image tokens do not match").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
+
+
+class HFRollout:
+    def __init__(self, model, *, eos_token_ids: list[int], pad_token_id: int, suppress_token_ids: list[int]):
+        self.model = model
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.suppress_token_ids = list(suppress_token_ids)
+
+    @torch.no_grad()
+    def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
+        """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
+        was_training = self.model.training
+        self.model.eval()
+        sampling = {}
+        if not params.greedy:
+            sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        output = self.model.generate(
+            **prompt_batch,
+            **sampling,
+            do_sample=not params.greedy,
+            num_return_sequences=params.num_generations,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            suppress_tokens=self.suppress_token_ids or None,
+            use_cache=True,
+        )
+        self.model.train(was_training)
+        prompt_len = prompt_batch["input_ids"].shape[1]
+        completion_ids = output[:, prompt_len:]  # [B * G, T]
+        mask, truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
+        return Rollout(completion_ids=completion_ids, completion_mask=mask, truncated=truncated)

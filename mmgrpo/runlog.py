@@ -1,0 +1,98 @@
+"""What a run leaves behind, and the progress bar people watch.
+
+output_dir/
+    config.yaml         the resolved configuration
+    metrics.jsonl       one JSON object per step
+    completions.jsonl   prompts, their G completions and every reward
+    events.out.tfevents.*   TensorBoard scalars (same keys as metrics.jsonl)
+    checkpoint-N/       HF folders (safetensors) that from_pretrained loads
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+console = Console(stderr=True)
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):
+        return _jsonable(value.item())
+    return value
+
+
+class RunLogger:
+    def __init__(self, output_dir: Path, cfg):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        self.metrics_file = open(self.dir / "metrics.jsonl", "a")
+        self.completions_file = open(self.dir / "completions.jsonl", "a")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir))
+        except ImportError:  # tensorboard is optional outside the pinned set
+            pass
+
+    def log_step(self, metrics: dict, records: list[dict] = (), print_it: bool = True) -> None:
+        metrics = {k: _jsonable(v) for k, v in metrics.items()}
+        self.metrics_file.write(json.dumps(metrics) + "\n")
+        self.metrics_file.flush()
+        for record in records:
+            self.completions_file.write(json.dumps(record, default=str) + "\n")
+        self.completions_file.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(key, value, metrics["step"])
+        if print_it:
+            keys = ["reward", "kl", "loss", "completion_length", "time/step"]
+            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float)))
+            console.log(f"step {metrics['step']}  {shown}")
+
+    def close(self) -> None:
+        self.metrics_file.close()
+        self.completions_file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class _Bar:
+    def __init__(self, progress: Progress, task):
+        self.progress, self.task = progress, task
+
+    def advance(self, metrics: dict, amount: int = 1) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=amount, reward=metrics.get("reward", float("nan")),
+                                 sps=metrics.get("time/step", float("nan")))
+
+
+@contextmanager
+def progress_bar(total: int, description: str, show: bool = True):
+    """A rich bar showing the mean reward and seconds per step (nothing when show is False)."""
+    if not show:
+        yield _Bar(None, None)
+        return
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.3f}  {task.fields[sps]:.2f} s/step"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+    with progress:
+        task = progress.add_task(description, total=total, reward=float("nan"), sps=float("nan"))
+        yield _Bar(progress, task)
