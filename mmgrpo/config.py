@@ -42,6 +42,8 @@ class ModelConfig:
     """A fixed number of frames per video (overrides `video_fps`)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: about 20% slower, much less activation memory."""
+    shared_prefix: bool = True
+    """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
 
 
 @dataclass
@@ -125,12 +127,31 @@ class OptimConfig:
 
 
 @dataclass
+class EvalConfig:
+    eval_dataset: str | None = None
+    """Evaluate during training on this `NAME[:split]` (split default: test) or data file. None: never."""
+    eval_steps: int = 0
+    """Evaluate every N steps, and after the last step. 0: only after the last step."""
+    eval_metrics: list[str] = field(default_factory=list)
+    """Metrics, as `mmgrpo eval --metrics` takes them. Empty: the eval dataset's reward functions."""
+    eval_limit: int | None = None
+    """Evaluate on the first N samples of the split only. None: all of them."""
+    per_device_eval_batch_size: int = 32
+    """Prompts per generate call during evaluation (greedy, one completion each)."""
+    metric_for_best_model: str | None = None
+    """Keep output_dir/checkpoint-best at the best value of this eval metric. None: the first eval metric."""
+    greater_is_better: bool = True
+    """Whether a larger metric_for_best_model is better."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: str = "runs/latest"
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
     max_steps: int = 100
@@ -263,7 +284,7 @@ def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.Argumen
 def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
     """Map a nested or flat YAML mapping to dotted field paths; unknown keys are errors."""
     by_name = {path[-1]: ".".join(path) for path, _, _ in _leaves(cls)}
-    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim")}
+    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval")}
     out = {}
     for key, value in (data or {}).items():
         if key in sections and isinstance(value, dict):
@@ -341,3 +362,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
         raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
+    if cfg.eval.eval_dataset is None and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
+        raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
+    if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
+        raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")

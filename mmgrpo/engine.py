@@ -26,8 +26,10 @@ import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import ConfigError
+from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.grpo.advantages import group_advantages
 from mmgrpo.grpo.losses import policy_loss
+from mmgrpo.grpo.shared_prefix import prompt_rows
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.runlog import RunLogger, progress_bar
 from mmgrpo.setup import build_run
@@ -81,8 +83,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     timers = Timers()
     samples = [sample for sample, _ in prompts]
     encoded = [enc for _, enc in prompts]
-    # Row i of every per-completion tensor belongs to prompt i // G: advantages depend on it.
-    row_prompts = [encoded[i // G] for i in range(len(encoded) * G)]
+    num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
     with timers("rollout"):
         prompt_batch = template.collate(encoded)
@@ -105,8 +106,11 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     loss_mask = completion_mask.clone()
     if cfg.rollout.mask_truncated_completions:
         loss_mask[rollout.truncated] = 0
-    slices = micro_batches(len(row_prompts), cfg.optim.per_device_train_batch_size)
-    row_batches = [template.collate(row_prompts[s]) for s in slices]
+    slices = micro_batches(num_rows, cfg.optim.per_device_train_batch_size)
+    row_batches = []  # each micro-batch's prompts, collated once for the old, ref and update forwards
+    for s in slices:
+        prompt_ids, counts = prompt_rows(s, G)
+        row_batches.append(policy.forward_batch([encoded[p] for p in prompt_ids], counts))
 
     old_logps = None
     if cfg.algo.num_iterations > 1:
@@ -128,6 +132,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     with timers("adv"):
         advantages, adv_stats = group_advantages(torch.nan_to_num(rewards, nan=0.0), G, cfg.algo.scale_rewards)
 
+    learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
     with timers("update"):
         loss_metrics = update_policy(run, row_batches, slices, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps)
@@ -141,7 +146,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
-        "learning_rate": run.scheduler.get_last_lr()[0],
+        "learning_rate": learning_rate,
         **loss_metrics,
     }
     for name, values in zip(run.rewards.names, per_func):
@@ -153,7 +158,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         metrics[f"reward/{modality}"] = float(rewards[rows].nanmean())
     metrics.update(timers.seconds)
     metrics["time/step"] = sum(timers.seconds.values())
-    metrics["samples_per_s"] = len(row_prompts) / metrics["time/step"]
+    metrics["samples_per_s"] = num_rows / metrics["time/step"]
 
     records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
     return metrics, records
@@ -196,7 +201,7 @@ def update_policy(run, row_batches, slices, completion_ids, completion_mask, los
                     run.optimizer.zero_grad(set_to_none=True)
                     return {"loss": float("nan"), "nonfinite_steps": run.nonfinite_steps}
                 loss.backward()
-                update_loss += float(loss)
+                update_loss += loss.item()
                 tokens = loss_mask[s].bool()
                 metrics["entropy"] = entropy[tokens].mean() if tokens.any() else 0.0
                 share = float(loss_mask[s].sum() / total_tokens)
@@ -248,6 +253,7 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
 def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
     cfg.validate()
+    evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
     run = build_run(cfg)  # rewards and data checked before any model loads
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
@@ -265,6 +271,7 @@ def train(cfg: TrainConfig) -> Path:
             run.step = step
             torch.manual_seed(cfg.seed * 100_003 + step)  # sampling is reproducible per step
             metrics, records = grpo_step(run, next(batches), step)
+            metrics.update(evaluator.maybe_evaluate(run, step, final=step == total_steps))  # eval/<metric>
             logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
             bar.advance(metrics)
             if run.nonfinite_steps >= cfg.max_nonfinite_steps:

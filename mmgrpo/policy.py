@@ -6,16 +6,35 @@ LM head) and how media is merged into the token sequence; the policy uses that t
   - compute log-probs of completion tokens only, from the last hidden state through a chunked
     LM head (no [batch, seq, vocab] tensor ever exists),
   - freeze or train parts by name.
+
+Group-shared prefix (docs/speed.md): where the family supports it, each prompt (with its media)
+runs once per group in rollout and in every log-prob forward, and its G completions attend to
+its keys and values. Elsewhere the naive path repeats the prompt per completion; both give the
+same log-probs and gradients (tests/test_shared_prefix.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mmgrpo.grpo.logprobs import completion_logprobs
+from mmgrpo.grpo.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.hf import HFRollout
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+from mmgrpo.runlog import console
+
+
+@dataclass
+class ForwardBatch:
+    """The prompts of a micro-batch, collated once, and how many completion rows each has."""
+
+    prompts: dict  # collated: one row per prompt (shared prefix) or per completion (naive)
+    counts: list[int]  # completion rows of each prompt, in order; sum = N
+    shared: bool
 
 
 def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
@@ -26,7 +45,7 @@ def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
 
 
 class Policy:
-    def __init__(self, model: nn.Module, template, *, logprob_chunk_size: int = 4096):
+    def __init__(self, model: nn.Module, template, *, shared_prefix: bool = True, logprob_chunk_size: int = 4096):
         self.model = model
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
@@ -34,7 +53,13 @@ class Policy:
         eos = {tokenizer.eos_token_id, *template.stop_token_ids}
         self.eos_token_ids = sorted(i for i in eos if i is not None)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self.rollout_backend = HFRollout(
+        self.shared_prefix = False
+        if shared_prefix:
+            self.shared_prefix, reason = supports_shared_prefix(model, template)
+            if not self.shared_prefix:
+                console.print(f"[yellow]group-shared prefix off ({reason}): prompts run once per completion")
+        backend = SharedPrefixRollout if self.shared_prefix else HFRollout
+        self.rollout_backend = backend(
             model, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, suppress_token_ids=template.suppress_token_ids
         )
 
@@ -55,9 +80,16 @@ class Policy:
 
     # ---- log-probs -----------------------------------------------------------------------
 
+    def forward_batch(self, prompts: list, counts: list[int]) -> ForwardBatch:
+        """Collate a micro-batch's prompts (PromptInputs) whose completions number `counts`."""
+        if self.shared_prefix:
+            return ForwardBatch(self.template.collate(prompts), list(counts), True)
+        repeated = [p for p, count in zip(prompts, counts) for _ in range(count)]
+        return ForwardBatch(self.template.collate(repeated), list(counts), False)
+
     def completion_logprobs(
         self,
-        prompt_batch: dict,
+        batch: ForwardBatch,
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         *,
@@ -65,18 +97,21 @@ class Policy:
         compute_entropy: bool = False,
         model: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of each completion token given the prompt (one row per completion).
+        """Log-probs of each completion token given its prompt.
 
-        prompt_batch: collated, left-padded, one row per completion (prompts repeated).
+        completion_ids, completion_mask: [N, T], the rows of each prompt contiguous, in order.
         Returns logps [N, T] (and entropy [N, T] if asked), zero where completion_mask is 0.
         """
         model = model or self.model
-        inputs = self.template.forward_inputs(prompt_batch, completion_ids, completion_mask)
         backbone = model.get_submodule(self.template.components["backbone"])
-        hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
-        prompt_len = prompt_batch["input_ids"].shape[1]
-        # Position P - 1 + t predicts completion token t.
-        hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
+        if batch.shared:
+            hidden = shared_prefix_hidden(backbone, batch.prompts, completion_ids, completion_mask, batch.counts)
+        else:
+            inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
+            hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
+            prompt_len = batch.prompts["input_ids"].shape[1]
+            # Position P - 1 + t predicts completion token t.
+            hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
         lm_head = model.get_submodule(self.template.components["lm_head"])
         logps, entropy = completion_logprobs(
             hidden,

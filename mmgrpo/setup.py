@@ -169,5 +169,5 @@ def build_run(cfg: TrainConfig) -> Run:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if cfg.bf16:
             ref_model.to(torch.bfloat16)
-    policy = Policy(model, template)
+    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
     return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device)

@@ -72,14 +72,15 @@ def sft(cfg: SFTConfig) -> Path:
             targets = [sft_target(sample, enc, run.template) for sample, enc in prompts]
             ids, mask = encode_targets(targets, run.template.tokenizer, eos)
             with autocast(cfg, run.device):
-                logps, _ = run.policy.completion_logprobs(run.template.collate([enc for _, enc in prompts]), ids, mask)
+                batch = run.policy.forward_batch([enc for _, enc in prompts], [1] * len(prompts))
+                logps, _ = run.policy.completion_logprobs(batch, ids, mask)
                 loss = -(logps * mask).sum() / mask.sum()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.trainable_parameters(), cfg.optim.max_grad_norm or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            metrics = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0]}
+            metrics = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0]}
             logger.log_step(metrics, print_it=step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0)
             bar.advance({"reward": -float(loss), "time/step": float("nan")})
     run.save(out / "final")

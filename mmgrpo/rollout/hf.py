@@ -24,14 +24,17 @@ class HFRollout:
         """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
         was_training = self.model.training
         self.model.eval()
-        sampling = {}
+        # Every sampling option explicit: a checkpoint's generation_config (e.g. Qwen's top_k=1,
+        # repetition_penalty=1.05) must not change the distribution the log-probs assume.
+        sampling = dict(do_sample=False)
         if not params.greedy:
-            sampling = dict(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        group = 1 if params.greedy else params.num_generations  # greedy copies are identical
         output = self.model.generate(
             **prompt_batch,
             **sampling,
-            do_sample=not params.greedy,
-            num_return_sequences=params.num_generations,
+            repetition_penalty=1.0,
+            num_return_sequences=group,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
@@ -40,7 +43,7 @@ class HFRollout:
         )
         self.model.train(was_training)
         prompt_len = prompt_batch["input_ids"].shape[1]
-        completion_ids = output[:, prompt_len:]  # [B * G, T]
+        completion_ids = output[:, prompt_len:].repeat_interleave(params.num_generations // group, dim=0)  # [B * G, T]
         mask, truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
         return Rollout(completion_ids=completion_ids, completion_mask=mask, truncated=truncated)

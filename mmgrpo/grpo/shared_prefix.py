@@ -1,0 +1,312 @@
+"""Run each prompt once for its G completions: the shared-prefix training forward.
+
+In multimodal GRPO a prompt is long (hundreds of image tokens) and its G completions are short.
+The naive log-prob forward repeats the prompt and its media G times:
+
+    naive:   vision(image) x G,  decoder over G x (P + T) tokens
+    shared:  vision(image) x 1,  decoder over P tokens, then G x T tokens reading the prompt's K/V
+
+``shared_prefix_hidden`` runs the prompt (vision tower included) once, keeps every layer's keys
+and values, and runs the completion tokens against them, each of the G rows reading its prompt's
+K/V through an `expand` view (differentiable: the gradients of all G completions flow back into
+the one prompt forward, the vision tower included). It is exact, not an approximation: a decoder token sees
+the same keys, values, mask and positions as in the naive forward, so log-probs and gradients
+match it to float rounding (tests/test_shared_prefix.py checks 1e-5 in fp32).
+
+    hidden = shared_prefix_hidden(model.model, prompt_batch, completion_ids, completion_mask, G)
+    logps, _ = completion_logprobs(hidden, model.lm_head.weight, completion_ids)
+
+Positions (mRoPE): the prompt's [3, B, P] positions come from the model's own ``get_rope_index``;
+completion token t sits at the position the naive forward gives it, ``next_position + t``, where
+``next_position`` is where the prompt's text positions continue (found by appending one text
+token to the prompt in ``get_rope_index``, so it holds whatever the prompt ends with).
+
+Where it cannot apply, ``supports_shared_prefix`` says why and the caller runs the naive forward.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+# Families whose backbone `forward(input_ids, pixel_values, ..., position_ids, past_key_values)`
+# and `get_rope_index` this module drives; checked by tests/test_shared_prefix.py.
+SUPPORTED_MODEL_TYPES = {"qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl"}
+# Tested on CPU. flash_attention_2 should work (bottom-right causal, 2D mask) but is untested: off until a GPU test says so.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache layers: a prompt forward records K/V, a completion forward reads them
+# ---------------------------------------------------------------------------------------------
+
+
+class _RecordingLayer(DynamicLayer):
+    """Keeps the K/V of the one forward it sees. Idempotent: a gradient-checkpointing replay
+    overwrites them with equal tensors instead of appending a second copy."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _PrefixLayer(DynamicLayer):
+    """Holds one prompt K/V per group and prepends it to each row's new K/V, storing nothing, so a
+    checkpointing replay sees the same prefix again.
+
+    Equal groups of G rows: the prompt's K/V is read through `expand`, never copied G times
+    (the concatenation is the only [N, heads, P + T, head_dim] copy, as in the naive forward);
+    its backward sums the G rows' gradients into the one prompt. Unequal groups: index_select.
+    """
+
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, group: int | None, prompt_of_row: torch.Tensor
+    ):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values  # [B, kv_heads, P, head_dim], one per prompt
+        self.group, self.prompt_of_row = group, prompt_of_row  # G or None; [N]
+
+    def _prepend(self, prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return torch.cat([prefix.index_select(0, self.prompt_of_row), new], dim=-2)
+        batch, heads, _, head_dim = prefix.shape
+        shared = prefix[:, None].expand(batch, self.group, *prefix.shape[1:])  # [B, G, kv, P, d], a view
+        grouped = new.view(batch, self.group, heads, -1, head_dim)  # [B, G, kv, T, d]
+        return torch.cat([shared, grouped], dim=-2).flatten(0, 1)  # [N, kv, P + T, d]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._prepend(self.keys, key_states), self._prepend(self.values, value_states)
+
+
+def _recording_cache(num_layers: int) -> Cache:
+    return Cache(layers=[_RecordingLayer() for _ in range(num_layers)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Model parts and positions
+# ---------------------------------------------------------------------------------------------
+
+
+def multimodal_core(model: nn.Module) -> nn.Module:
+    """The module with `get_rope_index` and `language_model` (Qwen2VLModel ...), found under a
+    ForConditionalGeneration (`.model`) or a PEFT wrapper (`.base_model.model.model`)."""
+    core = model
+    for _ in range(5):
+        if hasattr(core, "get_rope_index") and hasattr(core, "language_model"):
+            return core
+        if not hasattr(core, "model"):
+            break
+        core = core.model
+    raise ValueError(
+        f"{type(model).__name__} has no module with get_rope_index and language_model under .model"
+    )
+
+
+def _rope_inputs(inputs: dict) -> dict:
+    return {
+        k: inputs[k]
+        for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+        if inputs.get(k) is not None
+    }
+
+
+def prompt_positions(core: nn.Module, prompt_inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """mRoPE positions of a left-padded prompt batch and where text after it continues.
+
+    Returns positions [3, B, P] (what the naive forward gives the prompt tokens) and
+    next_position [3, B] (the position of a first completion token). One text column is appended
+    before calling `get_rope_index`, so next_position is right whatever the prompt ends with.
+    """
+    input_ids = prompt_inputs["input_ids"]  # [B, P]
+    attention_mask = prompt_inputs["attention_mask"]
+    if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
+        raise ValueError("the prompt batch must be left-padded (template.collate does this)")
+    token_types = prompt_inputs.get("mm_token_type_ids")
+    if token_types is None:
+        token_types = torch.zeros_like(input_ids)
+    one = torch.ones_like(input_ids[:, :1])
+    positions, _ = core.get_rope_index(
+        torch.cat([input_ids, one], dim=1),
+        mm_token_type_ids=torch.cat([token_types, torch.zeros_like(one)], dim=1),
+        attention_mask=torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1),
+        **_rope_inputs(prompt_inputs),
+    )  # [3, B, P + 1]
+    return positions[:, :, :-1], positions[:, :, -1]
+
+
+@contextmanager
+def _cache_through_checkpointing(core: nn.Module):
+    """Let decoder layers keep their cache under gradient checkpointing.
+
+    transformers drops `past_key_values` inside a checkpointed layer, because a cache that
+    appends would be appended to twice by the backward replay. Both cache layers here are
+    idempotent, so the replay is harmless: allow it on these layer instances for one call.
+    """
+    layers = [m for m in core.language_model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True  # instance attribute, shadows the class default
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def _checkpointing_reentrant(core: nn.Module) -> bool:
+    """True if some decoder layer uses reentrant checkpointing (its forward runs without grad,
+    so K/V recorded inside it would carry no gradient)."""
+    for module in core.language_model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if getattr(func, "keywords", {}).get("use_reentrant", True) is not False:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Support check
+# ---------------------------------------------------------------------------------------------
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[._\-]", "-", name.strip().lower())
+
+
+def supports_shared_prefix(model: nn.Module, template_or_model_type) -> tuple[bool, str]:
+    """(True, "") if the shared-prefix forward and rollout are exact for this model, else
+    (False, reason): the caller then runs the naive path and prints the reason once.
+
+    template_or_model_type: a Template (its registered name is used) or a `--model_type` string.
+    The family is taken from that explicit name, then the model is checked to be that family
+    with a plain full-attention KV cache.
+    """
+    name = getattr(template_or_model_type, "name", template_or_model_type)
+    family = next((k for k in SUPPORTED_MODEL_TYPES if _normalise(k) == _normalise(str(name))), None)
+    if family is None:
+        return (
+            False,
+            f"model type {name!r} has no shared-prefix path (known: {', '.join(SUPPORTED_MODEL_TYPES)})",
+        )
+    try:
+        core = multimodal_core(model)
+    except ValueError as error:
+        return False, str(error)
+    config = core.config
+    if config.model_type != SUPPORTED_MODEL_TYPES[family]:
+        return False, f"model_type {name!r} but the model's config says {config.model_type!r}"
+    text_config = config.get_text_config()
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(text_config, "use_sliding_window", False):
+        return False, f"only full attention is shared (layer types {sorted(layer_types)})"
+    attention = text_config._attn_implementation
+    if attention not in SUPPORTED_ATTENTION:
+        return False, f"attention implementation {attention!r} is not one of {', '.join(SUPPORTED_ATTENTION)}"
+    if _checkpointing_reentrant(core):
+        return (
+            False,
+            "reentrant gradient checkpointing would cut the gradient through the shared K/V; use use_reentrant=False",
+        )
+    return True, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared-prefix forward
+# ---------------------------------------------------------------------------------------------
+
+
+def prompt_rows(rows: slice, num_generations: int) -> tuple[list[int], list[int]]:
+    """The prompts that completion rows `rows` belong to (G contiguous rows per prompt) and how
+    many of those rows each has: a micro-batch's `num_generations` argument.
+
+    >>> prompt_rows(slice(5, 13), 4)  # rows 5..12 of groups of 4
+    ([1, 2, 3], [3, 4, 1])
+    """
+    first, last = rows.start // num_generations, (rows.stop - 1) // num_generations
+    prompts = list(range(first, last + 1))
+    counts = [
+        min(rows.stop, (p + 1) * num_generations) - max(rows.start, p * num_generations) for p in prompts
+    ]
+    return prompts, counts
+
+
+def shared_prefix_hidden(
+    backbone: nn.Module,
+    prompt_inputs: dict,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    num_generations: int | list[int],
+) -> torch.Tensor:
+    """Final hidden states that predict each completion token, with each prompt run once.
+
+    Args:
+        backbone: the multimodal model without LM head (`model.model`, a Qwen2VLModel); a
+            ForConditionalGeneration or PEFT wrapper is unwrapped to it.
+        prompt_inputs: the collated, left-padded batch of B prompts (input_ids, attention_mask,
+            mm_token_type_ids, pixel_values, image_grid_thw, ... as `template.collate` gives).
+        completion_ids, completion_mask: [N, T], the rows of prompt b contiguous and in prompt
+            order; right-padded (mask 1 up to and including EOS).
+        num_generations: G (N = B * G), or the number of rows of each prompt (a list of B
+            counts summing to N), e.g. for a micro-batch that splits groups.
+
+    Returns:
+        hidden [N, T, H]: hidden[:, t] predicts completion_ids[:, t] (hidden[:, 0] is the prompt's
+        last state). Equal to slicing the naive forward over prompt + completion.
+    """
+    core = multimodal_core(backbone)
+    num_prompts = prompt_inputs["input_ids"].shape[0]
+    num_rows, length = completion_ids.shape
+    device = completion_ids.device
+    counts = [num_generations] * num_prompts if isinstance(num_generations, int) else list(num_generations)
+    if len(counts) != num_prompts or sum(counts) != num_rows:
+        raise ValueError(
+            f"{num_rows} completion rows do not match {num_prompts} prompts x {num_generations} rows"
+        )
+    if _checkpointing_reentrant(core):
+        raise ValueError(
+            "shared_prefix_hidden needs non-reentrant gradient checkpointing (use_reentrant=False)"
+        )
+    group = counts[0] if len(set(counts)) == 1 else None
+    prompt_of_row = torch.repeat_interleave(
+        torch.arange(num_prompts, device=device), torch.tensor(counts, device=device)
+    )  # [N]
+
+    positions, next_position = prompt_positions(core, prompt_inputs)  # [3, B, P], [3, B]
+    recorded = _recording_cache(core.config.get_text_config().num_hidden_layers)
+    prompt_kwargs = {k: v for k, v in prompt_inputs.items() if k != "position_ids"}
+    with _cache_through_checkpointing(core):
+        # use_cache=False: the layers use a cache that is passed in regardless, and checkpointed
+        # layers would otherwise warn that they turn use_cache off
+        prompt_hidden = core(
+            **prompt_kwargs, position_ids=positions, past_key_values=recorded, use_cache=False
+        ).last_hidden_state  # [B, P, H]
+    # The prompt's last state predicts completion token 0 of every row of its group.
+    first = prompt_hidden[:, -1:].index_select(0, prompt_of_row)  # [N, 1, H]
+    if length == 1:
+        return first
+
+    # Tokens 0 .. T-2 go in; their states predict tokens 1 .. T-1.
+    steps = torch.arange(length - 1, device=device)  # [T - 1]
+    completion_positions = next_position[:, prompt_of_row, None] + steps  # [3, N, T - 1]
+    prompt_mask = prompt_inputs["attention_mask"][prompt_of_row]  # [N, P]
+    attention_mask = torch.cat(
+        [prompt_mask, completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1
+    )  # [N, P + T - 1]
+    prefix = Cache(
+        layers=[_PrefixLayer(layer.keys, layer.values, group, prompt_of_row) for layer in recorded.layers]
+    )
+    with _cache_through_checkpointing(core):
+        completion_hidden = core(
+            input_ids=completion_ids[:, :-1],
+            attention_mask=attention_mask,
+            position_ids=completion_positions,
+            past_key_values=prefix,
+            use_cache=False,
+        ).last_hidden_state  # [N, T - 1, H]
+    return torch.cat([first, completion_hidden], dim=1)  # [N, T, H]

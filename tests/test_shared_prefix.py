@@ -1,0 +1,281 @@
+"""Shared-prefix forward and rollout: equal to the naive paths, for Qwen2-VL and Qwen2.5-VL.
+
+Naive reference: every prompt repeated G times with its media, prompt + completion in one
+forward (`template.forward_inputs`), as HF generate (`num_return_sequences=G`) and the plain
+log-prob forward do. All fp32, tolerance 1e-5.
+"""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.grpo.logprobs import completion_logprobs
+from mmgrpo.grpo.shared_prefix import shared_prefix_hidden, supports_shared_prefix
+from mmgrpo.models import load_processor
+from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, filter_logits
+from mmgrpo.templates import get_template
+
+FAMILIES = ["qwen2-vl", "qwen2.5-vl"]
+GROUP = 3  # G completions per prompt
+
+
+def _image(width, height, seed=0):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _video(num_frames=4, width=56, height=56, fps=2.0):
+    frames = np.random.RandomState(7).randint(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+    metadata = {"fps": fps, "total_num_frames": num_frames, "frames_indices": list(range(num_frames)),
+                "duration": num_frames / fps, "width": width, "height": height}  # fmt: skip
+    return Video(frames=frames, metadata=metadata)
+
+
+@pytest.fixture(scope="module")
+def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
+    """family -> (model, template), fp32, eval mode."""
+    paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
+    out = {}
+    for family, path in paths.items():
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        out[family] = (model, get_template(family, load_processor(path)))
+    return out
+
+
+def _prompt_batch(template, kinds=("image", "two_images", "text", "video")):
+    """Left-padded prompts of different lengths: one image, two images of other sizes, text only, a video."""
+    samples = {
+        "image": LoadedSample(id="s/0", messages=[{"role": "user", "content": "<image>Describe it."}],
+                              images=[_image(84, 56)]),
+        "two_images": LoadedSample(
+            id="s/1", messages=[{"role": "user", "content": "Which is red, <image> or <image>? Think step by step."}],
+            images=[_image(140, 112, seed=1), _image(56, 56, seed=2)]),
+        "text": LoadedSample(id="s/2", messages=[{"role": "user", "content": "Hi."}]),
+        "video": LoadedSample(id="s/3", messages=[{"role": "user", "content": "What happens? <video>"}],
+                              videos=[_video()]),
+    }  # fmt: skip
+    return template.collate([template.encode_prompt(samples[kind]) for kind in kinds])
+
+
+def _completions(num_prompts, length=7, seed=0):
+    """Random completion ids (no special tokens) and right-padded masks of varied lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    num_rows = num_prompts * GROUP
+    ids = torch.randint(0, 1400, (num_rows, length), generator=generator)  # [N, T]
+    lengths = torch.randint(1, length + 1, (num_rows,), generator=generator)
+    lengths[0] = length
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).long()  # [N, T]
+    return ids, mask
+
+
+def _naive_hidden(model, template, batch, ids, mask):
+    inputs = template.forward_inputs(batch, ids, mask, model=model)
+    prompt_len = batch["input_ids"].shape[1]
+    return model.model(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]  # [N, T, H]
+
+
+def _logps_and_grads(model, hidden_fn, ids, mask, weights):
+    model.zero_grad(set_to_none=True)
+    hidden = hidden_fn()
+    logps, _ = completion_logprobs(hidden, model.lm_head.weight, ids, chunk_size=16)
+    logps = logps * mask
+    (logps * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logps.detach(), grads
+
+
+def _assert_grads_equal(expected, got):
+    assert expected.keys() == got.keys()
+    assert any(
+        name.startswith("model.visual.") for name in got
+    )  # through the shared K/V into the vision tower
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training forward
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logps_and_gradients_match_naive(family, setups):
+    model, template = setups[family]
+    batch = _prompt_batch(template)
+    assert batch["attention_mask"][:, 0].tolist().count(0) == 3  # left padding, mixed lengths
+    ids, mask = _completions(4)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    expected, expected_grads = _logps_and_grads(
+        model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights
+    )
+    got, grads = _logps_and_grads(
+        model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    _assert_grads_equal(expected_grads, grads)
+
+
+def test_unequal_groups(setups):
+    """Per-prompt row counts (a micro-batch that splits groups) = the selected rows of equal groups."""
+    model, template = setups["qwen2.5-vl"]
+    batch = _prompt_batch(template, ("image", "two_images", "text"))
+    ids, mask = _completions(3, seed=4)  # G = 3 rows per prompt
+    keep = torch.tensor([0, 3, 4, 5, 7])  # 1, 3 and 1 rows of prompts 0, 1, 2
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(5))
+    weights_kept = torch.zeros_like(weights)
+    weights_kept[keep] = weights[keep]
+    expected, expected_grads = _logps_and_grads(
+        model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights_kept
+    )
+    got, grads = _logps_and_grads(
+        model,
+        lambda: shared_prefix_hidden(model.model, batch, ids[keep], mask[keep], [1, 3, 1]),
+        ids[keep],
+        mask[keep],
+        weights[keep],
+    )
+    torch.testing.assert_close(got, expected[keep], atol=1e-5, rtol=0)
+    _assert_grads_equal(expected_grads, grads)
+    with pytest.raises(ValueError, match="do not match"):
+        shared_prefix_hidden(model.model, batch, ids[keep], mask[keep], [1, 3, 2])
+
+
+def test_gradient_checkpointing(setups):
+    """Non-reentrant checkpointing: same grads as the naive forward without it; reentrant is refused."""
+    model, template = setups["qwen2-vl"]
+    batch = _prompt_batch(template, ("image", "two_images"))
+    ids, mask = _completions(2, seed=3)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    expected, expected_grads = _logps_and_grads(
+        model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights
+    )
+    model.train()
+    try:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        assert supports_shared_prefix(model, template) == (True, "")
+        got, grads = _logps_and_grads(
+            model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        _assert_grads_equal(expected_grads, grads)
+
+        model.activation_checkpointing_enable({"use_reentrant": True})
+        ok, reason = supports_shared_prefix(model, template)
+        assert not ok and "reentrant" in reason
+        with pytest.raises(ValueError, match="reentrant"):
+            shared_prefix_hidden(model.model, batch, ids, mask, GROUP)
+    finally:
+        model.activation_checkpointing_disable()
+        model.eval()
+
+
+def test_single_token_completions(setups):
+    model, template = setups["qwen2-vl"]
+    batch = _prompt_batch(template, ("image", "text"))
+    ids, mask = _completions(2, length=1)
+    with torch.no_grad():
+        expected = _naive_hidden(model, template, batch, ids, mask)
+        got = shared_prefix_hidden(model, batch, ids, mask, GROUP)  # a ForConditionalGeneration is unwrapped
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_supports_shared_prefix(setups):
+    model, template = setups["qwen2-vl"]
+    assert supports_shared_prefix(model, template) == (True, "")
+    assert supports_shared_prefix(model, "Qwen2_VL")[0]
+    ok, reason = supports_shared_prefix(model, "llava-onevision")
+    assert not ok and "llava-onevision" in reason
+    ok, reason = supports_shared_prefix(model, "qwen2.5-vl")  # the name and the checkpoint disagree
+    assert not ok and "qwen2_vl" in reason
+    ok, reason = supports_shared_prefix(torch.nn.Linear(2, 2), "qwen2-vl")
+    assert not ok and "get_rope_index" in reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout
+# ---------------------------------------------------------------------------------------------
+
+
+def _backend(model, template, eos_token_ids):
+    return SharedPrefixRollout(
+        model,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=template.pad_token_id,
+        suppress_token_ids=template.suppress_token_ids,
+        check_every=3,
+    )
+
+
+def _first_new_token(rows: list[list[int]], start: int) -> int:
+    """A token of row 0 at index >= start that no row has before that index: as EOS, row 0 ends
+    there (a tiny random model repeats itself, so most tokens would end rows at once)."""
+    for index in range(start, len(rows[0])):
+        if all(rows[0][index] not in row[:index] for row in rows):
+            return rows[0][index]
+    raise AssertionError(f"no fresh token in {rows}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "kinds", [("image", "two_images", "video"), ("two_images",)], ids=["padded", "single"]
+)
+def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
+    model, template = setups[family]
+    batch = _prompt_batch(template, kinds)
+    # EOS ids that some rows produce early, so rows stop at different steps
+    probe = _backend(model, template, [template.pad_token_id]).generate(
+        batch, SamplingParams(num_generations=1, max_new_tokens=8, greedy=True)
+    )
+    eos = [template.pad_token_id, _first_new_token(probe.completion_ids.tolist(), start=2)]
+    params = SamplingParams(num_generations=GROUP, max_new_tokens=10, greedy=True)
+    try:
+        model.set_attn_implementation(attention)
+        rollout = _backend(model, template, eos).generate(batch, params)
+        # HF generate refuses num_return_sequences > 1 when greedy: repeat the rows instead (same thing)
+        with torch.no_grad():
+            output = model.generate(
+                **template.repeat_rows(batch, GROUP), do_sample=False, max_new_tokens=10,
+                eos_token_id=eos, pad_token_id=template.pad_token_id, suppress_tokens=template.suppress_token_ids,
+            )  # fmt: skip
+    finally:
+        model.set_attn_implementation("sdpa")
+    expected = output[:, batch["input_ids"].shape[1] :]
+    assert rollout.completion_ids.tolist() == expected.tolist()
+    assert int(rollout.lengths.min()) == 3 and rollout.truncated.sum() < len(rollout.truncated)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_logps_match_naive_forward(family, setups):
+    model, template = setups[family]
+    batch = _prompt_batch(template, ("image", "two_images", "text"))
+    eos = list(range(0, 1500, 9))  # about one token in 9 ends a row: lengths vary
+    params = SamplingParams(num_generations=4, max_new_tokens=12, temperature=0.8, top_k=200, top_p=0.95)
+    torch.manual_seed(0)
+    rollout, logps = _backend(model, template, eos).sample(batch, params)
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    assert ids.shape[0] == 3 * 4 and len(set(rollout.lengths.tolist())) > 2
+    assert (ids[mask == 0] == template.pad_token_id).all()
+    assert not torch.isin(ids, torch.tensor(template.suppress_token_ids)).any()
+    assert rollout.truncated.tolist() == (~torch.isin(ids, torch.tensor(eos)).any(1)).tolist()
+    with torch.no_grad():
+        hidden = _naive_hidden(model, template, batch, ids, mask)
+        expected, _ = completion_logprobs(hidden, model.lm_head.weight, ids, temperature=0.8)
+    torch.testing.assert_close(logps, expected * mask, atol=1e-5, rtol=0)
+
+
+def test_filter_logits_matches_transformers():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    for top_k, top_p in [(5, 1.0), (0, 0.7), (10, 0.5), (0, 1.0)]:
+        expected = logits / 0.7
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1.0:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        torch.testing.assert_close(filter_logits(logits, 0.7, top_k, top_p), expected)
