@@ -5,6 +5,7 @@
     mmgrpo eval     --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test
     mmgrpo compare  runs/a/eval runs/b/eval
     mmgrpo report   runs/x
+    mmgrpo viz      attention --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test --index 0
     mmgrpo datasets
     mmgrpo demo
 
@@ -22,6 +23,7 @@ COMMANDS = {
     "eval": "evaluate a model on a dataset split: eval.json + report.md",
     "compare": "A/B comparison of two evals with bootstrap intervals and p-values",
     "report": "HTML report with plots of a training run",
+    "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
     "datasets": "list the dataset registry with splits and sizes",
     "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
 }
@@ -85,6 +87,12 @@ def cmd_report(argv):
     parser.add_argument("run_dir", help="A training output folder holding metrics.jsonl.")
     args = parser.parse_args(argv)
     print(f"report written to {write_report(args.run_dir)}")
+
+
+def cmd_viz(argv):
+    from mmgrpo.viz import main as viz_main
+
+    viz_main(argv)
 
 
 def cmd_demo(argv):

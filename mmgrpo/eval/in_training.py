@@ -1,0 +1,137 @@
+"""Evaluation during training: every --eval_steps steps and after the last one, on --eval_dataset.
+
+    mmgrpo train --model tiny:qwen2-vl --dataset shapes-color --reward_funcs vqa_accuracy \\
+        --eval_dataset shapes-color:test --eval_steps 50 --eval_limit 200 \\
+        --metric_for_best_model vqa_accuracy --output_dir runs/x
+
+Each evaluation is `mmgrpo eval` run on the training run's own policy and template: greedy, one
+completion per sample, up to --max_completion_length tokens, the model in eval mode meanwhile
+(then back in train mode). It writes
+
+    output_dir/eval/step-N/         eval.json, eval.md, samples.jsonl (as `mmgrpo eval` does)
+    output_dir/metrics.jsonl        eval/<metric> in that step's line (TensorBoard gets them too),
+                                    and time/eval, the evaluation's seconds
+    output_dir/checkpoint-best/     the weights at the best evaluation so far by
+                                    --metric_for_best_model, with best.json {"step", "metric", "value" ...}
+
+The engine makes one call before its loop and one per step:
+
+    evaluator = TrainingEval(cfg)   # the eval dataset and metrics resolve before any model loads
+    metrics.update(evaluator.maybe_evaluate(run, step, final=step == total_steps))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from mmgrpo.errors import ConfigError
+
+BEST_DIR = "checkpoint-best"
+BEST_FILE = "best.json"
+
+
+class TrainingEval:
+    """Runs the evaluations a TrainConfig asks for and keeps the best checkpoint."""
+
+    def __init__(self, cfg):
+        from mmgrpo.data.registry import resolve_dataset
+        from mmgrpo.eval.metrics import get_metric
+
+        self.cfg, self.options = cfg, cfg.eval
+        self.output_dir = Path(cfg.output_dir)
+        self.best_value: float | None = None
+        self.dataset = None
+        if self.options.eval_dataset is None:
+            return
+        self.dataset = resolve_dataset(
+            self.options.eval_dataset, split="test", extra_files=cfg.data.dataset_registry
+        )
+        if len(self.dataset) == 0:
+            raise ConfigError(f"--eval_dataset {self.options.eval_dataset}: the split is empty")
+        self.metrics = list(self.options.eval_metrics or self.dataset.reward_funcs or cfg.algo.reward_funcs)
+        if not self.metrics:
+            raise ConfigError(
+                f"--eval_dataset {self.options.eval_dataset} names no reward functions to score with: "
+                "pass --eval_metrics (e.g. --eval_metrics exact_match)."
+            )
+        for name in self.metrics:
+            get_metric(name)  # an unknown name fails now, not after the first eval_steps steps
+
+    def due(self, step: int, final: bool) -> bool:
+        every = self.options.eval_steps
+        return self.dataset is not None and (final or (every > 0 and step % every == 0))
+
+    def maybe_evaluate(self, run, step: int, final: bool = False) -> dict[str, float]:
+        """Evaluate if this step is due: {"eval/<metric>": value, ..., "time/eval": s}, else {}."""
+        from mmgrpo.eval.run import evaluate
+        from mmgrpo.runlog import console
+
+        if not self.due(step, final):
+            return {}
+        out = self.output_dir / "eval" / f"step-{step}"
+        shutil.rmtree(out, ignore_errors=True)  # left by an earlier run into this output_dir
+        start = time.perf_counter()
+        was_training = run.model.training
+        run.model.eval()
+        try:
+            with torch.autocast(run.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext():
+                result = evaluate(
+                    run.policy,
+                    run.template,
+                    self.dataset,
+                    out,
+                    metrics=self.metrics,
+                    model_name=f"{self.cfg.output_dir} step {step}",
+                    num_samples=1,
+                    max_new_tokens=self.cfg.rollout.max_completion_length,
+                    batch_size=self.options.per_device_eval_batch_size,
+                    limit=self.options.eval_limit,
+                    media_kwargs=run.media_options(),
+                    show_progress=False,
+                )
+        finally:
+            run.model.train(was_training)
+        logged = {f"eval/{name}": value for name, value in result["metrics"].items()}
+        logged["time/eval"] = time.perf_counter() - start
+        shown = "  ".join(f"{k}={v:.4g}" for k, v in logged.items() if isinstance(v, int | float))
+        console.log(f"eval at step {step} on {result['counts'].get('all', '?')} samples  {shown}")
+        self.keep_best(run, step, result["metrics"])
+        return logged
+
+    def keep_best(self, run, step: int, metrics: dict) -> None:
+        """Save output_dir/checkpoint-best if this evaluation beats every earlier one."""
+        name = (self.options.metric_for_best_model or next(iter(metrics), "")).removeprefix("eval/")
+        if name not in metrics:
+            raise ConfigError(
+                f"--metric_for_best_model {name!r} is not an eval metric; this eval has: {', '.join(metrics)}"
+            )
+        value = metrics[name]
+        if value is None or not math.isfinite(value):
+            return  # every sample scored None: nothing to compare
+        if self.best_value is not None:
+            better = value > self.best_value if self.options.greater_is_better else value < self.best_value
+            if not better:
+                return  # a tie keeps the earlier checkpoint
+        self.best_value = value
+        best, staging = self.output_dir / BEST_DIR, self.output_dir / f"{BEST_DIR}.tmp"
+        # Written aside, then renamed into place: a run killed mid-save leaves no half-written checkpoint-best.
+        shutil.rmtree(staging, ignore_errors=True)
+        run.save(staging)
+        record = {
+            "step": step,
+            "metric": name,
+            "value": value,
+            "greater_is_better": self.options.greater_is_better,
+            "eval": str(Path("eval") / f"step-{step}" / "eval.json"),
+            "metrics": metrics,
+        }
+        (staging / BEST_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        shutil.rmtree(best, ignore_errors=True)
+        staging.rename(best)

@@ -1,0 +1,223 @@
+"""The evaluation chain through the command line on tiny Qwen2-VL: `mmgrpo eval` (files, --resume,
+a missing split), `mmgrpo compare`, and evaluation during `mmgrpo train` with the best checkpoint."""
+
+import json
+
+import pytest
+
+from mmgrpo.cli import main
+from mmgrpo.errors import ConfigError
+from mmgrpo.eval import run as eval_run
+
+
+def _eval(model_path, output_dir, *extra):
+    main(
+        [
+            "eval",
+            "--model",
+            model_path,
+            "--model_type",
+            "qwen2-vl",
+            "--dataset",
+            "shapes-color:test",
+            "--max_completion_length",
+            "8",
+            "--output_dir",
+            str(output_dir),
+            *extra,
+        ]
+    )
+    return json.loads((output_dir / "eval.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def eval_dir(tmp_path_factory, tiny_qwen2_vl_path):
+    out = tmp_path_factory.mktemp("eval") / "base"
+    _eval(tiny_qwen2_vl_path, out, "--limit", "16")
+    return out
+
+
+def _count_generated(monkeypatch) -> list[str]:
+    """Patch the eval's generator to record the ids it generates for."""
+    seen, generate = [], eval_run.PolicyGenerator.__call__
+
+    def counting(self, samples, num_samples):
+        seen.extend(sample.id for sample in samples)
+        return generate(self, samples, num_samples)
+
+    monkeypatch.setattr(eval_run.PolicyGenerator, "__call__", counting)
+    return seen
+
+
+def test_eval_writes_metrics(eval_dir):
+    result = json.loads((eval_dir / "eval.json").read_text())
+    assert set(result["metrics"]) == {"answer_format", "vqa_accuracy"}  # the dataset's rewards
+    assert result["counts"]["all"] == 16 and len(result["samples"]) == 16
+    assert (result["dataset"], result["split"]) == ("shapes-color", "test")
+    assert all(0.0 <= v <= 1.0 for v in result["metrics"].values())
+    assert (eval_dir / "eval.md").is_file()
+
+
+def test_resume_generates_only_the_rest(eval_dir, tmp_path, monkeypatch, capsys, tiny_qwen2_vl_path):
+    import shutil
+
+    out = tmp_path / "resumed"
+    shutil.copytree(eval_dir, out)
+    lines = (out / "samples.jsonl").read_text().splitlines(keepends=True)
+    # killed after 10 samples, in the middle of writing the 11th
+    (out / "samples.jsonl").write_text("".join(lines[:10]) + lines[10][:25])
+    (out / "eval.json").unlink()
+
+    with pytest.raises(SystemExit) as exit_info:  # without --resume the results are never mixed
+        _eval(tiny_qwen2_vl_path, out, "--limit", "16")
+    assert exit_info.value.code == 2 and "--resume" in capsys.readouterr().err
+
+    generated = _count_generated(monkeypatch)
+    result = _eval(tiny_qwen2_vl_path, out, "--limit", "16", "--resume")
+    assert generated == [f"shapes-color/test/{i}" for i in range(10, 16)]
+    full = json.loads((eval_dir / "eval.json").read_text())
+    assert [s["id"] for s in result["samples"]] == [s["id"] for s in full["samples"]]
+    # greedy decoding: the resumed run reproduces the uninterrupted one
+    assert [s["completions"] for s in result["samples"]] == [s["completions"] for s in full["samples"]]
+    assert result["metrics"] == full["metrics"]
+
+
+def test_missing_split_is_a_clean_error(tmp_path, capsys, tiny_qwen2_vl_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "eval",
+                "--model",
+                tiny_qwen2_vl_path,
+                "--model_type",
+                "qwen2-vl",
+                "--dataset",
+                "shapes-color:validation",
+                "--output_dir",
+                str(tmp_path / "out"),
+            ]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmgrpo eval: error:") and "no split 'validation'" in err and "train, test" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_compare_prints_a_table(eval_dir, tmp_path, capsys, tiny_qwen2_vl_path):
+    shorter = tmp_path / "short"
+    _eval(tiny_qwen2_vl_path, shorter, "--limit", "16", "--max_completion_length", "2")
+    capsys.readouterr()
+    main(["compare", str(eval_dir), str(shorter), "--n_boot", "200", "--output", str(tmp_path / "cmp.json")])
+    printed = capsys.readouterr().out
+    assert "16 paired samples" in printed and "metric" in printed and "vqa_accuracy" in printed
+    table = (tmp_path / "cmp.md").read_text()
+    assert "| metric |" in table and "| vqa_accuracy |" in table
+    result = json.loads((tmp_path / "cmp.json").read_text())
+    assert {row["metric"] for row in result["metrics"]} >= {"answer_format", "vqa_accuracy"}
+
+
+# ---- evaluation during training -------------------------------------------------------------
+
+
+def test_train_evaluates_and_keeps_the_best_checkpoint(tmp_path, tiny_qwen2_vl_path):
+    out = tmp_path / "run"
+    main(
+        [
+            "train",
+            "--model",
+            tiny_qwen2_vl_path,
+            "--model_type",
+            "qwen2-vl",
+            "--dataset",
+            "shapes-color",
+            "--max_steps",
+            "4",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--beta",
+            "0",
+            "--dataloader_num_workers",
+            "0",
+            "--eval_dataset",
+            "shapes-color",
+            "--eval_steps",
+            "2",
+            "--eval_limit",
+            "8",
+            "--output_dir",
+            str(out),
+        ]
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    evaluated = [row["step"] for row in rows if "eval/vqa_accuracy" in row]
+    assert evaluated == [2, 4]
+    assert all("eval/answer_format" in rows[s - 1] and rows[s - 1]["time/eval"] > 0 for s in evaluated)
+    for step in evaluated:
+        result = json.loads((out / "eval" / f"step-{step}" / "eval.json").read_text())
+        assert result["split"] == "test" and result["counts"]["all"] == 8
+        assert rows[step - 1]["eval/vqa_accuracy"] == result["metrics"]["vqa_accuracy"]
+    best = json.loads((out / "checkpoint-best" / "best.json").read_text())
+    assert best["metric"] == "answer_format" and best["step"] in evaluated  # the first metric by default
+    assert best["value"] == rows[best["step"] - 1]["eval/answer_format"]
+    assert (out / "checkpoint-best" / "model.safetensors").is_file()
+    assert not (out / "checkpoint-best.tmp").exists()
+
+
+class _FakeRun:
+    """What TrainingEval.keep_best touches of a Run: save()."""
+
+    def save(self, path):
+        path.mkdir(parents=True)
+        (path / "weights").write_text("saved")
+
+
+def _evaluator(tmp_path, **options):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.eval.in_training import TrainingEval
+
+    cfg = TrainConfig(output_dir=str(tmp_path))
+    cfg.eval.eval_dataset = "shapes-color"
+    for key, value in options.items():
+        setattr(cfg.eval, key, value)
+    return TrainingEval(cfg)
+
+
+@pytest.mark.parametrize("greater, best_step", [(True, 2), (False, 1)])
+def test_best_checkpoint_follows_greater_is_better(tmp_path, greater, best_step):
+    evaluator = _evaluator(tmp_path, metric_for_best_model="eval/vqa_accuracy", greater_is_better=greater)
+    assert evaluator.metrics == ["answer_format", "vqa_accuracy"]  # the eval dataset's rewards
+    run = _FakeRun()
+    for step, value in [
+        (1, 0.5),
+        (2, 0.7),
+        (3, 0.6),
+        (4, 0.7),
+        (5, None),
+    ]:  # a tie or None keeps the earlier one
+        evaluator.keep_best(run, step, {"answer_format": 1.0, "vqa_accuracy": value})
+    best = json.loads((tmp_path / "checkpoint-best" / "best.json").read_text())
+    assert (best["step"], best["metric"]) == (best_step, "vqa_accuracy")
+    assert (tmp_path / "checkpoint-best" / "weights").is_file()
+
+
+def test_eval_options_fail_before_training(tmp_path):
+    from mmgrpo.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="need --eval_dataset"):
+        TrainConfig.from_args(["--eval_steps", "10"]).validate()
+    with pytest.raises(ConfigError, match="unknown metric 'vqa_acc'"):
+        _evaluator(tmp_path, eval_metrics=["vqa_acc"])
+    with pytest.raises(ConfigError, match="no split 'dev'"):
+        _evaluator(tmp_path, eval_dataset="shapes-color:dev")
+    with pytest.raises(ConfigError, match="not an eval metric"):
+        _evaluator(tmp_path, metric_for_best_model="accuracy").keep_best(_FakeRun(), 1, {"vqa_accuracy": 1.0})
+    assert _evaluator(tmp_path).due(4, final=False) is False  # eval_steps 0: only after the last step
+    assert _evaluator(tmp_path, eval_steps=2).due(4, final=False) and _evaluator(tmp_path).due(7, final=True)
+    assert not TrainConfig().eval.eval_dataset and not _evaluator(tmp_path, eval_dataset=None).due(
+        1, final=True
+    )
