@@ -1,6 +1,6 @@
 """Load a model and its processor from a folder, a hub id or `tiny:<family>`.
 
-model = load_model("tiny:qwen2-vl")            # float32, eval mode
+model = load_model("tiny:qwen2-vl")            # float32, eval mode (any family in docs/models.md)
 processor = load_processor("tiny:qwen2-vl")    # tokenizer padding_side = "left"
 """
 
@@ -37,13 +37,25 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
-    """The model in eval mode: AutoModelForImageTextToText, or AutoModelForCausalLM for text models."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """The model in eval mode.
+
+    AutoModelForMultimodalLM for image / video / audio models (it covers AutoModelForImageTextToText
+    and the audio LMs such as Qwen2-Audio), AutoModelForCausalLM for text models. A full
+    Qwen2.5-Omni checkpoint (thinker + talker + vocoder) loads its thinker only: GRPO trains the
+    part that writes text.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM
 
     path = checkpoint_path(name_or_path)
     config = AutoConfig.from_pretrained(path)
-    multimodal = type(config) in AutoModelForImageTextToText._model_mapping
-    auto_class = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    if config.model_type == "qwen2_5_omni":
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+        return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+            path, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""}, **kwargs
+        ).eval()
+    multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
+    auto_class = AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM
     return auto_class.from_pretrained(path, dtype=dtype, **kwargs).eval()
 
 

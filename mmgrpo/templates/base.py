@@ -4,21 +4,25 @@ A template turns a `LoadedSample` into model inputs, the way the family's Huggin
 would, but in steps a trainer can use separately:
 
     template = get_template("qwen2-vl", processor)
-    text = template.render(sample.messages)          # ONE placeholder per image / video
-    prompt = template.encode_prompt(sample)          # PromptInputs: expanded ids + pixel tensors
+    text = template.render(sample.messages)          # ONE placeholder per image / video / audio
+    prompt = template.encode_prompt(sample)          # PromptInputs: expanded ids + media tensors
     batch = template.collate([prompt, ...])          # left-padded, ready for model.generate(**batch)
     inputs = template.forward_inputs(batch, completion_ids, completion_mask, model=model)
-    logits = model(**inputs).logits                  # training forward over prompt + completion
+    hidden = model.get_submodule(template.components["backbone"])(**inputs).last_hidden_state
 
-Placeholder expansion happens on token ids: the rendered text is tokenized once, then each
-placeholder id is replaced by the ids an `expand_<modality>` hook returns (a few lines per family,
-from the processed grid sizes). The rendered text and the raw media also travel in `PromptInputs`
-so that a rollout engine (vLLM) can expand them itself; tests check both give identical ids.
-
-A family subclasses `Template`, fills in the class attributes and hooks, and registers itself:
+A family is one small subclass in its own file: the chat format (`render`), one media hook per
+modality it takes (`build_media`, see mmgrpo/templates/hooks.py), the per-token type ids and
+positions its forward needs, its box convention and its module paths; then
 
     @register_template("qwen2-vl")
     class Qwen2VLTemplate(Template): ...
+
+Placeholder expansion happens on token ids: the rendered text is tokenized once, then each
+placeholder id is replaced by the ids the modality's hook returns. A family whose expansion
+adds context-dependent text (Gemma3 wraps each image in "\\n\\n") sets `expand_in_text` and its
+hooks return text, spliced in before tokenizing, exactly as the HF processor does. The rendered
+text and the raw media also travel in `PromptInputs` so that a rollout engine (vLLM) can expand
+them itself; tests check both give identical ids.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ class PromptInputs:
     id: str  # the sample id, for errors and logs
     prompt_ids: torch.Tensor  # [prompt_len] int64, placeholders expanded
     mm: dict[str, torch.Tensor]  # e.g. mm_token_type_ids [prompt_len], pixel_values [patches, dim],
-    #                              image_grid_thw [images, 3], pixel_values_videos, video_grid_thw
+    #                              image_grid_thw [images, 3], input_features [clips, mel, frames] ...
     prompt_text: str  # rendered chat text, one placeholder per medium
     images: list = field(default_factory=list)  # PIL images, RGB, as given
     videos: list = field(default_factory=list)  # mmgrpo.data.schema.Video
@@ -55,34 +59,76 @@ class PromptInputs:
     input_sizes: list[tuple[int, int]] = field(default_factory=list)  # resized model input (width, height)
 
 
+@dataclass(frozen=True)
+class MediaOptions:
+    """Options every template accepts (None: the processor's saved value).
+
+    Options of a modality the family does not take are ignored, so one config serves all families.
+    """
+
+    min_pixels: int | None = None  # per image
+    max_pixels: int | None = None
+    video_min_pixels: int | None = None  # per frame (Qwen3-VL: per clip, its processor's budget)
+    video_max_pixels: int | None = None
+    video_fps: float | None = None  # frame sampling: read by the data loader that decodes videos
+    video_nframes: int | None = None
+    video_max_frames: int | None = None
+
+
 class Template:
     """Base class: rendering, encoding, collation and forward inputs for one model family.
 
-    Subclasses set the class attributes and implement `render_part` and the hooks of the
-    modalities they take (`process_images` + `expand_image`, `process_videos` + `expand_video` ...).
+    Subclasses set the class attributes, implement `render` and `build_media` (one hook per
+    modality they take), and `position_ids` when their positions are not plain 1-D ones.
     """
 
     name: str = ""  # set by register_template
-    modalities: tuple[str, ...] = ()  # media kinds the family takes: "image", "video", "audio"
-    box_convention: str = ""  # "rel1000" (0-1000 of the image) or "abs_input" (pixels of the model input)
-    components: dict[str, str] = {}  # module paths in the HF model: vision, aligner, llm, lm_head
-    placeholder_tokens: dict[
-        str, str
-    ] = {}  # modality -> the token one medium renders to, e.g. "<|image_pad|>"
-    mm_token_types: dict[str, int] = {}  # modality -> its value in mm_token_type_ids (text is 0)
-    never_sample_tokens: tuple[str, ...] = ()  # special tokens a policy must never generate
+    box_convention: str = ""  # "rel1000" | "rel1" (fractions of the image) | "abs_input" | "" (no boxes)
+    components: dict[str, str] = {}  # module paths: backbone, lm_head, and vision / audio / aligner / llm
     stop_tokens: tuple[str, ...] = ()  # tokens that end a completion (besides the tokenizer's eos)
+    never_sample_tokens: tuple[str, ...] = ()  # special tokens a policy must never generate
+    token_type_key: str | None = None  # per-token modality ids the forward needs: "mm_token_type_ids" ...
+    token_types: dict[str, int] = {}  # modality -> its value under token_type_key (text is 0)
+    expand_in_text = False  # hooks return text spliced in before tokenizing (see module docstring)
+    # Final-logit soft-capping the model's LM head applies (logits = cap * tanh(logits / cap)); the
+    # chunked LM head of the engine must apply it too. None for every family registered here.
+    logit_softcap: float | None = None
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.tokenizer.padding_side = "left"  # not saved with a tokenizer: set at run time
-        if kwargs:
-            raise ConfigError(f"template {self.name!r} got unknown option(s) {sorted(kwargs)}")
+        known = MediaOptions.__dataclass_fields__
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"template {self.name!r} got unknown option(s) {unknown}; known: {', '.join(sorted(known))}"
+            )
+        self.options = MediaOptions(**kwargs)
+        self.video_sampling = {
+            "fps": self.options.video_fps,
+            "nframes": self.options.video_nframes,
+            "max_frames": self.options.video_max_frames,
+        }
         self.pad_token_id = self.tokenizer.pad_token_id
-        self.placeholder_ids = {m: self._token_id(t) for m, t in self.placeholder_tokens.items()}
+        self.media = self.build_media()  # modality -> hook, in the order media are encoded
+        self.placeholder_ids = {m: self.token_id(hook.placeholder) for m, hook in self.media.items()}
 
-    def _token_id(self, token: str) -> int:
+    def build_media(self) -> dict:
+        """{modality: hook} for the modalities the family takes (see mmgrpo/templates/hooks.py)."""
+        return {}
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return tuple(self.media)
+
+    @property
+    def sampling_rate(self) -> int | None:
+        """Audio sampling rate the family's feature extractor expects (None without audio)."""
+        audio = self.media.get("audio")
+        return getattr(audio, "sampling_rate", None)
+
+    def token_id(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
         if token_id is None or token_id == self.tokenizer.unk_token_id:
             raise ConfigError(
@@ -144,27 +190,17 @@ class Template:
     # ----------------------------------------------------------------------------------------
 
     def encode_prompt(self, sample) -> PromptInputs:
-        """Render, tokenize and expand placeholders; process pixels. `sample` is a LoadedSample."""
+        """Render, tokenize and expand placeholders; process media. `sample` is a LoadedSample."""
         self.check_media(sample)
         prompt_text = self.render(sample.messages, add_generation_prompt=True)
-        ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        mm: dict[str, torch.Tensor] = {}
-        expansions: dict[str, list[list[int]]] = {}
-        input_sizes: list[tuple[int, int]] = []
-        if sample.images:
-            processed = self.process_images(sample.images)
-            mm.update(processed)
-            expansions["image"] = [self.expand_image(processed, i) for i in range(len(sample.images))]
-            input_sizes = self.input_sizes(processed)
-        if sample.videos:
-            processed = self.process_videos(sample.videos)
-            mm.update(processed)
-            expansions["video"] = [self.expand_video(processed, i) for i in range(len(sample.videos))]
-        if sample.audios:
-            processed = self.process_audios(sample.audios)
-            mm.update(processed)
-            expansions["audio"] = [self.expand_audio(processed, i) for i in range(len(sample.audios))]
-        prompt_ids = torch.tensor(self.expand_placeholders(ids, expansions), dtype=torch.long)  # [prompt_len]
+        mm, expansions, input_sizes = self.encode_media(sample)
+        if self.expand_in_text:
+            text = self.expand_text(prompt_text, expansions)
+            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            prompt_ids = self.expand_placeholders(ids, expansions)
+        prompt_ids = torch.tensor(prompt_ids, dtype=torch.long)  # [prompt_len]
         mm.update(self.token_type_inputs(prompt_ids))
         return PromptInputs(
             id=sample.id,
@@ -177,6 +213,21 @@ class Template:
             image_sizes=[tuple(image.size) for image in sample.images],
             input_sizes=input_sizes,
         )
+
+    def encode_media(self, sample) -> tuple[dict, dict, list]:
+        """Each modality's hook on the sample's media: (tensors, expansions per modality, input sizes)."""
+        mm: dict[str, torch.Tensor] = {}
+        expansions: dict[str, list] = {}
+        input_sizes: list[tuple[int, int]] = []
+        for modality, hook in self.media.items():
+            items = getattr(sample, modality + "s")
+            if not items:
+                continue
+            tensors, expansions[modality] = hook.process(items)
+            mm.update(tensors)
+            if modality == "image":
+                input_sizes = hook.input_sizes(tensors)
+        return mm, expansions, input_sizes
 
     def expand_placeholders(self, ids: list[int], expansions: dict[str, list[list[int]]]) -> list[int]:
         """Replace the i-th placeholder id of each modality by `expansions[modality][i]`."""
@@ -194,55 +245,58 @@ class Template:
                 out.append(token_id)
         return out
 
+    def expand_text(self, text: str, expansions: dict[str, list[str]]) -> str:
+        """Replace the i-th placeholder string of each modality by the text `expansions[modality][i]`."""
+        by_placeholder = {self.media[m].placeholder: iter(expansions.get(m, [])) for m in self.media}
+        pattern = "|".join(re.escape(p) for p in by_placeholder)
+
+        def replace(match: re.Match) -> str:
+            replacement = next(by_placeholder[match.group(0)], None)
+            if replacement is None:
+                raise DataError(f"more {match.group(0)} placeholders than media in the prompt")
+            return replacement
+
+        return re.sub(pattern, replace, text) if pattern else text
+
     def token_type_inputs(self, prompt_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token modality ids the forward needs (`mm_token_type_ids`: 0 text, 1 image, 2 video, 3 audio)."""
-        if not self.mm_token_types:
+        """Per-token modality ids the forward needs (e.g. `mm_token_type_ids`: 0 text, 1 image, 2 video)."""
+        if not self.token_type_key:
             return {}
         types = torch.zeros_like(prompt_ids)  # [prompt_len]
-        for modality, type_id in self.mm_token_types.items():
-            types[prompt_ids == self.placeholder_ids[modality]] = type_id
-        return {"mm_token_type_ids": types}
-
-    # Per-modality hooks: `process_*` runs the HF image/video/audio processor on a sample's media,
-    # `expand_*` gives the token ids one placeholder becomes.
-    def process_images(self, images: list) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def expand_image(self, processed: dict, index: int) -> list[int]:
-        raise NotImplementedError
-
-    def input_sizes(self, processed: dict) -> list[tuple[int, int]]:
-        raise NotImplementedError
-
-    def process_videos(self, videos: list) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def expand_video(self, processed: dict, index: int) -> list[int]:
-        raise NotImplementedError
-
-    def process_audios(self, audios: list) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def expand_audio(self, processed: dict, index: int) -> list[int]:
-        raise NotImplementedError
+        for modality, type_id in self.token_types.items():
+            if modality in self.media:
+                types[prompt_ids == self.media[modality].token_id] = type_id
+        return {self.token_type_key: types}
 
     # ----------------------------------------------------------------------------------------
     # Batching
     # ----------------------------------------------------------------------------------------
 
-    # Per-token tensors padded like input_ids; everything else in `mm` is concatenated on dim 0.
-    token_keys: tuple[str, ...] = ("mm_token_type_ids",)
+    @property
+    def token_keys(self) -> tuple[str, ...]:
+        """Per-token tensors, padded like input_ids and extended with zeros over a completion."""
+        return (self.token_type_key,) if self.token_type_key else ()
 
-    def collate(self, prompts: list[PromptInputs]) -> dict[str, torch.Tensor]:
+    @property
+    def row_keys(self) -> tuple[str, ...]:
+        """Tensors with one entry per prompt row (0 for a row without that medium)."""
+        return tuple(key for hook in self.media.values() for key in hook.row_keys)
+
+    def batch_flags(self, prompts: list[PromptInputs]) -> dict[str, Any]:
+        """Non-tensor forward arguments that hold for the whole batch (Qwen2.5-Omni's use_audio_in_video)."""
+        return {}
+
+    def collate(self, prompts: list[PromptInputs]) -> dict[str, Any]:
         """Left-padded batch for `model.generate(**batch)` and the forward.
 
-        input_ids, attention_mask [batch, max_prompt_len]; per-token mm tensors padded with 0;
-        media tensors (pixel_values, image_grid_thw ...) concatenated in prompt order.
+        input_ids, attention_mask [batch, max_prompt_len]; per-token tensors padded with 0;
+        per-row tensors [batch]; media tensors (pixel_values, image_grid_thw ...) concatenated in
+        prompt order (zero-padded where their trailing shapes differ, e.g. LLaVA-OneVision's tiles).
         """
         max_len = max(len(p.prompt_ids) for p in prompts)
         input_ids = torch.full((len(prompts), max_len), self.pad_token_id, dtype=torch.long)  # [B, L]
         attention_mask = torch.zeros((len(prompts), max_len), dtype=torch.long)  # [B, L]
-        batch: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
         for key in self.token_keys:
             if any(key in p.mm for p in prompts):
                 batch[key] = torch.zeros((len(prompts), max_len), dtype=torch.long)
@@ -253,31 +307,85 @@ class Template:
             for key in self.token_keys:
                 if key in prompt.mm:
                     batch[key][row, max_len - length :] = prompt.mm[key]
-        media_keys = sorted({k for p in prompts for k in p.mm if k not in self.token_keys})
+        for key in self.row_keys:
+            if any(key in p.mm for p in prompts):
+                batch[key] = torch.cat(
+                    [p.mm.get(key, torch.zeros(1, dtype=torch.long)) for p in prompts]
+                )  # [B]
+        skip = {*self.token_keys, *self.row_keys}
+        media_keys = sorted({k for p in prompts for k in p.mm if k not in skip})
         for key in media_keys:
-            batch[key] = torch.cat([p.mm[key] for p in prompts if key in p.mm], dim=0)
+            batch[key] = cat_padded([p.mm[key] for p in prompts if key in p.mm])
+        batch.update(self.batch_flags(prompts))
         return batch
 
-    def media_per_row(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Split a collated batch's media tensors back into one dict per row."""
-        raise NotImplementedError
+    def media_per_row(self, batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+        """Split a collated batch's media tensors back into one dict per row.
+
+        A row owns as many items of a modality as its placeholder tokens account for, in order.
+        """
+        input_ids = batch["input_ids"]
+        rows: list[dict[str, torch.Tensor]] = [{} for _ in range(input_ids.shape[0])]
+        for modality, hook in self.media.items():
+            keys = [k for k in (*hook.item_keys, *hook.patch_keys) if k in batch]
+            if not keys:
+                continue
+            item_tokens = hook.tokens_per_item(batch)
+            patches = hook.patches_per_item(batch) if hook.patch_keys else [0] * len(item_tokens)
+            patch_start = [0]
+            for count in patches:
+                patch_start.append(patch_start[-1] + int(count))
+            row_tokens = (input_ids == hook.token_id).sum(dim=1).tolist()  # [B]
+            item = 0
+            for row, tokens_left in enumerate(row_tokens):
+                first = item
+                while tokens_left > 0:
+                    if item >= len(item_tokens):
+                        raise ValueError(
+                            f"row {row} has more {modality} tokens than the batch has {modality}s"
+                        )
+                    tokens_left -= item_tokens[item]
+                    item += 1
+                if item == first:
+                    continue
+                for key in hook.item_keys:
+                    if key in batch:
+                        rows[row][key] = batch[key][first:item]
+                for key in hook.patch_keys:
+                    if key in batch:
+                        rows[row][key] = batch[key][patch_start[first] : patch_start[item]]
+        return rows
+
+    def repeat_rows(self, batch: dict[str, Any], group: int) -> dict[str, Any]:
+        """Each prompt row (and its media) repeated `group` times, copies contiguous."""
+        out = {
+            k: batch[k].repeat_interleave(group, dim=0)
+            for k in ("input_ids", "attention_mask", *self.token_keys, *self.row_keys)
+            if k in batch
+        }
+        rows = self.media_per_row(batch)
+        for key in {k for row in rows for k in row}:
+            out[key] = cat_padded([row[key] for row in rows for _ in range(group) if key in row])
+        out.update({k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)})  # batch flags
+        return out
 
     def forward_inputs(
         self,
-        batch: dict[str, torch.Tensor],
+        batch: dict[str, Any],
         completion_ids: torch.Tensor,
         completion_mask: torch.Tensor,
         model=None,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         """Inputs of a training forward over prompt + completion.
 
         batch: `collate` output for B prompts. completion_ids, completion_mask: [N, T] with
         N = B * G: the G completions of a prompt are contiguous (advantages depend on it), so each
         prompt row (and its media) is repeated G times. Per-token tensors get zeros over the
-        completion. With `model`, `position_ids` [3, N, L + T] are added, computed by the model's
-        own mRoPE index exactly as `generate` does (optional: without them the forward computes
-        the same positions for media rows, and text-only rows differ only by a per-row shift,
-        which RoPE ignores).
+        completion. With `model`, `position_ids` are added exactly as `generate` computes them
+        ([3, N, L + T] from the model's own mRoPE index for Qwen families; [N, L + T] from the
+        attention mask otherwise). They are optional: without them the forward computes the
+        same positions for media rows, and text-only rows differ only by a per-row shift,
+        which RoPE ignores.
         """
         num_prompts = batch["input_ids"].shape[0]
         num_rows = completion_ids.shape[0]
@@ -298,21 +406,13 @@ class Template:
             inputs["position_ids"] = self.position_ids(model, inputs)
         return inputs
 
-    def repeat_rows(self, batch: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
-        """Each prompt row (and its media) repeated `group` times, copies contiguous."""
-        out = {
-            k: batch[k].repeat_interleave(group, dim=0)
-            for k in ("input_ids", "attention_mask", *self.token_keys)
-            if k in batch
-        }
-        rows = self.media_per_row(batch)
-        for key in {k for row in rows for k in row}:
-            out[key] = torch.cat([row[key] for row in rows for _ in range(group) if key in row], dim=0)
-        return out
+    def position_ids(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        """Position ids for a forward, as `generate` computes them: [N, seq_len] 1-D positions here.
 
-    def position_ids(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Position ids [3, N, seq_len] for a forward, as `generate` computes them."""
-        raise NotImplementedError
+        Families with 3-D (mRoPE) positions override this with the model's own index.
+        """
+        positions = inputs["attention_mask"].long().cumsum(-1) - 1  # [N, seq_len]
+        return positions.masked_fill(inputs["attention_mask"] == 0, 1)
 
     # ----------------------------------------------------------------------------------------
     # Boxes and generation
@@ -336,10 +436,15 @@ class Template:
         width, height = image_size
         if self.box_convention == "rel1000":
             return width / 1000.0, height / 1000.0
+        if self.box_convention == "rel1":
+            return float(width), float(height)
         if self.box_convention == "abs_input":
             in_width, in_height = input_size
             return width / in_width, height / in_height
-        raise NotImplementedError(f"box convention {self.box_convention!r}")
+        raise ConfigError(
+            f"template {self.name!r} has no box convention (it takes {', '.join(self.modalities) or 'text'}); "
+            "box rewards need an image model"
+        )
 
     def box_mapper(self, prompt: PromptInputs):
         """A callable `(box, image_index=0) -> box in original pixels` for one prompt's images.
@@ -348,6 +453,11 @@ class Template:
         """
 
         def to_image_box(box, image_index: int = 0) -> list[float]:
+            if image_index >= len(prompt.image_sizes):
+                raise DataError(
+                    f"sample {prompt.id}: a box refers to image {image_index}, but the prompt has "
+                    f"{len(prompt.image_sizes)} image(s)"
+                )
             return self.box_to_image(box, prompt.image_sizes[image_index], prompt.input_sizes[image_index])
 
         return to_image_box
@@ -355,12 +465,29 @@ class Template:
     @property
     def stop_token_ids(self) -> list[int]:
         """Ids that end a completion: pass with the eos id to generate."""
-        return sorted({self._token_id(t) for t in self.stop_tokens})
+        return sorted({self.token_id(t) for t in self.stop_tokens})
 
     @property
     def suppress_token_ids(self) -> list[int]:
-        """Ids a policy must never sample (placeholders, vision delimiters): pass to generate."""
-        return sorted({self._token_id(t) for t in self.never_sample_tokens})
+        """Ids a policy must never sample (placeholders, media delimiters): pass to generate."""
+        return sorted({self.token_id(t) for t in self.never_sample_tokens})
+
+
+def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate on dim 0, zero-padding trailing dims to the largest shape first.
+
+    >>> cat_padded([torch.ones(1, 2), torch.ones(2, 3)]).tolist()
+    [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    """
+    if len({tuple(t.shape[1:]) for t in tensors}) > 1:
+        shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+        padded = []
+        for t in tensors:
+            out = t.new_zeros((t.shape[0], *shape))
+            out[tuple(slice(0, n) for n in t.shape)] = t
+            padded.append(out)
+        tensors = padded
+    return torch.cat(tensors, dim=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +524,7 @@ def known_templates() -> list[str]:
 def get_template(model_type: str, processor, **kwargs) -> Template:
     """The registered template for `model_type` ('qwen2-vl', 'qwen2_vl' ...), bound to `processor`.
 
-    kwargs are the template's options, e.g. `min_pixels`, `max_pixels`, `video_max_pixels`.
+    kwargs are the template's options (see MediaOptions), e.g. `min_pixels`, `max_pixels`.
     """
     key = _normalise(model_type)
     if key not in _TEMPLATES:

@@ -1,0 +1,128 @@
+"""A model family added in one file outside the package, as docs/custom_template.md walks through.
+
+The plugin is the example file of the docs page itself (extracted from its code block), so the
+page's code is what is tested.
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgrpo.data.schema import LoadedSample
+from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.models import load_model, load_processor
+from mmgrpo.policy import Policy
+from mmgrpo.templates import get_template, known_templates, load_template_plugin
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_template.md"
+
+
+def _doc_plugin_source() -> str:
+    """The code block right after "Save this as `my_template.py`" in the docs page."""
+    text = DOC.read_text()
+    after = text[text.index("Save this as `my_template.py`") :]
+    return re.search(r"```python\n(.*?)```", after, re.S).group(1)
+
+
+def _image(width, height, seed=0):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plugin") / "my_template.py"
+    path.write_text(_doc_plugin_source())
+    assert load_template_plugin(str(path)) == ["qwen2-vl-nosys"]
+    return path
+
+
+def test_plugin_registers_and_loads_once(plugin):
+    assert "qwen2-vl-nosys" in known_templates()
+    assert load_template_plugin(str(plugin)) == ["qwen2-vl-nosys"]  # a second load is a no-op
+
+
+def test_plugin_template_works_end_to_end(plugin, tiny_qwen2_vl_path):
+    processor, model = load_processor(tiny_qwen2_vl_path), load_model(tiny_qwen2_vl_path)
+    template = get_template("qwen2_vl_nosys", processor)  # names are normalised
+    samples = [
+        LoadedSample(
+            id="c/0", messages=[{"role": "user", "content": "<image>Where?"}], images=[_image(84, 56)]
+        ),
+        LoadedSample(
+            id="c/1",
+            messages=[{"role": "user", "content": "Is <image> red? Think step by step."}],
+            images=[_image(140, 112, seed=1)],
+        ),
+    ]
+    prompts = [template.encode_prompt(s) for s in samples]
+    assert prompts[0].prompt_text.startswith("<|im_start|>user\n")  # no default system turn
+    for prompt, sample in zip(prompts, samples):
+        expected = processor(text=[prompt.prompt_text], images=sample.images, return_tensors="pt")
+        assert prompt.prompt_ids.tolist() == expected["input_ids"][0].tolist()
+        assert torch.equal(prompt.mm["pixel_values"], expected["pixel_values"])
+
+    batch = template.collate(prompts)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(
+            **batch,
+            max_new_tokens=5,
+            do_sample=True,
+            suppress_tokens=template.suppress_token_ids,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    completion_ids = out.sequences[:, batch["input_ids"].shape[1] :]
+    expected = torch.log_softmax(torch.stack(out.logits, 1), -1).gather(-1, completion_ids[..., None])[..., 0]
+    policy = Policy(model, template)
+    with torch.no_grad():
+        logps, _ = policy.completion_logprobs(
+            policy.forward_batch(prompts, [1, 1]), completion_ids, torch.ones_like(completion_ids)
+        )
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+
+    # its own box convention: 0-1 fractions of the original image
+    assert template.box_mapper(prompts[0])([0.5, 0.5, 1.0, 1.0]) == [42.0, 28.0, 84.0, 56.0]
+    audio = LoadedSample(
+        id="c/2", messages=[{"role": "user", "content": "<audio>?"}], audios=[np.zeros(800, np.float32)]
+    )
+    with pytest.raises(DataError, match="c/2.*audio.*qwen2-vl-nosys"):
+        template.encode_prompt(audio)
+
+
+def test_plugin_as_module(tmp_path, monkeypatch):
+    (tmp_path / "my_plugin_pkg_x1.py").write_text(
+        "from mmgrpo.templates import register_template\n"
+        "from mmgrpo.templates.qwen2 import Qwen2Template\n"
+        "@register_template('qwen2-terse')\n"
+        "class Terse(Qwen2Template):\n"
+        "    def render(self, messages, add_generation_prompt=True):\n"
+        "        return ''.join(m['content'] for m in messages)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert load_template_plugin("my_plugin_pkg_x1") == ["qwen2-terse"]
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (None, "no such file"),
+        ("x = 1\n", "registered no template"),
+        ("raise RuntimeError('boom')\n", "failed to load: RuntimeError: boom"),
+        (
+            "from mmgrpo.templates import Template, register_template\n"
+            "register_template('qwen2-vl')(type('Again', (Template,), {}))\n",
+            "already registered",
+        ),
+    ],
+)
+def test_plugin_errors(source, message, tmp_path):
+    path = tmp_path / "bad_template.py"
+    if source is not None:
+        path.write_text(source)
+    with pytest.raises(ConfigError, match=message):
+        load_template_plugin(str(path))
