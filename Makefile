@@ -8,6 +8,7 @@ REQ_HASH := $(shell sha256sum requirements.txt | cut -c1-16)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: venv demo test test-fast lint bench clean
 
@@ -18,6 +19,9 @@ $(STAMP):
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
+	@echo "Building DeepSpeed's CPU communication op once (about 100 s), cached in $(VENV)/torch_extensions"
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(VENV)/bin/python -c \
+		"from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $@
 
 $(VENV)/.editable: $(STAMP) pyproject.toml

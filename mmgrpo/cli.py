@@ -5,6 +5,7 @@
     mmgrpo eval     --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test
     mmgrpo compare  runs/a/eval runs/b/eval
     mmgrpo report   runs/x
+    mmgrpo export   --merge_lora --model runs/x/checkpoint-50 --output_dir runs/x/merged
     mmgrpo viz      attention --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test --index 0
     mmgrpo datasets
     mmgrpo demo
@@ -24,6 +25,7 @@ COMMANDS = {
     "compare": "A/B comparison of two evals with bootstrap intervals and p-values",
     "report": "HTML report with plots of a training run",
     "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
+    "export": "write a LoRA checkpoint as a plain HF folder (--merge_lora)",
     "datasets": "list the dataset registry with splits and sizes",
     "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
 }
@@ -39,8 +41,10 @@ def _usage() -> str:
 def cmd_train(argv):
     from mmgrpo.config import TrainConfig
     from mmgrpo.engine import train
+    from mmgrpo.parallel import rank_errors
 
-    out = train(TrainConfig.from_args(argv))
+    with rank_errors():  # under torchrun: an error names its rank, a timed-out collective says why
+        out = train(TrainConfig.from_args(argv))
     print(f"run written to {out}")
 
 
@@ -51,6 +55,12 @@ def cmd_sft(argv):
     parser = build_parser(SFTConfig, prog="mmgrpo sft", description="Supervised warm start: cross-entropy on the answer tokens.")
     out = sft(config_from_namespace(SFTConfig, parser.parse_args(argv)))
     print(f"SFT model written to {out}")
+
+
+def cmd_export(argv):
+    from mmgrpo.lora import export_main
+
+    export_main(argv)
 
 
 def cmd_datasets(argv):

@@ -40,10 +40,31 @@ class ModelConfig:
     """Frames per second sampled from a video file."""
     video_nframes: int | None = None
     """A fixed number of frames per video (overrides `video_fps`)."""
+    use_audio_in_video: bool = False
+    """Qwen2.5-Omni: decode each video's sound track and feed it interleaved with the frames (every video needs sound)."""
+    template_plugin: list[str] = field(default_factory=list)
+    """Python files (`my_template.py`) or modules (`my_pkg.templates`) that register templates, imported before `--model_type` is looked up."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: about 20% slower, much less activation memory."""
     shared_prefix: bool = True
     """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
+    # ---- which weights train (mmgrpo/lora.py) ----
+    train_type: str = "full"
+    """`full` (every weight not frozen) or `lora` (peft adapters only; the reference model is the base)."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: int = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
+    lora_dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """LoRA targets: all-linear | llm | vision | aligner (parts, via the template) or layer names (q_proj v_proj)."""
+    freeze_vit: bool = False
+    """Freeze the vision (and audio) tower: no gradient in full training, no adapters with LoRA."""
+    freeze_aligner: bool = False
+    """Freeze the aligner (projector between the vision tower and the LLM)."""
+    freeze_llm: bool = False
+    """Freeze the language model and LM head."""
 
 
 @dataclass
@@ -102,6 +123,8 @@ class AlgoConfig:
     """`token` (GRPO) or `sequence` (GSPO)."""
     advantage_estimator: str = "grpo"
     """Registered advantage estimator."""
+    modality_weights: list[str] = field(default_factory=list)
+    """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
 
 
 @dataclass
@@ -124,6 +147,10 @@ class OptimConfig:
     """Completions per micro-batch (as in TRL: must be a multiple of num_generations... per step)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer update. A rollout batch is batch_size x accumulation completions."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
+    prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
+    each rollout batch is one optimizer update. 0: micro-batches of per_device_train_batch_size rows."""
 
 
 @dataclass
@@ -145,6 +172,24 @@ class EvalConfig:
 
 
 @dataclass
+class DistConfig:
+    """Beyond one process (mmgrpo/parallel/, docs/distributed.md): launch with torchrun."""
+
+    parallel: str = "none"
+    """none (one process) | fsdp2 (PyTorch FSDP2) | zero3 (DeepSpeed ZeRO-3). Under torchrun pick fsdp2 or zero3."""
+    deepspeed: str | None = None
+    """As in ms-swift: `zero3` or a DeepSpeed JSON path ("auto" values filled from the flags). Implies --parallel zero3."""
+    offload_optimizer: bool = False
+    """ZeRO-3: keep optimizer states (and the step) on the CPU."""
+    offload_param: bool = False
+    """ZeRO-3: keep parameters on the CPU between uses. FSDP2: CPUOffloadPolicy (parameters, gradients, optimizer)."""
+    ddp_timeout: int = 1800
+    """Seconds a collective waits for the other ranks before failing (a dead or hung rank stops the run)."""
+    gather_for_generation: bool = True
+    """FSDP2 / ZeRO-3 rollouts gather the full weights once per rollout (fast); false: every decoding step gathers (less memory)."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -152,6 +197,7 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     output_dir: str = "runs/latest"
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
     max_steps: int = 100
@@ -284,7 +330,7 @@ def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.Argumen
 def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
     """Map a nested or flat YAML mapping to dotted field paths; unknown keys are errors."""
     by_name = {path[-1]: ".".join(path) for path, _, _ in _leaves(cls)}
-    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval")}
+    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval", "dist")}
     out = {}
     for key, value in (data or {}).items():
         if key in sections and isinstance(value, dict):
@@ -327,6 +373,9 @@ def config_from_namespace(cls, ns: argparse.Namespace):
 
 
 def validate(cfg: TrainConfig) -> None:
+    from mmgrpo.parallel import validate_parallel
+
+    validate_parallel(cfg)  # --parallel, --deepspeed JSON, world size, LoRA options
     g = cfg.rollout.num_generations
     batch = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
     if g < 2 and not isinstance(cfg, SFTConfig):
@@ -358,6 +407,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--beta must be >= 0 and --epsilon > 0.")
     if cfg.algo.num_iterations < 1:
         raise ConfigError("--num_iterations must be at least 1.")
+    parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
+    if cfg.optim.max_tokens_per_microbatch < 0:
+        raise ConfigError("--max_tokens_per_microbatch must be >= 0 (0: fixed micro-batches).")
+    if cfg.optim.max_tokens_per_microbatch and (cfg.dist.parallel != "none" or cfg.dist.deepspeed):
+        raise ConfigError(
+            "--max_tokens_per_microbatch is single-process for now: under torchrun each rank would pack its rows "
+            "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
+            "--per_device_train_batch_size."
+        )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
@@ -366,3 +424,34 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
         raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
+
+
+MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values
+
+
+def parse_modality_weights(specs: list[str]) -> dict[str, float]:
+    """`--modality_weights` as {modality: weight}; a bad name or number is a ConfigError.
+
+    >>> parse_modality_weights(["image=1.0", "video=0.5"])
+    {'image': 1.0, 'video': 0.5}
+    """
+    if isinstance(specs, dict):  # a YAML config may give {image: 1.0, video: 0.5}
+        specs = [f"{name}={value}" for name, value in specs.items()]
+    weights = {}
+    for spec in specs or []:
+        name, sep, value = str(spec).partition("=")
+        name = name.strip()
+        if not sep or name not in MODALITIES:
+            raise ConfigError(
+                f"--modality_weights {spec!r}: give NAME=WEIGHT with NAME one of {', '.join(MODALITIES)}, e.g. video=0.5."
+            )
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not weight >= 0 or weight == float("inf"):
+            raise ConfigError(f"--modality_weights {spec!r}: the weight must be a finite number >= 0.")
+        if name in weights:
+            raise ConfigError(f"--modality_weights names {name!r} twice.")
+        weights[name] = weight
+    return weights

@@ -19,17 +19,19 @@ import random
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mmgrpo.config import TrainConfig
+from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.grpo.advantages import group_advantages
+from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.losses import policy_loss
-from mmgrpo.grpo.shared_prefix import prompt_rows
+from mmgrpo.parallel import NullLogger
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.runlog import RunLogger, progress_bar
 from mmgrpo.setup import build_run
@@ -72,8 +74,16 @@ def autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
 
 
-def micro_batches(num_rows: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+def plan_micro_batches(cfg: TrainConfig, policy, encoded: list, completion_mask: torch.Tensor):
+    """The log-prob forwards' micro-batches (mmgrpo/grpo/batching.py) and their padding fraction."""
+    prompt_lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
+    completion_lengths = completion_mask.sum(1).tolist()
+    G, budget = cfg.rollout.num_generations, cfg.optim.max_tokens_per_microbatch
+    if budget:
+        micro = pack_micro_batches(prompt_lengths, completion_lengths, G, budget, shared_prefix=policy.shared_prefix)
+    else:
+        micro = fixed_micro_batches(completion_lengths, G, cfg.optim.per_device_train_batch_size)
+    return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=policy.shared_prefix)
 
 
 def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
@@ -86,7 +96,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
     with timers("rollout"):
-        prompt_batch = template.collate(encoded)
+        prompt_batch = run.strategy.align_media(template.collate(encoded), template)  # equal vision-tower calls on all ranks
         params = SamplingParams(
             num_generations=G,
             max_new_tokens=cfg.rollout.max_completion_length,
@@ -97,7 +107,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         with autocast(cfg, run.device):
             rollout = policy.generate(prompt_batch, params)
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
-        completions = template.tokenizer.batch_decode(completion_ids * completion_mask, skip_special_tokens=True)
+        completions = policy.decode(rollout)
 
     with timers("reward"):
         columns = reward_columns(samples, encoded, template, G)
@@ -106,35 +116,40 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     loss_mask = completion_mask.clone()
     if cfg.rollout.mask_truncated_completions:
         loss_mask[rollout.truncated] = 0
-    slices = micro_batches(num_rows, cfg.optim.per_device_train_batch_size)
-    row_batches = []  # each micro-batch's prompts, collated once for the old, ref and update forwards
-    for s in slices:
-        prompt_ids, counts = prompt_rows(s, G)
-        row_batches.append(policy.forward_batch([encoded[p] for p in prompt_ids], counts))
+    micro, padding = plan_micro_batches(cfg, policy, encoded, completion_mask)
+    # each micro-batch's prompts, collated once for the old, ref and update forwards
+    row_batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts) for mb in micro]
+    row_batches = [run.strategy.align_media(b, template) for b in row_batches]
 
     old_logps = None
     if cfg.algo.num_iterations > 1:
         with timers("old"), torch.no_grad(), autocast(cfg, run.device):
-            old_logps = torch.cat([
-                policy.completion_logprobs(b, completion_ids[s], completion_mask[s], temperature=cfg.rollout.temperature)[0]
-                for b, s in zip(row_batches, slices)
-            ])
+            old_logps = scatter_rows([
+                policy.completion_logprobs(b, mb.take(completion_ids), mb.take(completion_mask), temperature=cfg.rollout.temperature)[0]
+                for b, mb in zip(row_batches, micro)
+            ], micro, completion_ids.shape)
     ref_logps = None
     if cfg.algo.beta > 0:
         with timers("ref"), torch.no_grad(), autocast(cfg, run.device):
-            ref_logps = torch.cat([
+            ref_logps = scatter_rows([
                 policy.completion_logprobs(
-                    b, completion_ids[s], completion_mask[s], temperature=cfg.rollout.temperature, model=run.ref_model
+                    b, mb.take(completion_ids), mb.take(completion_mask), temperature=cfg.rollout.temperature, reference=True
                 )[0]
-                for b, s in zip(row_batches, slices)
-            ])
+                for b, mb in zip(row_batches, micro)
+            ], micro, completion_ids.shape)
 
     with timers("adv"):
         advantages, adv_stats = group_advantages(torch.nan_to_num(rewards, nan=0.0), G, cfg.algo.scale_rewards)
+        advantages = advantages.to(completion_ids.device)
+        if cfg.algo.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
+            weights = parse_modality_weights(cfg.algo.modality_weights)
+            advantages = advantages * torch.tensor(
+                [weights.get(samples[i // G].modality, 1.0) for i in range(num_rows)], device=advantages.device
+            )
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
     with timers("update"):
-        loss_metrics = update_policy(run, row_batches, slices, completion_ids, completion_mask, loss_mask,
+        loss_metrics = update_policy(run, row_batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps)
 
     lengths = completion_mask.sum(1).float()
@@ -147,6 +162,8 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
         "learning_rate": learning_rate,
+        "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
+        "micro_batches": len(micro),
         **loss_metrics,
     }
     for name, values in zip(run.rewards.names, per_func):
@@ -159,59 +176,61 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     metrics.update(timers.seconds)
     metrics["time/step"] = sum(timers.seconds.values())
     metrics["samples_per_s"] = num_rows / metrics["time/step"]
+    metrics["memory/peak_gb"] = run.strategy.peak_memory_gb()
+    metrics = run.strategy.all_reduce_metrics(metrics)  # means over ranks (max of *_max and memory, sum of *_per_s)
 
     records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
     return metrics, records
 
 
-def update_policy(run, row_batches, slices, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
+def update_policy(run, row_batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
     """num_iterations passes of gradient-accumulated updates over the rollout batch."""
     cfg, policy = run.cfg, run.policy
-    accumulation = cfg.optim.gradient_accumulation_steps
+    # Packed under a token budget, the micro-batches of a rollout batch vary in number: all of them
+    # accumulate into one update (without a budget, accumulation steps x batch size is the rollout batch too).
+    accumulation = len(micro) if cfg.optim.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
     total_tokens = loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
     token_weighted: dict[str, float] = {}  # metrics averaged over tokens of the whole step
     update_losses = []
     for _ in range(cfg.algo.num_iterations):
-        for start in range(0, len(slices), accumulation):
-            group = range(start, min(start + accumulation, len(slices)))
+        for start in range(0, len(micro), accumulation):
+            group = range(start, min(start + accumulation, len(micro)))
             # Each micro-batch's loss is normalised by the tokens / sequences of the whole update,
             # so the micro-batch losses (and gradients) add up to those of one big batch.
-            update_tokens = sum(loss_mask[slices[i]].sum() for i in group).clamp(min=1)
-            update_sequences = sum(slices[i].stop - slices[i].start for i in group)
+            update_tokens = sum(micro[i].take(loss_mask).sum() for i in group).clamp(min=1)
+            # Ranks average their gradients: normalise by the global count / world size.
+            update_tokens = run.strategy.mean_across_ranks(update_tokens)
+            update_sequences = sum(len(micro[i]) for i in group)
             update_loss = 0.0
             for i in group:
-                s = slices[i]
+                mb = micro[i]
                 with autocast(cfg, run.device):
                     logps, entropy = policy.completion_logprobs(
-                        row_batches[i], completion_ids[s], completion_mask[s],
+                        row_batches[i], mb.take(completion_ids), mb.take(completion_mask),
                         temperature=cfg.rollout.temperature, compute_entropy=True,
                     )
                     loss, metrics = policy_loss(
-                        logps, None if old_logps is None else old_logps[s], None if ref_logps is None else ref_logps[s],
-                        advantages[s], loss_mask[s],
+                        logps, None if old_logps is None else mb.take(old_logps), None if ref_logps is None else mb.take(ref_logps),
+                        mb.take(advantages), mb.take(loss_mask),
                         loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high,
                         beta=cfg.algo.beta, max_completion_length=cfg.rollout.max_completion_length,
                         importance_sampling_level=cfg.algo.importance_sampling_level,
                         num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
                     )
-                if not torch.isfinite(loss):
+                if run.strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
                     run.nonfinite_steps += 1
                     warnings.warn(f"non-finite loss ({loss.item()}) at step {run.step}: update skipped "
                                   f"({run.nonfinite_steps}/{cfg.max_nonfinite_steps} allowed)", stacklevel=1)
-                    run.optimizer.zero_grad(set_to_none=True)
+                    run.strategy.zero_grad(run.optimizer)
                     return {"loss": float("nan"), "nonfinite_steps": run.nonfinite_steps}
-                loss.backward()
+                run.strategy.backward(loss)
                 update_loss += loss.item()
-                tokens = loss_mask[s].bool()
+                tokens = mb.take(loss_mask).bool()
                 metrics["entropy"] = entropy[tokens].mean() if tokens.any() else 0.0
-                share = float(loss_mask[s].sum() / total_tokens)
+                share = float(tokens.sum() / total_tokens)
                 for key, value in metrics.items():
                     token_weighted[key] = token_weighted.get(key, 0.0) + float(value) * share
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                policy.trainable_parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            )
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            grad_norm = run.strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             update_losses.append(update_loss)
     run.scheduler.step()
     return {**token_weighted, "loss": sum(update_losses) / len(update_losses), "grad_norm": float(grad_norm),
@@ -246,6 +265,7 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
                         for f, name in enumerate(names)},
             "reward": rewards[rows.start:rows.stop].tolist(),
             "advantage": advantages[rows.start:rows.stop].tolist(),
+            **({"augment": sample.columns["augment"]} if "augment" in sample.columns else {}),  # data/augment.py
         })
     return records
 
@@ -257,19 +277,20 @@ def train(cfg: TrainConfig) -> Path:
     run = build_run(cfg)  # rewards and data checked before any model loads
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
-    logger = RunLogger(out, cfg)
+    logger = RunLogger(out, cfg) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
     total_steps = run.total_steps(prompts_per_step)
-    run.optimizer = torch.optim.AdamW(
-        run.policy.trainable_parameters(), lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
+    make_optimizer = partial(
+        torch.optim.AdamW, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
         betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
     )
+    run.optimizer = run.strategy.wrap(run.policy, make_optimizer)  # FSDP2 / ZeRO-3 shard the model, then the optimizer
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg, total_steps))
     batches = run.prompt_batches(prompts_per_step)
-    with progress_bar(total_steps, "GRPO") as bar:
+    with progress_bar(total_steps, "GRPO", show=run.strategy.is_main) as bar:
         for step in range(1, total_steps + 1):
             run.step = step
-            torch.manual_seed(cfg.seed * 100_003 + step)  # sampling is reproducible per step
+            torch.manual_seed(cfg.seed * 100_003 + step + 1_000_003 * run.strategy.rank)  # reproducible per step and rank
             metrics, records = grpo_step(run, next(batches), step)
             metrics.update(evaluator.maybe_evaluate(run, step, final=step == total_steps))  # eval/<metric>
             logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
@@ -283,5 +304,6 @@ def train(cfg: TrainConfig) -> Path:
                 run.save(out / f"checkpoint-{step}")
     run.save(out / f"checkpoint-{total_steps}")
     logger.close()
+    run.strategy.close()
     return out
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmgrpo.grpo.logprobs import completion_logprobs
+from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
 from mmgrpo.grpo.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.hf import HFRollout
@@ -44,8 +44,12 @@ def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
         return None
 
 
+def _plain_call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
 class Policy:
-    def __init__(self, model: nn.Module, template, *, shared_prefix: bool = True, logprob_chunk_size: int = 4096):
+    def __init__(self, model: nn.Module, template, *, shared_prefix: bool = True, logprob_chunk_size: int | None = None):
         self.model = model
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
@@ -59,9 +63,16 @@ class Policy:
             if not self.shared_prefix:
                 console.print(f"[yellow]group-shared prefix off ({reason}): prompts run once per completion")
         backend = SharedPrefixRollout if self.shared_prefix else HFRollout
+        extra = {} if self.shared_prefix else {"repeat_rows": template.repeat_rows}  # audio rows (rollout/hf.py)
         self.rollout_backend = backend(
-            model, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, suppress_token_ids=template.suppress_token_ids
+            model, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, suppress_token_ids=template.suppress_token_ids,
+            **extra,
         )
+        # How forwards and rollouts run (mmgrpo/parallel): a plain call here; FSDP2 / ZeRO-3 route
+        # them through a wrapper module whose forward gathers the sharded weights they touch.
+        self.call = self.ref_call = self.rollout_call = _plain_call
+        self.ref_model: nn.Module | None = None  # frozen copy of the starting weights (full training, beta > 0)
+        self.disable_adapters = None  # LoRA: a context manager under which the model is the base = the reference
 
     # ---- parts ---------------------------------------------------------------------------
 
@@ -75,19 +86,60 @@ class Policy:
 
     # ---- rollout -------------------------------------------------------------------------
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to_device(self, batch: dict) -> dict:
+        """Tensors of a collated batch moved to the model's device (a no-op on CPU)."""
+        device = self.device
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
     def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
-        return self.rollout_backend.generate(prompt_batch, params)
+        """B collated prompts -> B x G completions (on the model's device)."""
+        return self.rollout_call(self.rollout_backend.generate, self.to_device(prompt_batch), params)
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        """Completion texts: the tokens up to EOS, special tokens dropped."""
+        rows = rollout.completion_ids.masked_fill(rollout.completion_mask == 0, self.pad_token_id).tolist()
+        return self.template.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     # ---- log-probs -----------------------------------------------------------------------
 
     def forward_batch(self, prompts: list, counts: list[int]) -> ForwardBatch:
         """Collate a micro-batch's prompts (PromptInputs) whose completions number `counts`."""
         if self.shared_prefix:
-            return ForwardBatch(self.template.collate(prompts), list(counts), True)
+            return ForwardBatch(self.to_device(self.template.collate(prompts)), list(counts), True)
         repeated = [p for p, count in zip(prompts, counts) for _ in range(count)]
-        return ForwardBatch(self.template.collate(repeated), list(counts), False)
+        return ForwardBatch(self.to_device(self.template.collate(repeated)), list(counts), False)
 
     def completion_logprobs(
+        self,
+        batch: ForwardBatch,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+        reference: bool = False,
+        model: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of each completion token given its prompt (see `_completion_logprobs`).
+
+        reference: under the reference model: the frozen copy, or (LoRA) this model with its
+        adapters disabled.
+        """
+        kwargs = dict(temperature=temperature, compute_entropy=compute_entropy)
+        if not reference:
+            return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, model=model, **kwargs)
+        if self.ref_model is not None:
+            return self.ref_call(self._completion_logprobs, batch, completion_ids, completion_mask, model=self.ref_model, **kwargs)
+        if self.disable_adapters is None:
+            raise ValueError("no reference model: beta > 0 loads one in full training; LoRA uses the adapter-free base")
+        with self.disable_adapters():
+            return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, **kwargs)
+
+    def _completion_logprobs(
         self,
         batch: ForwardBatch,
         completion_ids: torch.Tensor,
@@ -117,7 +169,8 @@ class Policy:
             hidden,
             lm_head.weight,
             completion_ids,
-            chunk_size=self.logprob_chunk_size,
+            # rows per LM-head chunk: by default as many as fit 128 MB of fp32 logits (220 at a 152K vocabulary)
+            chunk_size=self.logprob_chunk_size or logits_chunk_rows(lm_head.weight.shape[0]),
             temperature=temperature,
             lm_head_bias=getattr(lm_head, "bias", None),
             compute_entropy=compute_entropy,

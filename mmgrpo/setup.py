@@ -18,11 +18,13 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.pipeline import cycle, make_prompt_loader
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.lora import apply_train_type, check_trainable, model_skeleton, save_pretrained
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
+from mmgrpo.parallel import build_strategy
 from mmgrpo.policy import Policy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
-from mmgrpo.templates import get_template
+from mmgrpo.templates import get_template, load_template_plugin
 
 
 def dataset_of(sample_id: str) -> str:
@@ -115,12 +117,15 @@ class Run:
     nonfinite_steps: int = 0
     optimizer: torch.optim.Optimizer | None = None
     scheduler: object = None
+    strategy: object = None  # mmgrpo.parallel.Strategy: one process, FSDP2 or ZeRO-3
+    peft_model: object = None  # LoRA: the PeftModel around `model` (it saves the adapter)
     _loader: object = field(default=None, repr=False)
 
     def total_steps(self, prompts_per_step: int) -> int:
         if self.cfg.max_steps > 0:
             return self.cfg.max_steps
-        return max(1, math.floor(len(self.dataset) * self.cfg.num_train_epochs / prompts_per_step))
+        rows_per_rank = len(self.dataset) // self.strategy.world_size  # each rank reads its own share
+        return max(1, math.floor(rows_per_rank * self.cfg.num_train_epochs / prompts_per_step))
 
     def prompt_batches(self, prompts_per_step: int):
         """An endless stream of lists of (Sample, PromptInputs), reshuffled each epoch."""
@@ -131,16 +136,59 @@ class Run:
             seed=self.cfg.seed,
             num_workers=self.cfg.data.dataloader_num_workers,
             media_kwargs=self.media_options(),
+            rank=self.strategy.rank,
+            world_size=self.strategy.world_size,
         )
         return cycle(loader)
 
     def media_options(self) -> dict:
-        return {"fps": self.cfg.model.video_fps, "nframes": self.cfg.model.video_nframes}
+        options = {"fps": self.cfg.model.video_fps, "nframes": self.cfg.model.video_nframes}
+        if self.cfg.model.use_audio_in_video:  # each video's sound track too, at the audio tower's rate
+            options.update(audio_in_video=True, sampling_rate=self.template.sampling_rate or 16000)
+        return options
 
     def save(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path, safe_serialization=True)
-        self.processor.save_pretrained(path)
+        """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
+        # full weights gathered from the shards (LoRA: the adapters only)
+        state_dict = self.strategy.full_state_dict(self.policy, trainable_only=self.peft_model is not None)
+        if self.strategy.is_main:
+            save_pretrained(self.model, self.peft_model, path, state_dict)
+            self.processor.save_pretrained(path)
+        self.strategy.barrier()
+
+
+def check_modalities(dataset, template) -> None:
+    """DataError if a dataset's first row has a medium the template's family does not take.
+
+    One row per dataset (of a mixture) is read, not the whole dataset: a later odd row still
+    fails when it is encoded, with its sample id named.
+    """
+    taken = set(template.modalities)
+    for source in getattr(dataset, "sources", [dataset]):
+        if not len(source):
+            continue
+        sample = source[0]
+        for kind in ("image", "video", "audio"):
+            if getattr(sample, kind + "s") and kind not in taken:
+                raise DataError(
+                    f"dataset {source.name!r} has {kind} input (sample {sample.id}), but --model_type "
+                    f"{template.name!r} takes only {', '.join(sorted(taken)) or 'text'}; pick a model family "
+                    f"that takes {kind} (docs/models.md), or drop this dataset"
+                )
+
+
+def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Write --min_pixels/--max_pixels into the image processor, so checkpoints (and `mmgrpo eval`
+    of them) resize images exactly as training did."""
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None)
+    if not isinstance(size, dict) or "shortest_edge" not in size:
+        return  # a family without pixel budgets (the template rejects the flags itself)
+    image_processor.size = {
+        **size,
+        "shortest_edge": min_pixels or size["shortest_edge"],
+        "longest_edge": max_pixels or size["longest_edge"],
+    }
 
 
 def pick_device() -> torch.device:
@@ -150,24 +198,36 @@ def pick_device() -> torch.device:
 def build_run(cfg: TrainConfig) -> Run:
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
     rewards = build_rewards(cfg, dataset)
+    for spec in cfg.model.template_plugin:  # registers templates for --model_type; a bad file fails before any model loads
+        load_template_plugin(spec)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    device = pick_device()
+    strategy = build_strategy(cfg)  # flags checked, process group up (torchrun), device picked
+    device = strategy.device
     path = resolve_model_path(cfg.model.model)
     processor = load_processor(path)
+    keep_pixel_limits(processor, cfg.model.min_pixels, cfg.model.max_pixels)
     template = get_template(
         cfg.model.model_type, processor, max_pixels=cfg.model.max_pixels, min_pixels=cfg.model.min_pixels,
         video_fps=cfg.model.video_fps, video_nframes=cfg.model.video_nframes,
+        **({"use_audio_in_video": True} if cfg.model.use_audio_in_video else {}),  # qwen2.5-omni's option
     )
-    model = load_model(path).to(device)
+    check_modalities(dataset, template)  # audio for a vision-only family: an error before loading
+    check_trainable(cfg.model, model_skeleton(path), template.components)  # LoRA targets, --freeze_*: before loading
+    model = load_model(path).to(strategy.load_device)
     model.train()
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_model = None
-    if cfg.algo.beta > 0:
+    ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
+    if cfg.algo.beta > 0 and cfg.model.train_type == "full":
         # A frozen copy of the starting weights, in the compute dtype: it never trains.
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if cfg.bf16:
             ref_model.to(torch.bfloat16)
-    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
-    return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device)
+    model, peft_model = apply_train_type(model, template.components, cfg.model, seed=cfg.seed)
+    # Shared-prefix rollouts and forwards are not verified on sharded models yet: plain ones there.
+    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix and cfg.dist.parallel == "none")
+    policy.ref_model = ref_model
+    policy.disable_adapters = peft_model.disable_adapter if peft_model is not None else None
+    return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device,
+               strategy=strategy, peft_model=peft_model)

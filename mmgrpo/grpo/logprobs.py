@@ -30,6 +30,21 @@ Alignment is the caller's: ``hidden[b, t]`` is the state that predicts ``target_
 import torch
 from torch import Tensor
 
+LOGITS_CHUNK_BYTES = 128 * 2**20
+"""Memory of one fp32 [rows, vocab] block of logits; up to three such blocks are alive at once."""
+
+
+def logits_chunk_rows(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one fp32 [rows, vocab] block of logits fits in `budget_bytes`.
+
+    A fixed row count would not do: 4096 rows are 25 MB of logits at a 1.5K vocabulary but
+    2.5 GB at Qwen's 151,936.
+
+    >>> logits_chunk_rows(151936), logits_chunk_rows(1536)
+    (220, 21845)
+    """
+    return max(16, budget_bytes // (4 * vocab_size))
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays fp64
@@ -68,7 +83,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if compute_entropy:
                 # H = logsumexp - sum p * logits
                 probs = torch.softmax(logits, dim=-1)
-                entropy[rows] = chunk_lse - (probs * logits).sum(-1)
+                entropy[rows] = chunk_lse - probs.mul_(logits).sum(-1)  # in place: no third [chunk, V] block
                 del probs
             del logits
         logps = torch.where(valid, logps, 0.0)

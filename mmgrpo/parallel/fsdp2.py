@@ -1,0 +1,96 @@
+"""PyTorch FSDP2 (`--parallel fsdp2`): parameters, gradients and optimizer state sharded over ranks.
+
+    torchrun --nproc_per_node 2 -m mmgrpo train --parallel fsdp2 --bf16 ...
+
+Each transformer block (the model's `_no_split_modules`: decoder layers, vision blocks) is its
+own FSDP unit, all-gathered just before its forward and freed after; the `Wrapper` root holds
+the rest (embeddings, final norm, LM head, patch embedding, merger). With --bf16 the gathered
+weights are bfloat16 and gradients are reduced in float32 (MixedPrecisionPolicy); the sharded
+master weights and AdamW states stay float32. Gradients are averaged over ranks.
+
+Log-prob forwards and rollouts run inside the root's forward (`policy.call`), so the root's
+weights are gathered for the whole call. During a rollout the blocks stay gathered from their
+first decoding step to the end (--gather_for_generation; off: every step gathers every block,
+and synced_gpus keeps the ranks stepping together).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from mmgrpo.parallel.base import Strategy, Wrapper, gather_for_rollouts, hf_state_dict, sync_rollouts
+
+
+def shard(model: torch.nn.Module, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> Wrapper:
+    """fully_shard every transformer block of `model`, then a Wrapper root around it."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in block_classes:
+            fully_shard(module, mp_policy=mp_policy, offload_policy=offload_policy)
+    wrapper = Wrapper(model)
+    fully_shard(wrapper, mp_policy=mp_policy, offload_policy=offload_policy)
+    return wrapper
+
+
+class FSDP2(Strategy):
+    name = "fsdp2"
+
+    @property
+    def load_device(self) -> torch.device:
+        return torch.device("cpu")  # fully_shard moves each rank's shards to its device
+
+    def wrap(self, policy, make_optimizer):
+        if self.cfg.bf16:
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            mp_policy = MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if self.cfg.dist.offload_param else OffloadPolicy()
+        sync_rollouts(policy, self.world_size)
+        self.wrapper = shard(policy.model, mp_policy, offload)
+        policy.call = policy.rollout_call = self.wrapper
+        if self.cfg.dist.gather_for_generation:
+            gather_for_rollouts(policy, self.blocks_gathered)
+        if policy.ref_model is not None:
+            policy.ref_call = shard(policy.ref_model, mp_policy, OffloadPolicy())
+        return make_optimizer(policy.trainable_parameters())  # built on the shards (DTensors)
+
+    @contextmanager
+    def blocks_gathered(self):
+        """Blocks stay gathered after their first forward until the context ends (a whole rollout)."""
+        blocks = [m for m in self.wrapper.modules() if isinstance(m, FSDPModule) and m is not self.wrapper]
+        for block in blocks:
+            block.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for block in blocks:
+                block.set_reshard_after_forward(True, recurse=False)
+                block.reshard()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # each unit's gradients are reduce-scattered (averaged) as its backward ends
+
+    def optimizer_step(self, optimizer, max_grad_norm: float) -> float:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the global norm over all shards
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def full_state_dict(self, policy, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self.wrapper, options=options)  # rank 0 gets it all, the others {}
+        return hf_state_dict(state) if self.is_main else {}

@@ -1,0 +1,242 @@
+"""What tests/test_distributed.py runs in each rank, under torchrun (gloo on CPU):
+
+    torchrun --nproc_per_node 2 tests/dist_worker.py {fsdp2|zero3} OUT_DIR
+
+One launch per strategy runs every check, to pay the start-up (imports, DeepSpeed) once:
+
+    parity    one GRPO step on fixed completions (no sampling noise), fp32: loss and the step-1
+              gradients (gathered in full) go to OUT_DIR/parity.pt for comparison with one
+              process on the same global batch (`parity_step(None, ...)` here, run by the test)
+    mixed     rank 0 gets text-only prompts, rank 1 image prompts; real sampling with HF
+              generate, rank 0 stopping after one token: the step must complete (blank images
+              keep the vision-tower calls equal, synced_gpus the decoding steps)
+    save      the sharded model saved as one HF folder (rank 0 writes) plus log-probs of a batch
+              under the sharded model, for the test to compare after from_pretrained
+    lora      `train()` with LoRA adapters (vision frozen), bf16, beta > 0 (reference = adapters
+              off), from the data loader: adapters only change; metrics.jsonl has memory/peak_gb
+
+Rewards used here are plain functions in this file (`--reward_funcs tests/dist_worker.py:fn`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WORKER = str(Path(__file__).resolve())
+PER_RANK_PROMPTS, G = 2, 2  # 2 prompts x 2 completions per rank, in 2 micro-batches of 2
+
+
+def length_reward(completions, **columns) -> list[float]:
+    """Varies with the completion, so advantages (and gradients) are not zero."""
+    return [(len(c) % 7) / 6 for c in completions]
+
+
+def hang_on_rank_1(completions, **columns) -> list[float]:
+    """Rank 1 never returns: the other rank must give up after --ddp_timeout."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.0 for _ in completions]
+
+
+class FixedRollout:
+    """Completions that depend only on the prompt's tokens: runs compare without sampling noise."""
+
+    def __init__(self, eos_token_id: int, pad_token_id: int, max_new_tokens: int):
+        self.eos, self.pad, self.max_new_tokens = eos_token_id, pad_token_id, max_new_tokens
+
+    def generate(self, prompt_batch, params):
+        from mmgrpo.rollout.base import Rollout, completion_mask_from_ids
+
+        rows = []
+        for ids, mask in zip(prompt_batch["input_ids"], prompt_batch["attention_mask"]):
+            seed = sum((i + 1) * int(t) for i, t in enumerate(ids[mask.bool()].tolist())) % 2**31
+            generator = torch.Generator().manual_seed(seed)
+            for _ in range(params.num_generations):
+                length = int(torch.randint(2, self.max_new_tokens + 1, (1,), generator=generator))
+                row = torch.full((self.max_new_tokens,), self.pad)
+                row[:length] = torch.randint(100, 1400, (length,), generator=generator)  # plain BPE tokens
+                if length < self.max_new_tokens:
+                    row[length - 1] = self.eos
+                rows.append(row)
+        completion_ids = torch.stack(rows)  # [B * G, T]
+        completion_mask, truncated = completion_mask_from_ids(completion_ids, [self.eos])
+        return Rollout(completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated)
+
+
+def config(parallel: str, world_size: int, out: Path, *extra: str):
+    from mmgrpo.config import TrainConfig
+
+    accumulation = PER_RANK_PROMPTS * G * 2 // world_size // 2  # the same micro-batch size at any world size
+    strategy = ["--parallel", parallel]
+    if parallel == "zero3":  # a DeepSpeed JSON as ms-swift users write one; every weight partitioned
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ds_zero3.json").write_text(json.dumps({
+            "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # DeepSpeed keeps small weights whole by default
+        }))
+        strategy = ["--deepspeed", str(out / "ds_zero3.json")]
+    return TrainConfig.from_args([
+        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{WORKER}:length_reward",
+        *strategy, "--num_generations", str(G), "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", str(accumulation), "--max_completion_length", "6",
+        "--beta", "0.04", "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--torch_threads", "1",
+        "--ddp_timeout", "60", "--output_dir", str(out), "--max_steps", "1", *extra,
+    ])
+
+
+def image_prompts(template, count: int, offset: int = 0) -> list:
+    """(Sample, PromptInputs) pairs with small images of different sizes and colours."""
+    import PIL.Image
+
+    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.setup import PromptEncoder
+
+    encoder = PromptEncoder(template, 2048)
+    prompts = []
+    for i in range(offset, offset + count):
+        image = PIL.Image.new("RGB", (56 + 28 * (i % 3), 56), ((60 * i) % 255, 90, 200))
+        sample = normalize_row({"query": "<image>What colour is it?", "images": [image], "solution": "blue"},
+                               dataset="pictures", index=i)
+        prompts.append((sample, encoder(sample.load_media())))
+    return prompts
+
+
+def text_prompts(template, count: int) -> list:
+    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.setup import PromptEncoder
+
+    encoder = PromptEncoder(template, 2048)
+    prompts = []
+    for i in range(count):
+        sample = normalize_row({"query": f"What is {i} plus {i}?", "solution": str(2 * i)}, dataset="sums", index=i)
+        prompts.append((sample, encoder(sample.load_media())))
+    return prompts
+
+
+def prepared_run(cfg, fixed_completions: bool):
+    """build_run + optimizer as engine.train does, without its loop."""
+    from functools import partial
+
+    from mmgrpo.engine import seed_everything
+    from mmgrpo.setup import build_run
+
+    cfg.validate()
+    run = build_run(cfg)
+    seed_everything(cfg.seed)
+    run.optimizer = run.strategy.wrap(run.policy, partial(torch.optim.AdamW, lr=cfg.optim.learning_rate))
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
+    if fixed_completions:
+        run.policy.rollout_backend = FixedRollout(run.policy.eos_token_ids[0], run.policy.pad_token_id,
+                                                  cfg.rollout.max_completion_length)
+    return run
+
+
+def full_gradients(strategy, policy) -> dict[str, torch.Tensor]:
+    """Every trainable weight's full gradient (HF names); a collective under FSDP2 / ZeRO-3."""
+    if strategy.name == "none":
+        return {n: p.grad.detach().clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    if strategy.name == "fsdp2":
+        return {n.removeprefix("model."): p.grad.full_tensor() for n, p in strategy.wrapper.named_parameters()
+                if p.grad is not None}
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n.removeprefix("model."): safe_get_full_grad(p).clone() for n, p in strategy.engine.module.named_parameters()
+            if p.requires_grad}
+
+
+def local_fraction(strategy) -> float:
+    """The share of the policy's weights this rank holds: 1 / world size when truly sharded."""
+    if strategy.name == "fsdp2":
+        params = list(strategy.wrapper.parameters())
+        return sum(p.to_local().numel() for p in params) / sum(p.numel() for p in params)
+    if strategy.name == "zero3":
+        params = list(strategy.engine.module.parameters())
+        return sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
+    return 1.0
+
+
+def parity_step(parallel: str | None, out: Path) -> dict:
+    """One GRPO step on this rank's share of a fixed global batch; loss and full gradients."""
+    from mmgrpo.engine import grpo_step
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    run = prepared_run(config(parallel or "none", world_size, out), fixed_completions=True)
+    every_prompt = image_prompts(run.template, PER_RANK_PROMPTS * 2)
+    mine = every_prompt[rank * len(every_prompt) // world_size:(rank + 1) * len(every_prompt) // world_size]
+    captured = {}
+    real_step = run.strategy.optimizer_step
+
+    def capture_then_step(optimizer, max_grad_norm):
+        captured.update(full_gradients(run.strategy, run.policy))
+        return real_step(optimizer, max_grad_norm)
+
+    run.strategy.optimizer_step = capture_then_step
+    metrics, _ = grpo_step(run, mine, step=1)
+    return {"loss": metrics["loss"], "reward": metrics["reward"], "grads": captured, "run": run,
+            "local_fraction": local_fraction(run.strategy)}
+
+
+def main() -> None:
+    parallel, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    timings = {}
+
+    start = time.perf_counter()
+    result = parity_step(parallel, out / "parity_run")
+    run = result.pop("run")
+    if rank == 0:
+        torch.save(result, out / "parity.pt")
+    timings["parity"] = time.perf_counter() - start
+
+    start = time.perf_counter()  # the sharded model after its step: log-probs, then one HF folder
+    from mmgrpo.engine import grpo_step
+
+    batch = run.policy.forward_batch([enc for _, enc in image_prompts(run.template, 2, offset=7)], [1, 1])
+    completion = FixedRollout(run.policy.eos_token_ids[0], run.policy.pad_token_id, 6).generate(
+        batch.prompts, type("P", (), {"num_generations": 1})())
+    with torch.no_grad():
+        logps, _ = run.policy.completion_logprobs(batch, completion.completion_ids, completion.completion_mask)
+    run.save(out / "checkpoint")
+    if rank == 0:
+        torch.save({"batch": batch, "completion_ids": completion.completion_ids,
+                    "completion_mask": completion.completion_mask, "logps": logps}, out / "logps.pt")
+    timings["save"] = time.perf_counter() - start
+
+    start = time.perf_counter()  # text-only prompts on rank 0, images on rank 1, real sampling
+    from mmgrpo.rollout.hf import HFRollout
+
+    # Rank 0 stops after one token (every token ends it), rank 1 samples 6: generate's forward
+    # steps must stay in step across ranks while every block is gathered per step.
+    eos = list(range(1500)) if rank == 0 else run.policy.eos_token_ids
+    backend = HFRollout(run.policy.model, eos_token_ids=eos, pad_token_id=run.policy.pad_token_id,
+                        suppress_token_ids=run.template.suppress_token_ids)
+    backend.generate_kwargs["synced_gpus"] = True
+    run.policy.rollout_backend = backend
+    prompts = text_prompts(run.template, PER_RANK_PROMPTS) if rank == 0 else image_prompts(run.template, PER_RANK_PROMPTS)
+    metrics, _ = grpo_step(run, prompts, step=2)
+    if rank == 0:
+        (out / "mixed.json").write_text(json.dumps({"loss": metrics["loss"], "reward/text": metrics.get("reward/text"),
+                                                    "reward/image": metrics.get("reward/image"),
+                                                    "completion_length_max": metrics["completion_length_max"]}))
+    timings["mixed"] = time.perf_counter() - start
+
+    start = time.perf_counter()  # LoRA + bf16 through the real training loop
+    from mmgrpo.engine import train
+
+    cfg = config(parallel, int(os.environ["WORLD_SIZE"]), out / "lora", "--train_type", "lora", "--lora_rank", "4",
+                 "--freeze_vit", "--bf16", "--lora_dropout", "0", "--learning_rate", "1e-2")
+    train(cfg)
+    timings["lora"] = time.perf_counter() - start
+    if rank == 0:
+        (out / "timings.json").write_text(json.dumps(timings))
+
+
+if __name__ == "__main__":
+    main()
