@@ -4,6 +4,7 @@ The plugin is the example file of the docs page itself (extracted from its code 
 page's code is what is tested.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -126,3 +127,23 @@ def test_plugin_errors(source, message, tmp_path):
         path.write_text(source)
     with pytest.raises(ConfigError, match=message):
         load_template_plugin(str(path))
+
+
+def test_plugin_from_the_command_line(tmp_path):
+    """`mmgrpo train --template_plugin my_template.py` and `mmgrpo eval --template_plugin ...`, as the docs show."""
+    from mmgrpo.cli import main
+
+    path = tmp_path / "my_cli_template.py"  # the docs' plugin under a name no other test loads
+    path.write_text(_doc_plugin_source().replace("qwen2-vl-nosys", "qwen2-vl-nosys-cli"))
+    assert "qwen2-vl-nosys-cli" not in known_templates()
+    out = tmp_path / "run"
+    main(["train", "--template_plugin", str(path), "--model_type", "qwen2-vl-nosys-cli", "--model", "tiny:qwen2-vl",
+          "--dataset", "shapes-color", "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "4",
+          "--max_completion_length", "8", "--beta", "0", "--dataloader_num_workers", "0", "--logging_steps", "100",
+          "--output_dir", str(out)])  # fmt: skip
+    assert (out / "metrics.jsonl").read_text().count("\n") == 1
+    assert "qwen2-vl-nosys-cli" in known_templates()
+    main(["eval", "--template_plugin", str(path), "--model_type", "qwen2-vl-nosys-cli", "--model",
+          str(out / "checkpoint-1"), "--dataset", "shapes-color:test", "--limit", "2",
+          "--max_completion_length", "4", "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["counts"]["all"] == 2

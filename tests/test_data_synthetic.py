@@ -9,6 +9,16 @@ import pytest
 
 from mmgrpo.data.registry import resolve_dataset
 from mmgrpo.data.synthetic import COLOURS, GENERATORS, synthetic_dataset_dir
+from mmgrpo.processors.audio import load_audio
+from mmgrpo.processors.video import load_video
+
+IMAGE_GENERATORS = ["shapes-color", "shapes-count", "shapes-ground"]
+AV_GENERATORS = {  # name -> (modality, train rows, test rows of the built-in entry, files per row)
+    "shapes-motion": ("video", 400, 200, 1),
+    "shapes-motion-frames": ("video", 400, 200, 8),
+    "tones-pitch": ("audio", 400, 200, 1),
+    "tones-count": ("audio", 400, 200, 1),
+}
 
 
 def read_jsonl(path):
@@ -31,7 +41,11 @@ def cache(tmp_path_factory):
         yield root
 
 
-@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_every_generator_is_tested():
+    assert sorted(GENERATORS) == sorted(IMAGE_GENERATORS + list(AV_GENERATORS))
+
+
+@pytest.mark.parametrize("name", IMAGE_GENERATORS)
 def test_builtin_synthetic_datasets_have_their_splits(cache, name):
     train, test = resolve_dataset(name), resolve_dataset(f"{name}:test")
     assert (len(train), len(test)) == (2000, 400)
@@ -77,7 +91,8 @@ def test_generation_is_deterministic(tmp_path, name):
     second = synthetic_dataset_dir(name, train_size=40, test_size=20, cache_dir=tmp_path / "b")
     assert first.name == second.name
     first_bytes, second_bytes = folder_bytes(first), folder_bytes(second)
-    assert len(first_bytes) == 40 + 20 + 3 and first_bytes == second_bytes
+    files_per_row = AV_GENERATORS.get(name, (None, 0, 0, 1))[3]
+    assert len(first_bytes) == (40 + 20) * files_per_row + 3 and first_bytes == second_bytes
     assert len(read_jsonl(first / "train.jsonl")) == 40
     other = synthetic_dataset_dir(name, train_size=40, test_size=20, seed=1, cache_dir=tmp_path / "a")
     assert other != first and folder_bytes(other)["train.jsonl"] != first_bytes["train.jsonl"]
@@ -93,3 +108,63 @@ def test_racing_processes_share_one_complete_copy(tmp_path):
     assert folders[0] == folders[1]
     assert [p.name for p in tmp_path.iterdir()] == [folders[0].rsplit("/", 1)[1]]  # no temporary folder left
     assert len(read_jsonl(tmp_path / folders[0] / "train.jsonl")) == 200
+
+
+@pytest.mark.parametrize("name", sorted(AV_GENERATORS))
+def test_builtin_video_and_audio_datasets_have_their_splits(cache, name):
+    modality, train_size, test_size, _ = AV_GENERATORS[name]
+    train, test = resolve_dataset(name), resolve_dataset(f"{name}:test")
+    assert (len(train), len(test)) == (train_size, test_size)
+    sample = test[0]
+    assert sample.id == f"{name}/test/0" and sample.modality == modality
+    assert sample.messages[-1]["content"].startswith(f"<{modality}>")
+    assert sample.columns["reference_response"] == f"<answer>{sample.columns['solution']}</answer>"
+    assert train.reward_funcs == ["answer_format", "vqa_accuracy"]
+    loaded = sample.load_media()
+    if modality == "video":
+        # the mp4: 8 frames at 4 fps, sampled at 2 fps; frames given as a list are a clip at video_fps: all 8
+        frames = 8 if name.endswith("-frames") else 4
+        assert loaded.videos[0].frames.shape == (frames, 64, 64, 3)
+    else:
+        assert loaded.audios[0].dtype == np.float32 and loaded.audios[0].ndim == 1
+
+
+def _centre(frame: np.ndarray, background: np.ndarray) -> np.ndarray:
+    """(x, y) centre of the pixels that differ from the background colour."""
+    ys, xs = np.nonzero(np.abs(frame.astype(int) - background).sum(-1) > 60)
+    return np.array([xs.mean(), ys.mean()])
+
+
+def test_video_and_audio_answers_match_the_media(cache):
+    for name in ("shapes-motion", "shapes-motion-frames"):
+        folder = synthetic_dataset_dir(name, train_size=400, test_size=200)
+        rows = read_jsonl(folder / "test.jsonl")[:40]
+        assert {row["solution"] for row in rows} == {"left", "right", "up", "down"}
+        for row in rows:
+            video = load_video(row["videos"][0], nframes=8, media_root=folder)  # mp4 or a list of PNG frames
+            assert video.frames.shape == (8, 64, 64, 3)
+            background = video.frames[0, 0, 0].astype(int)  # the shape never covers every corner
+            if (np.abs(video.frames[0].astype(int) - background).sum(-1) > 60).mean() > 0.5:
+                background = video.frames[0, -1, -1].astype(int)
+            dx, dy = _centre(video.frames[-1], background) - _centre(video.frames[0], background)
+            moved = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("down" if dy > 0 else "up")
+            assert moved == row["solution"] and max(abs(dx), abs(dy)) > 10
+
+    folder = synthetic_dataset_dir("tones-pitch", train_size=400, test_size=200)
+    rows = read_jsonl(folder / "test.jsonl")[:40]
+    assert {row["solution"] for row in rows} == {"low", "high"}
+    for row in rows:
+        wave = load_audio(row["audios"][0], 16000, folder)
+        assert wave.shape == (16000,)  # 1 s
+        peak_hz = np.abs(np.fft.rfft(wave)).argmax()  # 1 Hz per bin over 1 s
+        assert abs(peak_hz - row["frequency"]) <= 2
+        assert row["solution"] == ("high" if peak_hz > 500 else "low")
+
+    folder = synthetic_dataset_dir("tones-count", train_size=400, test_size=200)
+    rows = read_jsonl(folder / "test.jsonl")[:40]
+    assert {row["solution"] for row in rows} == {"1", "2", "3", "4"}
+    for row in rows:
+        loud = np.abs(load_audio(row["audios"][0], 16000, folder)) > 0.05  # [24000]
+        windows = loud[: len(loud) // 160 * 160].reshape(-1, 160).any(1)  # 10 ms windows
+        beeps = int(windows[0]) + int((windows[1:] & ~windows[:-1]).sum())
+        assert str(beeps) == row["solution"]

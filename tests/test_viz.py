@@ -176,3 +176,18 @@ def test_video_gets_one_grid_slot_per_frame_pair(tmp_path, family):
     np.testing.assert_array_equal(
         np.asarray(panel["pictures"][1]), np.asarray(Image.open(tmp_path / "f2.png"))
     )
+
+
+def test_panels_follow_the_expanded_token_not_the_placeholder():
+    """Gemma3-like: the rendered placeholder (id 9) is expanded into other tokens (id 7)."""
+    from types import SimpleNamespace
+
+    hook = SimpleNamespace(token_id=7, tokens_per_item=lambda mm: [4])
+    template = SimpleNamespace(media={"image": hook}, placeholder_ids={"image": 9})
+    prompt = SimpleNamespace(
+        mm={"image_grid_thw": torch.tensor([[1, 4, 4]])}, images=[Image.new("RGB", (28, 28))], videos=[]
+    )
+    input_ids = torch.tensor([1, 7, 7, 7, 7, 2, 3])
+    attention = torch.tensor([0.1, 0.4, 0.1, 0.2, 0.1, 0.05, 0.05])
+    (panel,) = media_panels(template, prompt, input_ids, attention)
+    assert panel["grid"].shape == (1, 2, 2) and panel["share"] == pytest.approx(0.8)

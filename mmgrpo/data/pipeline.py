@@ -5,19 +5,23 @@
     for step in range(num_steps):
         batch = next(batches)                  # [(Sample, PromptInputs), ...] of length batch_size
 
-Workers call `sample.load_media(...)` and then `encode_fn(loaded)`, so the training step never
-waits on decoding. `encode_fn` must be picklable when workers are started with spawn/forkserver
-(a bound method of a template is). A `DataError` raised in a worker reaches the caller as the same
-`DataError` with its own message (not torch's wrapper with a worker traceback).
+Workers call `sample.load_media(...)`, then the dataset's augmentation if its registry entry has an
+`augment:` block (mmgrpo/data/augment.py, seeded by (seed, epoch, index)), then `encode_fn(loaded)`,
+so the training step never waits on decoding. `encode_fn` must be picklable when workers are
+started with spawn/forkserver (a bound method of a template is). A `DataError` raised in a worker
+reaches the caller as the same `DataError` with its own message (not torch's wrapper with a
+worker traceback).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mmgrpo.errors import ConfigError, MMGRPOError
+from mmgrpo.errors import ConfigError, DataError, MMGRPOError
 
 
 class EpochSampler(Sampler):
@@ -31,9 +35,13 @@ class EpochSampler(Sampler):
     [1, 3, 5]
     """
 
-    def __init__(self, num_rows: int, *, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, num_rows: int, *, seed: int, shuffle: bool = True, rank: int = 0, world_size: int = 1,
+        with_epoch: bool = False,
+    ):
         self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
         self.rank, self.world_size = rank, world_size
+        self.with_epoch = with_epoch  # yield (index, epoch): persistent workers cannot see set_epoch
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -45,7 +53,8 @@ class EpochSampler(Sampler):
         else:
             order = np.arange(self.num_rows)
         usable = len(self) * self.world_size
-        return iter(order[:usable][self.rank :: self.world_size].tolist())
+        indices = order[:usable][self.rank :: self.world_size].tolist()
+        return iter([(i, self.epoch) for i in indices] if self.with_epoch else indices)
 
     def __len__(self) -> int:
         return self.num_rows // self.world_size
@@ -99,7 +108,9 @@ def make_prompt_loader(
             f"dataset {getattr(dataset, 'name', '')} has {len(dataset)} rows ({rows_per_rank} per rank), "
             f"fewer than one batch of {batch_size}; lower the batch size or use a larger dataset"
         )
-    sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
+    sampler = EpochSampler(
+        len(dataset), seed=seed, shuffle=shuffle, rank=rank, world_size=world_size, with_epoch=True
+    )
     workers = {}
     if num_workers > 0:
         workers = {
@@ -109,7 +120,7 @@ def make_prompt_loader(
             "multiprocessing_context": multiprocessing_context,
         }
     return PromptLoader(
-        _EncodedDataset(dataset, encode_fn, media_kwargs or {}),
+        _EncodedDataset(dataset, encode_fn, media_kwargs or {}, seed),
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
@@ -138,21 +149,39 @@ def cycle(loader: DataLoader):
 
 
 class _EncodedDataset(Dataset):
-    """Runs in a worker: Sample -> LoadedSample -> encode_fn(...)."""
+    """Runs in a worker: Sample -> LoadedSample -> augmentation (if its dataset has any) -> encode_fn(...)."""
 
-    def __init__(self, dataset, encode_fn, media_kwargs: dict):
+    def __init__(self, dataset, encode_fn, media_kwargs: dict, seed: int = 0):
         self.dataset, self.encode_fn, self.media_kwargs = dataset, encode_fn, media_kwargs
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index):
+        index, epoch = index if isinstance(index, tuple) else (index, 0)  # EpochSampler(with_epoch=True)
         try:
             sample = self.dataset[index]
             loaded = sample.load_media(**self.media_kwargs)
-            return sample, (loaded if self.encode_fn is None else self.encode_fn(loaded))
+            augment = self.dataset.augment_for(index) if hasattr(self.dataset, "augment_for") else None
+            if augment is not None:  # the registry's `augment:` block of the sample's own dataset
+                loaded = augment(loaded, seed=self.seed, epoch=epoch, index=index)
+                sample = dataclasses.replace(sample, columns=loaded.columns)  # moved box, "augment" params
         except MMGRPOError as err:
             return _Failure(err)
+        if self.encode_fn is None:
+            return sample, loaded
+        try:
+            return sample, self.encode_fn(loaded)
+        except MMGRPOError as err:
+            return _Failure(err)
+        except Exception as err:  # a processor rejecting odd media: still name the sample
+            return _Failure(
+                DataError(
+                    f"sample {sample.id}: cannot encode its prompt ({type(err).__name__}: {err}); check its "
+                    "media (size, frame count, length) and messages"
+                )
+            )
 
 
 class _Failure:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmgrpo.data.augment import Augment, parse_augment
 from mmgrpo.data.schema import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
 from mmgrpo.errors import ConfigError, DataError
 
@@ -45,6 +46,7 @@ _ALLOWED_KEYS = {
     "system_prompt",
     "reward_funcs",
     "max_pixels",
+    "augment",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 
@@ -67,6 +69,7 @@ class DatasetEntry:
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     reward_funcs: list[str] = field(default_factory=list)
     max_pixels: int | None = None
+    augment: Augment | None = None  # the `augment:` block (mmgrpo/data/augment.py), training only
 
 
 class DatasetView:
@@ -85,6 +88,7 @@ class DatasetView:
         max_pixels=None,
         description: str = "",
         row_indices: list[int] | None = None,
+        augment: Augment | None = None,
     ):
         self.name, self.split, self.rows = name, split, rows
         self.columns = dict(columns or {})
@@ -94,9 +98,14 @@ class DatasetView:
         self.max_pixels = max_pixels
         self.description = description
         self.row_indices = row_indices  # rows of `rows` in this split (split_column), None for all
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.rows) if self.row_indices is None else len(self.row_indices)
+
+    def augment_for(self, index: int) -> Augment | None:
+        """The augmentation of row `index` (the training DataLoader applies it)."""
+        return self.augment
 
     def __getitem__(self, index: int) -> Sample:
         if not 0 <= index < len(self):
@@ -162,6 +171,10 @@ class MixedDataset:
         if not 0 <= index < len(self):
             raise IndexError(f"mixture {self.name} has {len(self)} rows, no row {index}")
         return self.sources[int(self.source_ids[index])][int(self.row_ids[index])]
+
+    def augment_for(self, index: int) -> Augment | None:
+        """The augmentation of the dataset that row `index` comes from."""
+        return self.sources[int(self.source_ids[index])].augment
 
     def __iter__(self):
         return (self[index] for index in range(len(self)))
@@ -337,6 +350,8 @@ def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
     ):
         raise bad("max_pixels", f"must be a positive integer, got {max_pixels!r}")
     entry.max_pixels = max_pixels
+    if raw.get("augment") is not None:
+        entry.augment = parse_augment(raw["augment"], where)
     return entry
 
 
@@ -504,6 +519,7 @@ def _view_of_entry(entry: DatasetEntry, split: str) -> DatasetView:
         max_pixels=entry.max_pixels,
         description=entry.description,
         row_indices=row_indices,
+        augment=entry.augment,
     )
 
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmgrpo.errors import DataError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MEDIA_KINDS = ("images", "videos", "audios")
 MEDIA_TAGS = {"images": "<image>", "videos": "<video>", "audios": "<audio>"}
@@ -39,6 +42,9 @@ class Video:
 
     frames: Any  # uint8 numpy array [num_frames, height, width, 3]
     metadata: dict  # fps, total_num_frames, frames_indices, duration (seconds)
+    # The sound track, float32 mono [num_samples] at the requested rate: decoded only when asked
+    # (`load_media(audio_in_video=True)`, Qwen2.5-Omni's use_audio_in_video); None otherwise.
+    audio: np.ndarray | None = None
 
 
 @dataclass
@@ -65,11 +71,13 @@ class Sample:
         nframes: int | None = None,
         max_frames: int | None = None,
         sampling_rate: int = 16000,
+        audio_in_video: bool = False,
     ) -> LoadedSample:
         """Decode every medium; a failure is a `DataError` naming this sample, the field and the file.
 
         fps / nframes / max_frames: video frame sampling (see `mmgrpo.processors.video.load_video`).
         sampling_rate: the rate audio is resampled to (the model's feature extractor rate).
+        audio_in_video: also decode each video file's sound track, at `sampling_rate`, into `Video.audio`.
         """
         from mmgrpo.processors.audio import load_audio
         from mmgrpo.processors.image import load_image
@@ -78,7 +86,12 @@ class Sample:
         decoders = {
             "images": lambda ref: load_image(ref, self.media_root),
             "videos": lambda ref: load_video(
-                ref, fps=fps, nframes=nframes, max_frames=max_frames, media_root=self.media_root
+                ref,
+                fps=fps,
+                nframes=nframes,
+                max_frames=max_frames,
+                media_root=self.media_root,
+                audio_sampling_rate=sampling_rate if audio_in_video else None,
             ),
             "audios": lambda ref: load_audio(ref, sampling_rate, self.media_root),
         }

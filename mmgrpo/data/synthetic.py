@@ -12,6 +12,9 @@ same dataset all end up reading one complete copy.
 - `shapes-ground`: 2-3 shapes of distinct types; "Give the bounding box of the red circle as
   [x1, y1, x2, y2]."; solution: [x1, y1, x2, y2] in original-image pixels (x2, y2 exclusive).
 
+The video and audio datasets (`shapes-motion`, `shapes-motion-frames`, `tones-pitch`,
+`tones-count`) are made the same way by the generators of mmgrpo/data/synthetic_av.py.
+
     folder = synthetic_dataset_dir("shapes-color")       # generates once (about a second)
 """
 
@@ -28,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import PIL.Image
 import PIL.ImageDraw
+
+from mmgrpo.data import synthetic_av
 
 GENERATOR_VERSION = 1  # bump when the output of any generator changes: the cache folder changes with it
 SHAPES = ("circle", "square", "triangle")
@@ -111,18 +116,26 @@ def generate(
     image_size: int = 64,
     seed: int = 0,
 ) -> None:
-    """Write `train.jsonl`, `test.jsonl` and `images/<split>/<index>.png` into `out_dir`."""
+    """Write `train.jsonl`, `test.jsonl` and each row's medium into `out_dir`.
+
+    A generator returns (medium, row): a PIL image, written as `images/<split>/<index>.png`, or a
+    medium of mmgrpo/data/synthetic_av.py, which writes itself (`videos/...mp4`, `audios/...wav`).
+    """
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for split_number, (split, size) in enumerate((("train", train_size), ("test", test_size))):
         # One stream per (seed, generator, split): a split's rows do not depend on the other's size.
         rng = np.random.default_rng([seed, zlib.crc32(name.encode()), split_number])
-        (out_dir / "images" / split).mkdir(parents=True, exist_ok=True)
         with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as rows:
             for index in range(size):
-                image, row = GENERATORS[name](rng, image_size)
-                relative = f"images/{split}/{index:06d}.png"
-                image.save(out_dir / relative, format="PNG")
-                row["images"] = [relative]
+                medium, row = GENERATORS[name](rng, image_size)
+                if isinstance(medium, PIL.Image.Image):
+                    relative = f"images/{split}/{index:06d}.png"
+                    (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
+                    medium.save(out_dir / relative, format="PNG")
+                    row["images"] = [relative]
+                else:
+                    row[medium.column] = [medium.save(out_dir, f"{medium.column}/{split}/{index:06d}")]
                 rows.write(json.dumps(row) + "\n")
 
 
@@ -195,6 +208,7 @@ def _shapes_ground(rng: np.random.Generator, size: int) -> tuple[PIL.Image.Image
 
 
 GENERATORS = {"shapes-color": _shapes_color, "shapes-count": _shapes_count, "shapes-ground": _shapes_ground}
+GENERATORS.update(synthetic_av.GENERATORS)  # shapes-motion (video), tones-pitch and tones-count (audio)
 
 
 def _canvas(rng: np.random.Generator, size: int) -> tuple[PIL.Image.Image, PIL.ImageDraw.ImageDraw]:

@@ -38,7 +38,7 @@ class PolicyGenerator:
             temperature=self.temperature, greedy=num_samples == 1,
         )
         rollout = self.policy.generate(self.template.collate(encoded), params)
-        texts = self.template.tokenizer.batch_decode(rollout.completion_ids * rollout.completion_mask, skip_special_tokens=True)
+        texts = self.policy.decode(rollout)
         completions = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(samples))]
         if self.bar is not None:
             self.bar.advance({"reward": float("nan"), "time/step": float("nan")}, amount=len(samples))
@@ -61,11 +61,14 @@ def evaluate(policy, template, dataset, output_dir, *, metrics: list[str], model
         )
 
 
-def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None):
+def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=()):
     from mmgrpo.models.loading import load_model, load_processor
     from mmgrpo.models.tiny import resolve_model_path
     from mmgrpo.policy import Policy
-    from mmgrpo.templates import get_template
+    from mmgrpo.templates import get_template, load_template_plugin
+
+    for spec in template_plugin:  # templates defined outside the package (docs/custom_template.md)
+        load_template_plugin(spec)
 
     if model_type is None and model_path.startswith("tiny:"):
         model_type = model_path.split(":", 1)[1]
@@ -83,6 +86,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgrpo eval", description="Evaluate a model on a dataset split: eval.json + eval.md.")
     p.add_argument("--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>.")
     p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family>.")
+    p.add_argument("--template_plugin", nargs="*", default=[],
+                   help="Python files or modules that register templates (docs/custom_template.md).")
     p.add_argument("--dataset", required=True, help="NAME[:split] (default split: test) or a data file.")
     p.add_argument("--metrics", nargs="*", default=None, help="Metrics (default: the dataset's reward functions).")
     p.add_argument("--num_samples", type=int, default=1, help="Completions per sample (1 = greedy; k for pass@k/mean@k).")
@@ -103,7 +108,8 @@ def main(argv: list[str]) -> dict:
     args = eval_parser().parse_args(argv)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
     metrics = args.metrics or dataset.reward_funcs
-    policy, template = load_policy(args.model, args.model_type, max_pixels=args.max_pixels)
+    policy, template = load_policy(args.model, args.model_type, max_pixels=args.max_pixels,
+                                   template_plugin=args.template_plugin)
     result = evaluate(
         policy, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
         num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,

@@ -20,6 +20,8 @@ import numpy as np
 from mmgrpo.errors import DataError
 from mmgrpo.processors import describe_ref, resolve_media_path
 
+MIN_RATE, MAX_RATE = 1000, 768000  # Hz: plausible source sampling rates
+
 
 def load_audio(ref, sampling_rate: int = 16000, media_root: str | os.PathLike | None = None) -> np.ndarray:
     """Decode `ref` to a float32 mono array [num_samples] at `sampling_rate` Hz.
@@ -71,6 +73,11 @@ def _finish(samples: np.ndarray, source_rate, sampling_rate: int, name: str) -> 
 
     if not isinstance(source_rate, numbers.Real) or isinstance(source_rate, bool) or not source_rate > 0:
         raise DataError(f"{name} has an unusable sampling rate {source_rate!r}; give a positive number of Hz")
+    if not MIN_RATE <= source_rate <= MAX_RATE:  # a broken header: resampling it would make hours of audio
+        raise DataError(
+            f"{name} says its sampling rate is {source_rate} Hz, outside {MIN_RATE}-{MAX_RATE} Hz; the header "
+            "is wrong: re-encode the file (e.g. ffmpeg -i in.wav -ar 16000 out.wav) or give (array, sampling_rate)"
+        )
     if samples.ndim == 2:  # soundfile gives [frames, channels]; arrays may come as [channels, frames]
         channel_axis = 1 if samples.shape[1] <= samples.shape[0] else 0
         samples = samples.mean(axis=channel_axis)

@@ -12,6 +12,12 @@ frames in temporal pairs; an odd count is rounded down.
 source, `total_num_frames` of the source, `frames_indices` of the sampled frames, `duration` in
 seconds, `width`, `height`. Files are decoded with decord, or with PyAV when decord is missing or
 cannot open the file.
+
+    load_video("clip.mp4", audio_sampling_rate=16000)   # also its sound track -> Video.audio
+
+With `audio_sampling_rate` the file's first audio stream is decoded with PyAV, whole (frames are
+sampled over the whole clip too), mixed to mono and resampled: `Video.audio`, float32
+[num_samples]. A file without sound, or a video given as frames, gets `audio=None`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def load_video(
     nframes: int | None = None,
     max_frames: int | None = None,
     media_root: str | os.PathLike | None = None,
+    audio_sampling_rate: int | None = None,
 ) -> Video:
     """Decode and sample a video.
 
@@ -41,19 +48,21 @@ def load_video(
     fps: frames to sample per second of video (ignored when `nframes` is given).
     nframes: sample exactly this many frames (rounded down to an even number).
     max_frames: cap on the number of sampled frames (long clips at a high fps).
+    audio_sampling_rate: also decode the sound track at this rate (Hz) into `Video.audio`.
     """
     if isinstance(ref, Video):
         return ref
     if isinstance(ref, (list, tuple)):
-        return _from_frames(ref, fps=fps, media_root=media_root)
+        return _from_frames(ref, fps=fps, nframes=nframes, max_frames=max_frames, media_root=media_root)
     if isinstance(ref, np.ndarray):
-        return _from_array(ref, fps=fps)
+        return _from_array(ref, fps=fps, nframes=nframes, max_frames=max_frames)
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
             data, name = ref["bytes"], describe_ref(ref)
         elif ref.get("path"):
             return load_video(
-                ref["path"], fps=fps, nframes=nframes, max_frames=max_frames, media_root=media_root
+                ref["path"], fps=fps, nframes=nframes, max_frames=max_frames, media_root=media_root,
+                audio_sampling_rate=audio_sampling_rate,
             )
         else:
             raise DataError(f"video dict {sorted(ref)} has neither 'bytes' nor 'path'")
@@ -71,9 +80,34 @@ def load_video(
         )
     if data is not None and not data:
         raise DataError(f"video {name} is empty (0 bytes); replace the file")
-    return _decode_file(
+    video = _decode_file(
         name if data is None else io.BytesIO(data), name, fps=fps, nframes=nframes, max_frames=max_frames
     )
+    if audio_sampling_rate is not None:
+        video.audio = decode_sound_track(name if data is None else io.BytesIO(data), name, audio_sampling_rate)
+    return video
+
+
+def decode_sound_track(source, name: str, sampling_rate: int) -> np.ndarray | None:
+    """A video file's first audio stream as float32 mono [num_samples] at `sampling_rate`; None without one."""
+    import av
+
+    try:
+        with av.open(source) as container:
+            if not container.streams.audio:
+                return None
+            stream = container.streams.audio[0]
+            # libswresample mixes the channels down and resamples; planar float mono: to_ndarray() is [1, n]
+            resampler = av.AudioResampler(format="fltp", layout="mono", rate=int(sampling_rate))
+            chunks = []
+            for frame in container.decode(stream):
+                chunks += [out.to_ndarray()[0] for out in resampler.resample(frame)]
+            chunks += [out.to_ndarray()[0] for out in resampler.resample(None)]  # flush
+    except Exception as err:  # av.error.* for a corrupt stream
+        raise DataError(f"cannot decode the sound track of video {name}: {err}; the file is corrupt") from None
+    if not chunks:
+        return None
+    return np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32)
 
 
 def sample_frame_indices(
@@ -175,7 +209,7 @@ def _decode_with_pyav(source, name: str, *, fps: float, nframes: int | None, max
     return _video(np.stack([frames[i] for i in indices]), indices, total, video_fps)
 
 
-def _from_frames(refs, *, fps: float, media_root) -> Video:
+def _from_frames(refs, *, fps: float, nframes: int | None, max_frames: int | None, media_root) -> Video:
     from mmgrpo.processors.image import load_image
 
     if len(refs) < 2:
@@ -187,17 +221,24 @@ def _from_frames(refs, *, fps: float, media_root) -> Video:
             f"video frames {describe_ref(refs[0])}... have different sizes {sizes}; resize them to one size"
         )
     frames = np.stack([np.asarray(image) for image in images])
-    return _from_array(frames, fps=fps)
+    name = f"{describe_ref(refs[0])}... (given as frames)"
+    return _from_array(frames, fps=fps, nframes=nframes, max_frames=max_frames, name=name)
 
 
-def _from_array(frames: np.ndarray, *, fps: float) -> Video:
+def _from_array(
+    frames: np.ndarray, *, fps: float, nframes: int | None = None, max_frames: int | None = None, name="array"
+) -> Video:
+    """Frames taken as a clip recorded at `fps`: all of them, or `nframes` / `max_frames` sampled evenly."""
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise DataError(f"video array must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
     if len(frames) < 2:
         raise DataError(f"a video needs at least 2 frames, got {len(frames)}")
     total = len(frames)
-    frames = frames[: total // 2 * 2]  # an even count (temporal patch of 2): an odd last frame is dropped
-    return _video(frames, list(range(len(frames))), total, fps)
+    if nframes is None and max_frames is None:
+        indices = list(range(total // 2 * 2))  # an even count (temporal patch of 2): an odd last frame is dropped
+    else:
+        indices = sample_frame_indices(total, fps, fps=fps, nframes=nframes, max_frames=max_frames, name=name)
+    return _video(frames[indices], indices, total, fps)
 
 
 def _video(frames: np.ndarray, indices: list[int], total: int, video_fps: float) -> Video:

@@ -156,7 +156,8 @@ def media_panels(template, prompt, input_ids: torch.Tensor, attention: torch.Ten
     for kind, (grid_key, items) in media.items():
         if kind not in template.media or grid_key not in prompt.mm:
             continue
-        token_attention = attention[input_ids == template.placeholder_ids[kind]]  # [tokens of every item]
+        # The expanded token (e.g. Gemma3's <image_soft_token>), not the placeholder it replaced.
+        token_attention = attention[input_ids == template.media[kind].token_id]  # [tokens of every item]
         # The template's hook says how many placeholder tokens each item owns; the merge size
         # follows from its patch grid (t*h*w patches -> t*h*w / merge**2 tokens).
         counts = template.media[kind].tokens_per_item(prompt.mm)
