@@ -7,6 +7,8 @@ defaults, and command-line flags override the YAML. Flag names follow TRL and ms
     >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
     >>> cfg.rollout.num_generations, cfg.algo.beta
     (8, 0.0)
+    >>> TrainConfig.from_args(["--scale_rewards", "none", "--epsilon_high", "none"]).algo.scale_rewards
+    'none'
 """
 
 from __future__ import annotations
@@ -293,9 +295,9 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _parse_optional(elem):
+def _parse_optional(elem, optional: bool = True):
     def parse(text):
-        if text.lower() in ("none", "null"):
+        if optional and text.lower() in ("none", "null"):  # "none" is a value of some str options
             return None
         return _parse_bool(text) if elem is bool else elem(text)
 
@@ -314,16 +316,17 @@ def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.Argumen
         name = path[-1]
         group = groups.setdefault(path[0] if len(path) > 1 else "run", parser.add_argument_group(path[0] if len(path) > 1 else "run"))
         elem, is_list = _scalar_type(tp)
+        optional = type(None) in typing.get_args(tp)
         value = default
         for part in path:
             value = getattr(value, part)
         kwargs = dict(dest=".".join(path), metavar=name.upper(), default=argparse.SUPPRESS, help=f"{field_docs(owner).get(name, '')} (default: {value})".replace("%", "%%"))
         if is_list:
-            group.add_argument(f"--{name}", nargs="*", type=_parse_optional(elem), **kwargs)
+            group.add_argument(f"--{name}", nargs="*", type=_parse_optional(elem, optional), **kwargs)
         elif elem is bool:
             group.add_argument(f"--{name}", nargs="?", const=True, type=_parse_bool, **kwargs)
         else:
-            group.add_argument(f"--{name}", type=_parse_optional(elem), **kwargs)
+            group.add_argument(f"--{name}", type=_parse_optional(elem, optional), **kwargs)
     return parser
 
 
