@@ -70,7 +70,7 @@ def sft(cfg: SFTConfig) -> Path:
         for step in range(1, total + 1):
             prompts = next(batches)
             targets = [sft_target(sample, enc, run.template) for sample, enc in prompts]
-            ids, mask = encode_targets(targets, run.template.tokenizer, eos)
+            ids, mask = (t.to(run.device) for t in encode_targets(targets, run.template.tokenizer, eos))
             with autocast(cfg, run.device):
                 batch = run.policy.forward_batch([enc for _, enc in prompts], [1] * len(prompts))
                 logps, _ = run.policy.completion_logprobs(batch, ids, mask)
@@ -82,7 +82,9 @@ def sft(cfg: SFTConfig) -> Path:
             scheduler.step()
             metrics = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0]}
             logger.log_step(metrics, print_it=step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0)
-            bar.advance({"reward": -float(loss), "time/step": float("nan")})
+            bar.advance({"reward": -metrics["loss"], "time/step": float("nan")})
+            if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
+                run.save(out / f"checkpoint-{step}")
     run.save(out / "final")
     logger.close()
     return out / "final"
