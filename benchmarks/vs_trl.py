@@ -1,0 +1,568 @@
+"""mmgrpo against TRL's GRPOTrainer: same model, data, rewards and settings, run alternately.
+
+    python benchmarks/vs_trl.py --preset small          # about 1.5 minutes on 2 shared cores
+    python benchmarks/vs_trl.py --preset image-heavy    # about 2 minutes
+    python benchmarks/vs_trl.py --preset memory         # about 5 minutes (2 runs each)
+    python benchmarks/vs_trl.py --preset small --repeats 5 --steps 8 --work_dir /tmp/vs_trl
+
+Results and how to read them: docs/benchmarks.md, "mmgrpo vs TRL".
+
+What is the same in both systems (one fresh subprocess per run, so peak RSS is per system):
+  - one tiny random Qwen2-VL folder, built once with `build_tiny` and copied with the image
+    processor's pixel limit raised so that both processors resize images the same way;
+  - one JSONL + PNG data set (synthetic `shapes-color` questions) at the preset's image size;
+  - rewards: mmgrpo's `vqa_accuracy` and `answer_format` (TRL calls them through a wrapper
+    that takes the text out of its conversational completions);
+  - G, prompts per step (one optimizer update per rollout batch of prompts x G completions),
+    loss dapo, beta 0.04 (so both run a reference model), epsilon 0.2 / 0.28, lr 1e-6 constant,
+    AdamW (0.9, 0.99), no weight decay, clip 1.0, temperature 1, fp32, one torch thread;
+  - a FIXED completion length: the EOS ids are added to the suppressed ids in both samplers
+    (`suppress_tokens` in TRL's generation_kwargs; the rollout backend's `suppress_token_ids`
+    in mmgrpo), so every completion is exactly --max_completion_length tokens;
+  - gradient checkpointing OFF in both (TRL turns it on by default; that would cost it ~20%);
+  - data loading in the training process (dataloader_num_workers 0 in both).
+
+Measured per run after the warm-up steps: seconds per step (the interval between the ends of
+consecutive optimizer steps, so data loading and logging count), CPU seconds per step,
+completions per second, peak RSS (VmHWM at the end of the last step) and a split by phase:
+  rollout    generation (mmgrpo: time/rollout; TRL: `_generate`, its tokenisation included)
+  reward     reward functions (mmgrpo: time/reward; TRL: `_calculate_rewards`)
+  reference  reference-model log-probs (mmgrpo: time/ref + time/old; TRL: the no-grad calls of
+             `_get_per_token_logps_and_entropies`)
+  training   loss, backward and optimizer step (mmgrpo: time/update; TRL: the rest of the step
+             outside `_generate_and_score_completions` and `get_batch_samples`)
+  other      everything else (data loading, collation, advantages, logging)
+TRL's phases come from wrapping those methods on the trainer instance from outside the library.
+
+FLOPs: the first run of each system counts the FLOPs of its warm-up step with
+torch.utils.flop_counter.FlopCounterMode ("executed"); "model FLOPs" is an analytic count of
+the work a step needs, the same number for both systems:
+  10 x (N_vision x patches + N_decoder x (prompt + completion tokens)) + 10 x N_lm_head x completion tokens
+(rollout forward 2 + reference forward 2 + policy forward and backward 6, each prompt once,
+attention ignored). MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {
+    # ~256 image tokens per prompt, short completions: the regime where the prompt dominates.
+    "image-heavy": dict(
+        image_size=448, num_generations=8, prompts_per_step=1, max_completion_length=32,
+        model=dict(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                   vision_embed_dim=128, vision_num_heads=4),
+        warmup=1, steps=3, target=("samples_per_s", 4.0),
+    ),
+    "small": dict(
+        image_size=64, num_generations=4, prompts_per_step=2, max_completion_length=32,
+        model=dict(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                   vision_embed_dim=128, vision_num_heads=4),
+        warmup=1, steps=4, target=("samples_per_s", 2.0),
+    ),
+    # A real Qwen vocabulary: the LM head is 39M parameters and log-probs are [tokens, 151936].
+    "memory": dict(
+        image_size=224, num_generations=4, prompts_per_step=1, max_completion_length=256,
+        model=dict(hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                   vision_embed_dim=128, vision_num_heads=4, vocab_size=151936),
+        warmup=0, steps=1, repeats=2, target=("peak_rss_mb", 0.5),  # one step, no warm-up: RSS is the point
+    ),
+}
+SYSTEMS = ("mmgrpo", "trl")
+REWARDS = ("vqa_accuracy", "answer_format")
+PHASES = ("rollout", "reward", "reference", "training", "other")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared inputs: model folder, data, suppressed ids, one core's matmul FLOP/s
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_model(work: Path, preset: dict) -> Path:
+    """build_tiny once, then a copy whose image processor accepts the preset's image unresized."""
+    from mmgrpo.models.tiny import build_tiny
+
+    built = build_tiny("qwen2-vl", cache_dir=work / "cache", **preset["model"])
+    model = work / f"model-{built.name}-{preset['image_size']}px"
+    if not (model / "config.json").exists():
+        shutil.copytree(built, model)
+        processor_file = model / "processor_config.json"
+        config = json.loads(processor_file.read_text())
+        side = -(-preset["image_size"] // 28) * 28  # Qwen2-VL resizes sides to multiples of 28
+        config["image_processor"]["size"]["longest_edge"] = max(side * side, config["image_processor"]["size"]["longest_edge"])
+        processor_file.write_text(json.dumps(config, indent=2))
+    return model
+
+
+def prepare_data(work: Path, image_size: int, num_rows: int) -> Path:
+    """shapes-color questions as JSONL (user turn + 10 answers) with PNG images."""
+    from mmgrpo.data.synthetic import generate
+
+    folder = work / f"data-{image_size}px-{num_rows}"
+    if not (folder / "prompts.jsonl").exists():
+        generate("shapes-color", folder, train_size=num_rows, test_size=1, image_size=image_size, seed=0)
+        with open(folder / "train.jsonl") as rows, open(folder / "prompts.jsonl", "w") as out:
+            for line in rows:
+                row = json.loads(line)
+                out.write(json.dumps({"messages": row["messages"][:1], "solution": row["solution"], "images": row["images"]}) + "\n")
+    return folder / "prompts.jsonl"
+
+
+def suppressed_ids(model: Path) -> list[int]:
+    """Placeholder ids (never sampled) + every EOS id: completions run to the full length."""
+    from transformers import GenerationConfig
+
+    from mmgrpo.models.loading import load_processor
+    from mmgrpo.templates import get_template
+
+    template = get_template("qwen2-vl", load_processor(str(model)))
+    eos = GenerationConfig.from_pretrained(model).eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    ids = {*template.suppress_token_ids, *template.stop_token_ids, template.tokenizer.eos_token_id, *eos}
+    return sorted(i for i in ids if i is not None)
+
+
+def matmul_flops_per_s(size: int = 1024, repeats: int = 8) -> float:
+    """Best fp32 torch.mm FLOP/s on one thread (the machine is shared: the best run is the peak)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring inside a worker
+# ---------------------------------------------------------------------------------------------
+
+
+def peak_rss_mb(field: str = "VmHWM") -> float:
+    """VmHWM: the process's peak resident set so far (VmRSS: the current one), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class StepClock:
+    """Marks step ends; intervals between consecutive ends after the warm-up are the step times."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.ends: list[tuple[float, float]] = [(time.perf_counter(), time.process_time())]
+        self.phases: list[dict[str, float]] = []
+        self.peak_mb = self.start_rss_mb = 0.0
+
+    def restart(self) -> None:
+        """The first step starts now (after the models are loaded)."""
+        self.ends = [(time.perf_counter(), time.process_time())]
+        self.start_rss_mb = peak_rss_mb("VmRSS")
+
+    def step_end(self, phases: dict[str, float]) -> None:
+        self.ends.append((time.perf_counter(), time.process_time()))
+        self.phases.append(phases)
+        self.peak_mb = peak_rss_mb()
+
+    def summary(self) -> dict:
+        walls = [b[0] - a[0] for a, b in zip(self.ends, self.ends[1:])][self.warmup:]
+        cpus = [b[1] - a[1] for a, b in zip(self.ends, self.ends[1:])][self.warmup:]
+        phases = self.phases[self.warmup:]
+        split = {}
+        for name in PHASES:
+            if name == "other":
+                split[name] = statistics.mean(w - sum(p.get(n, 0.0) for n in PHASES[:-1]) for w, p in zip(walls, phases))
+            else:
+                split[name] = statistics.mean(p.get(name, 0.0) for p in phases)
+        return {"s_per_step": statistics.mean(walls), "cpu_s_per_step": statistics.mean(cpus),
+                "phases": split, "peak_rss_mb": self.peak_mb, "start_rss_mb": self.start_rss_mb,
+                "step_walls": walls}
+
+
+def _addmm_flop(a, m1, m2, *args, out_shape=None, **kwargs) -> int:
+    return 2 * m1[0] * m1[1] * m2[1]
+
+
+def _sdpa_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    batch, heads, q_len, dim = query
+    return 4 * batch * heads * q_len * key[-2] * dim  # scores and weighted sum
+
+
+def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _sdpa_cpu_flop(query, key, value)
+
+
+def flop_counter():
+    """FlopCounterMode that also counts in-place addmm_ and CPU fused attention (not in torch's table)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    aten = torch.ops.aten
+    extra = {aten.addmm_: _addmm_flop}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        extra[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu_flop
+        extra[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward_flop
+    return FlopCounterMode(display=False, custom_mapping=extra)
+
+
+def model_shape(model) -> dict:
+    """Parameter counts of the parts the analytic FLOP count needs."""
+    lm_head = model.get_output_embeddings().weight.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return {"n_lm_head": lm_head, "n_vision": vision, "n_decoder": total - vision - lm_head - embed, "n_total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: mmgrpo
+# ---------------------------------------------------------------------------------------------
+
+
+def run_mmgrpo(spec: dict) -> dict:
+    import torch
+
+    import mmgrpo.engine as engine
+    from mmgrpo.config import TrainConfig
+
+    torch.set_num_threads(1)
+    batch = spec["prompts_per_step"] * spec["num_generations"]
+    cfg = TrainConfig.from_args([
+        "--model", spec["model"], "--model_type", "qwen2-vl", "--dataset", spec["data"],
+        "--reward_funcs", *REWARDS, "--num_generations", str(spec["num_generations"]),
+        "--max_completion_length", str(spec["max_completion_length"]),
+        "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
+        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--beta", "0.04", "--loss_type", "dapo",
+        "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(spec["warmup"] + spec["steps"]),
+        "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
+        "--gradient_checkpointing", "false", "--log_completions", "0", "--max_prompt_length", "4096",
+        "--seed", "0",
+    ])
+    clock = StepClock(spec["warmup"])
+    facts: dict = {}
+    build_run, grpo_step = engine.build_run, engine.grpo_step
+
+    def build_run_fixed_length(cfg):
+        run = build_run(cfg)
+        backend = run.policy.rollout_backend
+        backend.suppress_token_ids = sorted(set(backend.suppress_token_ids) | set(spec["suppress_ids"]))
+        facts.update(model_shape(run.model))
+        clock.restart()  # as TRL's clock, which starts at trainer.train(): models loaded, optimizer not yet made
+        return run
+
+    def timed_step(run, prompts, step):
+        facts["prompt_tokens"] = [enc.prompt_ids.shape[-1] for _, enc in prompts]
+        counter = flop_counter() if spec["count_flops"] and step == 1 else None
+        if counter is not None:
+            with counter:
+                metrics, records = grpo_step(run, prompts, step)
+            facts["executed_flops"] = counter.get_total_flops()
+        else:
+            metrics, records = grpo_step(run, prompts, step)
+        facts["completion_length"] = metrics["completion_length"]
+        clock.step_end({
+            "rollout": metrics.get("time/rollout", 0.0), "reward": metrics.get("time/reward", 0.0),
+            "reference": metrics.get("time/ref", 0.0) + metrics.get("time/old", 0.0),
+            "training": metrics.get("time/update", 0.0),
+        })
+        return metrics, records
+
+    engine.build_run, engine.grpo_step = build_run_fixed_length, timed_step
+    engine.train(cfg)
+    return {**clock.summary(), **facts}
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: TRL
+# ---------------------------------------------------------------------------------------------
+
+
+def trl_reward(func):
+    """mmgrpo's `f(completions: list[str], **columns)` with TRL's conversational completions."""
+
+    def reward(prompts, completions, **columns):
+        texts = []
+        for completion in completions:
+            content = completion[-1]["content"] if isinstance(completion, list) else completion
+            if isinstance(content, list):  # content parts
+                content = "".join(part.get("text", "") for part in content)
+            texts.append(content)
+        return func(texts, **columns)
+
+    reward.__name__ = getattr(func, "__name__", "reward")
+    return reward
+
+
+def run_trl(spec: dict) -> dict:
+    import datasets
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mmgrpo.rewards import get_reward
+
+    torch.set_num_threads(1)
+    folder = Path(spec["data"]).parent
+    rows = []
+    with open(spec["data"]) as lines:
+        for line in lines:
+            row = json.loads(line)
+            text = row["messages"][0]["content"].replace("<image>", "")  # TRL puts the image first
+            rows.append({"prompt": [{"role": "user", "content": text}], "image": str(folder / row["images"][0]),
+                         "solution": row["solution"]})
+    dataset = datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
+    batch = spec["prompts_per_step"] * spec["num_generations"]
+    args = GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
+        learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.99,
+        weight_decay=0.0, max_grad_norm=1.0, beta=0.04, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+        scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
+        gradient_checkpointing=False,  # TRL's default is True
+        max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        generation_kwargs={"suppress_tokens": spec["suppress_ids"]},
+        model_init_kwargs={"dtype": "float32"},
+    )
+    trainer = GRPOTrainer(
+        model=spec["model"], reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
+        train_dataset=dataset,
+    )
+    clock = StepClock(spec["warmup"])
+    facts = model_shape(trainer.model)
+    seconds: dict[str, float] = {}
+
+    def timed(name, method, pick=None):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                key = pick(*a, **k) if pick else name
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    def logps_kind(model, *a, **k):
+        if model is trainer.ref_model:
+            return "reference"
+        return "train_logps" if torch.is_grad_enabled() else "old"
+
+    def tokenize(prompts, _original=trainer._tokenize_prompts):
+        out = _original(prompts)
+        facts["prompt_tokens"] = [len(ids) for ids in out[0]]
+        return out
+
+    trainer._tokenize_prompts = tokenize
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._get_per_token_logps_and_entropies = timed("", trainer._get_per_token_logps_and_entropies, logps_kind)
+    trainer._generate_and_score_completions = timed("generate_and_score", trainer._generate_and_score_completions)
+    trainer.get_batch_samples = timed("data", trainer.get_batch_samples)
+
+    class Clock(TrainerCallback):
+        counter = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            assert torch.get_num_threads() == 1
+            if spec["count_flops"] and state.global_step == 0:
+                self.counter = flop_counter()
+                self.counter.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.counter is not None:
+                self.counter.__exit__(None, None, None)
+                facts["executed_flops"] = self.counter.get_total_flops()
+                self.counter = None
+            interval = time.perf_counter() - clock.ends[-1][0]
+            reference = seconds.get("reference", 0.0) + seconds.get("old", 0.0)
+            scoring = seconds.get("generate_and_score", 0.0)
+            clock.step_end({
+                "rollout": seconds.get("rollout", 0.0), "reward": seconds.get("reward", 0.0), "reference": reference,
+                "training": interval - scoring - seconds.get("data", 0.0),
+            })
+            seconds.clear()
+
+    trainer.add_callback(Clock())
+    clock.restart()
+    trainer.train()
+    facts["completion_length"] = float(spec["max_completion_length"])
+    return {**clock.summary(), **facts}
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def run_worker(system: str, spec: dict, work: Path, index: int) -> dict:
+    spec_file = work / f"spec-{system}-{index}.json"
+    result_file = work / f"result-{system}-{index}.json"
+    log_file = work / f"log-{system}-{index}.txt"
+    spec = {**spec, "out": str(work / f"out-{system}-{index}")}
+    spec_file.write_text(json.dumps(spec))
+    result_file.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    start = time.perf_counter()
+    with open(log_file, "w") as log:
+        code = subprocess.call(
+            [sys.executable, __file__, "--_worker", system, "--_spec", str(spec_file), "--_result", str(result_file)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    if code or not result_file.exists():
+        tail = log_file.read_text()[-3000:]
+        raise SystemExit(f"{system} run {index} failed (exit {code}); log {log_file}:\n{tail}")
+    result = json.loads(result_file.read_text())
+    result["run_s"] = time.perf_counter() - start
+    shutil.rmtree(spec["out"], ignore_errors=True)
+    return result
+
+
+def ratio_line(values: list[float]) -> str:
+    return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
+
+
+def model_flops(result: dict, spec: dict) -> float:
+    """The analytic FLOPs of one step (module docstring); the same for both systems."""
+    completion_tokens = spec["prompts_per_step"] * spec["num_generations"] * spec["max_completion_length"]
+    prompt_tokens = sum(result["prompt_tokens"])
+    patches = spec["prompts_per_step"] * spec["patches_per_image"]
+    return 10 * (result["n_vision"] * patches + result["n_decoder"] * (prompt_tokens + completion_tokens)
+                 + result["n_lm_head"] * completion_tokens)
+
+
+def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops: float) -> None:
+    completions = spec["prompts_per_step"] * spec["num_generations"]
+
+    def med(system, key):
+        return statistics.median(r[key] for r in results[system])
+
+    print(f"\nCPU: one thread fp32 torch.mm 1024^3 peak {peak_flops / 1e9:.1f} GFLOP/s")
+    if not spec["warmup"]:
+        print("no warm-up step: the times include first-call overheads (allocations, lazy AdamW state)")
+    for system in SYSTEMS:
+        r = results[system][0]
+        print(f"{system}: prompt tokens {r['prompt_tokens']}, completion length {r['completion_length']:.0f}, "
+              f"parameters {r['n_total'] / 1e6:.2f}M")
+    header = f"{'':<22}" + "".join(f"{s:>12}" for s in SYSTEMS) + f"{'mmgrpo/TRL':>13}"
+    print("\n" + header)
+    rows = [("s/step", "s_per_step"), ("CPU s/step", "cpu_s_per_step"), ("samples/s", "samples_per_s"),
+            ("peak RSS (MB)", "peak_rss_mb")]
+    for system in SYSTEMS:
+        for r in results[system]:
+            r["samples_per_s"] = completions / r["s_per_step"]
+            r["mfu"] = model_flops(r, spec) / r["s_per_step"] / peak_flops
+    for label, key in rows:
+        values = [med(s, key) for s in SYSTEMS]
+        print(f"{label:<22}" + "".join(f"{v:>12.3f}" if v < 100 else f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}")
+    for phase in PHASES:
+        values = [statistics.median(r["phases"][phase] for r in results[s]) for s in SYSTEMS]
+        ratio = values[0] / values[1] if values[1] > 1e-9 else float("nan")
+        print(f"{'  s/step ' + phase:<22}" + "".join(f"{v:>12.3f}" for v in values) + f"{ratio:>13.3f}")
+    values = [med(s, "peak_rss_mb") - med(s, "start_rss_mb") for s in SYSTEMS]
+    print(f"{'  growth in training':<22}" + "".join(f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}"
+          "   (peak - RSS when step 1 starts: gradients, AdamW moments, activations, logits)")
+    # Policy and reference weights, gradients and two AdamW moments: fp32, the same in both systems.
+    state_mb = 5 * 4 * results["mmgrpo"][0]["n_total"] / 2**20
+    values = [med(s, "peak_rss_mb") - state_mb for s in SYSTEMS]
+    print(f"{'  RSS - fixed state':<22}" + "".join(f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}"
+          f"   (fixed state: 5 x params x 4 B = {state_mb:.0f} MB)")
+    flops = model_flops(results["mmgrpo"][0], spec)
+    print(f"{'model GFLOP/step':<22}" + "".join(f"{flops / 1e9:>12.2f}" for _ in SYSTEMS))
+    executed = [results[s][0].get("executed_flops") for s in SYSTEMS]
+    if all(executed):
+        print(f"{'executed GFLOP/step':<22}" + "".join(f"{e / 1e9:>12.2f}" for e in executed)
+              + f"{executed[0] / executed[1]:>13.3f}")
+    print(f"{'MFU (model FLOPs)':<22}" + "".join(f"{100 * med(s, 'mfu'):>11.2f}%" for s in SYSTEMS))
+    if all(executed):
+        print(f"{'executed FLOP/s / peak':<22}" + "".join(
+            f"{100 * e / med(s, 's_per_step') / peak_flops:>11.2f}%" for s, e in zip(SYSTEMS, executed)))
+
+    pairs = list(zip(results["mmgrpo"], results["trl"]))
+    print()
+    print(f"mmgrpo/TRL samples/s ratio: {ratio_line([a['samples_per_s'] / b['samples_per_s'] for a, b in pairs])}")
+    print(f"mmgrpo/TRL CPU s/step ratio: {ratio_line([a['cpu_s_per_step'] / b['cpu_s_per_step'] for a, b in pairs])}")
+    print(f"mmgrpo/TRL peak RSS ratio: {ratio_line([a['peak_rss_mb'] / b['peak_rss_mb'] for a, b in pairs])}")
+    key, target = preset["target"]
+    values = [a[key] / b[key] for a, b in pairs]
+    ok = statistics.median(values) >= target if key == "samples_per_s" else statistics.median(values) <= target
+    sign = ">=" if key == "samples_per_s" else "<="
+    print(f"target: mmgrpo/TRL {key} {sign} {target}: {'met' if ok else 'NOT met'} (median {statistics.median(values):.2f})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Presets: " + ", ".join(f"{k} ({v['image_size']}px, G={v['num_generations']}, "
+                                                                    f"{v['max_completion_length']} tokens)" for k, v in PRESETS.items()))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small", help="what to compare (default: small)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs per system, alternating mmgrpo, TRL, mmgrpo, ... (default 3; 2 for memory, whose RSS barely varies)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the preset's)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the preset's)")
+    parser.add_argument("--work_dir", default=None, help="model, data and logs (default: a temporary folder)")
+    parser.add_argument("--_worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--_spec", help=argparse.SUPPRESS)
+    parser.add_argument("--_result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._worker:
+        spec = json.loads(Path(args._spec).read_text())
+        result = (run_mmgrpo if args._worker == "mmgrpo" else run_trl)(spec)
+        Path(args._result).write_text(json.dumps(result))
+        return
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    preset = PRESETS[args.preset]
+    warmup = preset["warmup"] if args.warmup is None else args.warmup
+    steps = preset["steps"] if args.steps is None else args.steps
+    repeats = preset.get("repeats", 3) if args.repeats is None else args.repeats
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-vs-trl-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = prepare_model(work, preset)
+    data = prepare_data(work, preset["image_size"], max(64, preset["prompts_per_step"] * (warmup + steps) * 2))
+    side = -(-preset["image_size"] // 28) * 28
+    spec = {
+        "model": str(model), "data": str(data), "num_generations": preset["num_generations"],
+        "prompts_per_step": preset["prompts_per_step"], "max_completion_length": preset["max_completion_length"],
+        "warmup": warmup, "steps": steps, "suppress_ids": suppressed_ids(model),
+        "patches_per_image": (side // 14) ** 2,
+    }
+    peak_flops = matmul_flops_per_s()  # measured again after the runs; the higher one is the peak
+    print(f"preset {args.preset}: {preset['image_size']}px images, G={spec['num_generations']}, "
+          f"{spec['prompts_per_step']} prompt(s)/step, {spec['max_completion_length']} completion tokens, "
+          f"{warmup} warm-up + {steps} timed steps, {repeats} runs each; work dir {work}", flush=True)
+    results: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    for index in range(repeats):
+        for system in SYSTEMS:
+            run_spec = {**spec, "count_flops": index == 0 and warmup > 0}
+            result = run_worker(system, run_spec, work, index)
+            results[system].append(result)
+            print(f"  run {index + 1}/{repeats} {system:<6} {result['s_per_step']:.3f} s/step, "
+                  f"{result['cpu_s_per_step']:.3f} CPU s/step, peak RSS {result['peak_rss_mb']:.0f} MB "
+                  f"({result['run_s']:.0f} s with start-up)", flush=True)
+    peak_flops = max(peak_flops, matmul_flops_per_s())
+    report(results, spec, preset, peak_flops)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs, 1 torch thread per run")
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
