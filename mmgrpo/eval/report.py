@@ -33,7 +33,7 @@ THUMBNAIL_SIZE = 160  # pixels, longest side
 MAX_COMPLETION_CHARS = 2000
 # (title, file stem, does this key belong to the panel?, stacked?) in display order
 PANELS = [
-    ("Reward", "reward", lambda k: k == "reward" or k.startswith("reward/"), False),
+    ("Reward", "reward", lambda k: k == "reward" or (k.startswith("reward/") and not k.endswith("_std")), False),
     ("KL", "kl", lambda k: k == "kl", False),
     ("Entropy", "entropy", lambda k: k == "entropy", False),
     ("Completion length", "completion_length", lambda k: k.split("/")[0] == "completion_length", False),
