@@ -21,7 +21,7 @@ import sys
 COMMANDS = {
     "train": "GRPO training (flags as in TRL / ms-swift)",
     "sft": "supervised warm start on the dataset's reference answers",
-    "eval": "evaluate a model on a dataset split: eval.json + report.md",
+    "eval": "evaluate a model on a dataset split: eval.json + eval.md",
     "compare": "A/B comparison of two evals with bootstrap intervals and p-values",
     "report": "HTML report with plots of a training run",
     "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
