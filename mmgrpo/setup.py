@@ -191,10 +191,6 @@ def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None)
     }
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def build_run(cfg: TrainConfig) -> Run:
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
     rewards = build_rewards(cfg, dataset)
