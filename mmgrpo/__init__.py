@@ -1,7 +1,7 @@
 """mmgrpo: GRPO for vision, video and audio language models.
 
     from mmgrpo import train, TrainConfig
-    train(TrainConfig.from_args(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color"]))
+    train(TrainConfig.from_args(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--max_steps", "3"]))
 """
 
 __version__ = "0.1.0"
