@@ -35,7 +35,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 # Families whose backbone `forward(input_ids, pixel_values, ..., position_ids, past_key_values)`
 # and `get_rope_index` this module drives; checked by tests/test_shared_prefix.py.
-SUPPORTED_MODEL_TYPES = {"qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl"}
+SUPPORTED_MODEL_TYPES = {
+    "qwen2-vl": "qwen2_vl",
+    "qwen2.5-vl": "qwen2_5_vl",
+    "qwen3-vl": "qwen3_vl",  # deepstack features are added at prompt (image) positions only
+    "qwen2.5-omni": "qwen2_5_omni_thinker",  # the thinker: audio, and video with its sound
+}
 # Tested on CPU. flash_attention_2 should work (bottom-right causal, 2D mask) but is untested: off until a GPU test says so.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -128,14 +133,28 @@ def prompt_positions(core: nn.Module, prompt_inputs: dict) -> tuple[torch.Tensor
     attention_mask = prompt_inputs["attention_mask"]
     if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
         raise ValueError("the prompt batch must be left-padded (template.collate does this)")
+    one = torch.ones_like(input_ids[:, :1])
+    input_ids = torch.cat([input_ids, one], dim=1)
+    attention_mask = torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1)
+    if core.config.model_type == "qwen2_5_omni_thinker":  # its own signature (audio lengths, sound in video)
+        feature_mask = prompt_inputs.get("feature_attention_mask")
+        positions, _ = core.get_rope_index(
+            input_ids,
+            image_grid_thw=prompt_inputs.get("image_grid_thw"),
+            video_grid_thw=prompt_inputs.get("video_grid_thw"),
+            attention_mask=attention_mask,
+            use_audio_in_video=bool(prompt_inputs.get("use_audio_in_video", False)),
+            audio_seqlens=feature_mask.sum(-1) if feature_mask is not None else None,
+            second_per_grids=prompt_inputs.get("video_second_per_grid"),
+        )  # [3, B, P + 1]
+        return positions[:, :, :-1], positions[:, :, -1]
     token_types = prompt_inputs.get("mm_token_type_ids")
     if token_types is None:
-        token_types = torch.zeros_like(input_ids)
-    one = torch.ones_like(input_ids[:, :1])
+        token_types = torch.zeros_like(input_ids[:, :-1])
     positions, _ = core.get_rope_index(
-        torch.cat([input_ids, one], dim=1),
+        input_ids,
         mm_token_type_ids=torch.cat([token_types, torch.zeros_like(one)], dim=1),
-        attention_mask=torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1),
+        attention_mask=attention_mask,
         **_rope_inputs(prompt_inputs),
     )  # [3, B, P + 1]
     return positions[:, :, :-1], positions[:, :, -1]
