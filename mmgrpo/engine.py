@@ -56,6 +56,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_adamw(cfg: TrainConfig):
+    """`params -> AdamW` as the optim flags say. Fused (default): one kernel updates every tensor
+    in place, on CPU and CUDA; the update is the same as the for-loop's to float rounding."""
+    return partial(
+        torch.optim.AdamW, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
+        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), fused=cfg.optim.optim == "adamw_torch_fused" or None,
+    )
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     warmup = int(cfg.optim.warmup_ratio * total_steps)
 
@@ -280,11 +289,7 @@ def train(cfg: TrainConfig) -> Path:
     logger = RunLogger(out, cfg) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
     total_steps = run.total_steps(prompts_per_step)
-    make_optimizer = partial(
-        torch.optim.AdamW, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
-        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
-    )
-    run.optimizer = run.strategy.wrap(run.policy, make_optimizer)  # FSDP2 / ZeRO-3 shard the model, then the optimizer
+    run.optimizer = run.strategy.wrap(run.policy, make_adamw(cfg))  # FSDP2 / ZeRO-3 shard the model, then the optimizer
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg, total_steps))
     batches = run.prompt_batches(prompts_per_step)
     with progress_bar(total_steps, "GRPO", show=run.strategy.is_main) as bar:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mmgrpo.config import SFTConfig
-from mmgrpo.engine import autocast, lr_lambda, seed_everything
+from mmgrpo.engine import autocast, lr_lambda, make_adamw, seed_everything
 from mmgrpo.errors import DataError
 from mmgrpo.runlog import RunLogger, progress_bar
 from mmgrpo.setup import build_run
@@ -60,8 +60,7 @@ def sft(cfg: SFTConfig) -> Path:
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg)
-    optimizer = torch.optim.AdamW(run.policy.trainable_parameters(), lr=cfg.optim.learning_rate,
-                                  weight_decay=cfg.optim.weight_decay, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2))
+    optimizer = make_adamw(cfg)(run.policy.trainable_parameters())
     total = run.total_steps(cfg.optim.per_device_train_batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total))
     batches = run.prompt_batches(cfg.optim.per_device_train_batch_size)
