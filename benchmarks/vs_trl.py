@@ -15,7 +15,8 @@ What is the same in both systems (one fresh subprocess per run, so peak RSS is p
     that takes the text out of its conversational completions);
   - G, prompts per step (one optimizer update per rollout batch of prompts x G completions),
     loss dapo, beta 0.04 (so both run a reference model), epsilon 0.2 / 0.28, lr 1e-6 constant,
-    AdamW (0.9, 0.99), no weight decay, clip 1.0, temperature 1, fp32, one torch thread;
+    fused AdamW (0.9, 0.99; `adamw_torch_fused`, both systems' default), no weight decay, clip 1.0,
+    temperature 1, fp32, one torch thread;
   - a FIXED completion length: the EOS ids are added to the suppressed ids in both samplers
     (`suppress_tokens` in TRL's generation_kwargs; the rollout backend's `suppress_token_ids`
     in mmgrpo), so every completion is exactly --max_completion_length tokens;
@@ -246,7 +247,7 @@ def run_mmgrpo(spec: dict) -> dict:
         "--reward_funcs", *REWARDS, "--num_generations", str(spec["num_generations"]),
         "--max_completion_length", str(spec["max_completion_length"]),
         "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
-        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--beta", "0.04", "--loss_type", "dapo",
+        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", "0.04", "--loss_type", "dapo",
         "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(spec["warmup"] + spec["steps"]),
         "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
         "--gradient_checkpointing", "false", "--log_completions", "0", "--max_prompt_length", "4096",
@@ -330,7 +331,7 @@ def run_trl(spec: dict) -> dict:
         output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
-        learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.99,
+        learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=1.0, beta=0.04, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
         scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
         gradient_checkpointing=False,  # TRL's default is True
