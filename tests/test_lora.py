@@ -55,6 +55,27 @@ def test_lora_trains_adapters_only(tmp_path):
     assert any("lora_B" in name for name in changed)
 
 
+def test_reference_shares_frozen_weights(tmp_path):
+    """Full training with --freeze_vit: the reference holds the policy's own vision tensors, its own
+    copy of everything that trains; a step moves the policy and leaves the reference where it started."""
+    from mmgrpo.engine import grpo_step
+
+    run = dist_worker.prepared_run(dist_worker.config("none", 1, tmp_path, "--freeze_vit"), fixed_completions=True)
+    policy = dict(run.model.named_parameters())
+    reference = dict(run.policy.ref_model.named_parameters())
+    assert policy.keys() == reference.keys()
+    frozen = {name for name, param in policy.items() if not param.requires_grad}
+    assert any(".visual.blocks." in name for name in frozen) and all(name.startswith("model.visual.") for name in frozen)
+    assert all(reference[name] is policy[name] for name in frozen)
+    assert not any(reference[name] is policy[name] or reference[name].data_ptr() == policy[name].data_ptr()
+                   for name in policy.keys() - frozen)
+    start = {name: param.detach().clone() for name, param in reference.items()}
+    grpo_step(run, dist_worker.image_prompts(run.template, 2), step=1)
+    assert all(torch.equal(param, start[name]) for name, param in run.policy.ref_model.named_parameters())
+    assert any(not torch.equal(policy[name], start[name]) for name in policy.keys() - frozen)
+    assert not any(param.requires_grad for param in run.policy.ref_model.parameters())
+
+
 def test_freeze_flags_in_full_training(tiny_qwen2_vl_path):
     from mmgrpo.config import TrainConfig
     from mmgrpo.lora import freeze, model_skeleton
