@@ -1,5 +1,7 @@
-"""Shared-prefix forward and rollout: equal to the naive paths, for Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-and the Qwen2.5-Omni thinker (with and without use_audio_in_video).
+"""Shared-prefix forward and rollout: equal to the naive paths, for every family: Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker (with and without use_audio_in_video), Qwen2
+(text), Qwen2-Audio, LLaVA-OneVision and Gemma3 (and Gemma3 with a sliding window shorter than
+prompt + completion).
 
 Naive reference: every prompt repeated G times with its media, prompt + completion in one
 forward (`template.forward_inputs`), as HF generate (`num_return_sequences=G`) and the plain
@@ -21,7 +23,8 @@ from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, filter_logits
 from mmgrpo.templates import get_template
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound"]
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",
+            "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
 GROUP = 3  # G completions per prompt
 
 
@@ -46,7 +49,8 @@ def _audio(seconds, seed=0):
 def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
-    paths |= {family: str(build_tiny(family)) for family in ("qwen3-vl", "qwen2.5-omni")}
+    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3")
+    paths |= {family: str(build_tiny(family)) for family in others}
     out = {}
     for family, path in paths.items():
         model = load_model(path, dtype=torch.float32)  # Qwen2.5-Omni: its thinker
@@ -60,9 +64,22 @@ def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     return out
 
 
+# A prompt kind a family does not take is read as one it takes, of another length.
+READS = {
+    "qwen2.5-omni": {"text": "audio"},  # the thinker hears: an audio prompt instead of the text one
+    "qwen2": {"image": "question", "two_images": "long_text", "video": "story"},
+    "qwen2-audio": {"image": "audio", "two_images": "two_audios", "video": "late_audio"},
+    # the tiny Gemma3 answers "Which is red, <image> or <image>? ..." with one token repeated: no
+    # EOS would end rows at different steps in the greedy test
+    "gemma3": {"two_images": "images_first", "video": "late_image"},
+}
+
+
 def _prompt_batch(template, kinds=("image", "two_images", "text", "video")):
     """Left-padded prompts of different lengths: one image, two images of other sizes, text only (an
-    audio for Qwen2.5-Omni), a video (with its sound where the template uses it)."""
+    audio for Qwen2.5-Omni), a video (with its sound where the template uses it); see READS for the
+    families without some of these. LLaVA-OneVision: the one image is tiled (anyres), the two are
+    base views only, in one batch."""
     samples = {
         "image": LoadedSample(id="s/0", messages=[{"role": "user", "content": "<image>Describe it."}],
                               images=[_image(84, 56)]),
@@ -74,10 +91,22 @@ def _prompt_batch(template, kinds=("image", "two_images", "text", "video")):
                               audios=[_audio(1.1)]),
         "video": LoadedSample(id="s/3", messages=[{"role": "user", "content": "What happens? <video>"}],
                               videos=[_video()]),
+        "two_audios": LoadedSample(id="s/5", messages=[{"role": "user", "content": "<audio>Louder than <audio>?"}],
+                                   audios=[_audio(0.6, seed=1), _audio(1.5, seed=2)]),  # two clips, one row
+        "late_audio": LoadedSample(id="s/6", messages=[{"role": "user", "content": "Say it word for word: <audio>"}],
+                                   audios=[_audio(2.0, seed=3)]),
+        "images_first": LoadedSample(
+            id="s/11", messages=[{"role": "user", "content": "<image><image>Which is red? Think step by step."}],
+            images=[_image(140, 112, seed=1), _image(56, 56, seed=2)]),
+        "late_image": LoadedSample(id="s/7", messages=[{"role": "user", "content": "What is this, step by step? <image>"}],
+                                   images=[_image(56, 84, seed=3)]),
+        "question": LoadedSample(id="s/8", messages=[{"role": "user", "content": "What is 2 + 3? Answer briefly."}]),
+        "long_text": LoadedSample(id="s/9", messages=[{"role": "user", "content":
+                                  "Which is red, a circle or a square? Think step by step, then answer in a word."}]),
+        "story": LoadedSample(id="s/10", messages=[{"role": "user", "content": "Tell a story about a cat."}]),
     }  # fmt: skip
-    if template.name == "qwen2.5-omni":  # the thinker hears: an audio prompt instead of the text one
-        kinds = tuple("audio" if kind == "text" else kind for kind in kinds)
-    return template.collate([template.encode_prompt(samples[kind]) for kind in kinds])
+    reads = READS.get(template.name, {})
+    return template.collate([template.encode_prompt(samples[reads.get(kind, kind)]) for kind in kinds])
 
 
 def _completions(num_prompts, length=7, seed=0):
@@ -108,11 +137,14 @@ def _logps_and_grads(model, hidden_fn, ids, mask, weights):
     return logps.detach(), grads
 
 
-def _assert_grads_equal(expected, got):
+TOWER_INPUTS = {"vision": ("pixel_values", "pixel_values_videos"), "audio": ("input_features",)}
+
+
+def _assert_grads_equal(expected, got, template, batch):
     assert expected.keys() == got.keys()
-    assert any(
-        name.startswith("model.visual.") for name in got
-    )  # through the shared K/V into the vision tower
+    for tower, keys in TOWER_INPUTS.items():  # through the shared K/V into each media tower the batch uses
+        if any(key in batch for key in keys):
+            assert any(name.startswith(template.components[tower] + ".") for name in got), tower
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
@@ -137,9 +169,11 @@ def test_logps_and_gradients_match_naive(family, setups):
         model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
     )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    _assert_grads_equal(expected_grads, grads)
-    if family.startswith("qwen2.5-omni"):  # and into the audio tower
-        assert any(name.startswith("model.audio_tower.") for name in grads)
+    _assert_grads_equal(expected_grads, grads, template, batch)  # Omni, Qwen2-Audio: the audio tower too
+    if family == "llava-onevision":  # one tiled image and two base views in one batch
+        assert batch["batch_num_images"].tolist() == [1, 2, 0, 0]
+    if family == "qwen2-audio":  # clips of the rows: 1, 2 (one prompt holds two), 0, 1
+        assert batch["input_features"].shape[0] == 4
 
 
 def test_unequal_groups(setups):
@@ -162,7 +196,7 @@ def test_unequal_groups(setups):
         weights[keep],
     )
     torch.testing.assert_close(got, expected[keep], atol=1e-5, rtol=0)
-    _assert_grads_equal(expected_grads, grads)
+    _assert_grads_equal(expected_grads, grads, template, batch)
     with pytest.raises(ValueError, match="do not match"):
         shared_prefix_hidden(model.model, batch, ids[keep], mask[keep], [1, 3, 2])
 
@@ -185,7 +219,7 @@ def test_gradient_checkpointing(family, setups):
             model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
         )
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-        _assert_grads_equal(expected_grads, grads)
+        _assert_grads_equal(expected_grads, grads, template, batch)
 
         model.activation_checkpointing_enable({"use_reentrant": True})
         ok, reason = supports_shared_prefix(model, template)
@@ -208,16 +242,32 @@ def test_single_token_completions(setups):
 
 
 def test_supports_shared_prefix(setups):
-    for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni"):
+    for family in FAMILIES:
         assert supports_shared_prefix(*setups[family]) == (True, ""), family
     model, template = setups["qwen2-vl"]
     assert supports_shared_prefix(model, "Qwen2_VL")[0]
-    ok, reason = supports_shared_prefix(model, "llava-onevision")
-    assert not ok and "llava-onevision" in reason
+    ok, reason = supports_shared_prefix(model, "llama")
+    assert not ok and "'llama' has no shared-prefix path" in reason
     ok, reason = supports_shared_prefix(model, "qwen2.5-vl")  # the name and the checkpoint disagree
     assert not ok and "qwen2_vl" in reason
+    llava, _ = setups["llava-onevision"]
+    ok, reason = supports_shared_prefix(llava, "qwen2")  # its LLM is a Qwen2, the model is not
+    assert not ok and "llava_onevision" in reason
     ok, reason = supports_shared_prefix(torch.nn.Linear(2, 2), "qwen2-vl")
-    assert not ok and "get_rope_index" in reason
+    assert not ok and "without LM head" in reason
+    # what the paths do not handle is refused, with the reason
+    for family, key, value, words in [
+        ("qwen2", "layer_types", ["sliding_attention", "full_attention"], "sliding_attention"),
+        ("gemma3", "use_bidirectional_attention", True, "bidirectional"),
+    ]:
+        config = setups[family][0].config.get_text_config()
+        saved = getattr(config, key)
+        setattr(config, key, value)
+        try:
+            ok, reason = supports_shared_prefix(*setups[family])
+            assert not ok and words in reason, reason
+        finally:
+            setattr(config, key, saved)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,22 +286,17 @@ def _backend(model, template, eos_token_ids):
 
 
 def _first_new_token(rows: list[list[int]], start: int) -> int:
-    """A token of row 0 at index >= start that no row has before that index: as EOS, row 0 ends
-    there (a tiny random model repeats itself, so most tokens would end rows at once)."""
-    for index in range(start, len(rows[0])):
-        if all(rows[0][index] not in row[:index] for row in rows):
-            return rows[0][index]
+    """A token of row 0 (else of the first row that has one) at index >= start that no row has
+    before that index: as EOS, that row ends there (a tiny random model repeats itself, so most
+    tokens would end rows at once)."""
+    for tokens in rows:
+        for index in range(start, len(tokens)):
+            if all(tokens[index] not in row[:index] for row in rows):
+                return tokens[index]
     raise AssertionError(f"no fresh token in {rows}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize(
-    "kinds", [("image", "two_images", "video"), ("two_images",)], ids=["padded", "single"]
-)
-def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
-    model, template = setups[family]
-    batch = _prompt_batch(template, kinds)
+def _assert_greedy_equals_hf_generate(model, template, batch, attention):
     # EOS ids that some rows produce early, so rows stop at different steps
     probe = _backend(model, template, [template.pad_token_id]).generate(
         batch, SamplingParams(num_generations=1, max_new_tokens=8, greedy=True)
@@ -276,9 +321,17 @@ def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sampled_logps_match_naive_forward(family, setups):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "kinds", [("image", "two_images", "video"), ("two_images",)], ids=["padded", "single"]
+)
+def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
     model, template = setups[family]
-    batch = _prompt_batch(template, ("image", "two_images", "text"))
+    _assert_greedy_equals_hf_generate(model, template, _prompt_batch(template, kinds), attention)
+
+
+def _sampled_logps_and_naive(model, template, batch):
+    """A sampled rollout's log-probs, as the decode loop computed them, and the naive forward's."""
     eos = list(range(0, 1500, 9))  # about one token in 9 ends a row: lengths vary
     params = SamplingParams(num_generations=4, max_new_tokens=12, temperature=0.8, top_k=200, top_p=0.95)
     torch.manual_seed(0)
@@ -291,7 +344,46 @@ def test_sampled_logps_match_naive_forward(family, setups):
     with torch.no_grad():
         hidden = _naive_hidden(model, template, batch, ids, mask)
         expected, _ = completion_logprobs(hidden, model.lm_head.weight, ids, temperature=0.8)
-    torch.testing.assert_close(logps, expected * mask, atol=1e-5, rtol=0)
+    return logps, expected * mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_logps_match_naive_forward(family, setups):
+    model, template = setups[family]
+    batch = _prompt_batch(template, ("image", "two_images", "text"))
+    logps, expected = _sampled_logps_and_naive(model, template, batch)
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+
+
+def test_gemma3_sliding_window(setups):
+    """A sliding window shorter than prompt + completion (the tiny Gemma3's layer 0 slides, layer 1
+    is full): forward, gradients, greedy rollouts (with and without padding) and sampled log-probs
+    equal the naive ones, which differ from those under the checkpoint's 512-token window."""
+    model, template = setups["gemma3"]
+    config = model.config.get_text_config()
+    batch = _prompt_batch(template, ("image", "two_images", "text"))
+    ids, mask = _completions(3, length=12, seed=6)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7))
+    naive = lambda: _naive_hidden(model, template, batch, ids, mask)  # noqa: E731
+    wide, _ = _logps_and_grads(model, naive, ids, mask, weights)
+    saved, config.sliding_window = config.sliding_window, 16
+    try:
+        assert batch["input_ids"].shape[1] > config.sliding_window
+        expected, expected_grads = _logps_and_grads(model, naive, ids, mask, weights)
+        assert (expected - wide).abs().max() > 1e-3  # the window applies
+        got, grads = _logps_and_grads(
+            model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        _assert_grads_equal(expected_grads, grads, template, batch)
+        for attention in ("sdpa", "eager"):
+            # padded: a 4D mask at every step; single: none until the window is passed
+            for kinds in [("image", "two_images", "video"), ("two_images",)]:
+                _assert_greedy_equals_hf_generate(model, template, _prompt_batch(template, kinds), attention)
+        logps, expected = _sampled_logps_and_naive(model, template, batch)
+        torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+    finally:
+        config.sliding_window = saved
 
 
 def test_filter_logits_matches_transformers():

@@ -6,20 +6,37 @@ The naive log-prob forward repeats the prompt and its media G times:
     naive:   vision(image) x G,  decoder over G x (P + T) tokens
     shared:  vision(image) x 1,  decoder over P tokens, then G x T tokens reading the prompt's K/V
 
-``shared_prefix_hidden`` runs the prompt (vision tower included) once, keeps every layer's keys
-and values, and runs the completion tokens against them, each of the G rows reading its prompt's
-K/V through an `expand` view (differentiable: the gradients of all G completions flow back into
-the one prompt forward, the vision tower included). It is exact, not an approximation: a decoder token sees
-the same keys, values, mask and positions as in the naive forward, so log-probs and gradients
-match it to float rounding (tests/test_shared_prefix.py checks 1e-5 in fp32).
+``shared_prefix_hidden`` runs the prompt (vision / audio tower included) once, keeps every
+layer's keys and values, and runs the completion tokens against them, each of the G rows reading
+its prompt's K/V through an `expand` view (differentiable: the gradients of all G completions
+flow back into the one prompt forward, the media towers included). It is exact, not an
+approximation: a decoder token sees the same keys, values, mask and positions as in the naive
+forward, so log-probs and gradients match it to float rounding (tests/test_shared_prefix.py
+checks 1e-5 in fp32).
 
     hidden = shared_prefix_hidden(model.model, prompt_batch, completion_ids, completion_mask, G)
     logps, _ = completion_logprobs(hidden, model.lm_head.weight, completion_ids)
 
-Positions (mRoPE): the prompt's [3, B, P] positions come from the model's own ``get_rope_index``;
-completion token t sits at the position the naive forward gives it, ``next_position + t``, where
-``next_position`` is where the prompt's text positions continue (found by appending one text
-token to the prompt in ``get_rope_index``, so it holds whatever the prompt ends with).
+Families (``SHARED_PREFIX_FAMILIES``): all eight template families. Each has a *core* (the module
+that takes input_ids + media and returns last_hidden_state: Qwen2VLModel, LlavaOnevisionModel,
+Gemma3Model, Qwen2Model for text ...), a text decoder inside it (the rollout's decode loop) and
+one of two position schemes:
+
+- mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker): the prompt's [3, B, P]
+  positions come from the model's own ``get_rope_index``; completion token t sits at
+  ``next_position + t``, where ``next_position`` is where the prompt's text positions continue
+  (found by appending one text token to the prompt in ``get_rope_index``).
+- 1-D RoPE (Qwen2, Qwen2-Audio, LLaVA-OneVision, Gemma3): what `generate` gives a left-padded
+  batch, ``attention_mask.cumsum(-1) - 1`` over the real tokens, and next_position = the number
+  of real prompt tokens. (The policy's naive forward lets the model count 0..L-1 over the
+  padding too: a per-row shift, which RoPE ignores, so the two agree to float rounding.)
+
+Media need nothing else: the prompt forward gets the collated media as the naive forward does
+(Qwen2-Audio's clips, LLaVA-OneVision's tiles with `batch_num_images`, Gemma3's
+`token_type_ids`, whose image blocks attend both ways within the prompt); a completion is text
+and reads only the K/V. Sliding-window layers (Gemma3): the cache layers here report the whole
+prompt + completion to transformers' mask builder, which applies the window on those indices
+exactly as in the naive forward over prompt + completion.
 
 Where it cannot apply, ``supports_shared_prefix`` says why and the caller runs the naive forward.
 """
@@ -28,18 +45,40 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-# Families whose backbone `forward(input_ids, pixel_values, ..., position_ids, past_key_values)`
-# and `get_rope_index` this module drives; checked by tests/test_shared_prefix.py.
-SUPPORTED_MODEL_TYPES = {
-    "qwen2-vl": "qwen2_vl",
-    "qwen2.5-vl": "qwen2_5_vl",
-    "qwen3-vl": "qwen3_vl",  # deepstack features are added at prompt (image) positions only
-    "qwen2.5-omni": "qwen2_5_omni_thinker",  # the thinker: audio, and video with its sound
+
+@dataclass(frozen=True)
+class PrefixFamily:
+    """What the shared-prefix paths need to know about one template family's model."""
+
+    # config.model_type of the core: the module without LM head that takes input_ids + media
+    model_type: str
+    # positions from the core's get_rope_index ([3, B, P]); else 1-D from the attention mask ([B, P])
+    mrope: bool
+    # the core's text decoder, which runs the rollout's decode steps; None: the core itself
+    decoder: str | None = "language_model"
+    # sliding-window layers handled (the decoder takes a {layer type: mask} mapping)
+    sliding: bool = False
+
+    def text_decoder(self, core: nn.Module) -> nn.Module:
+        return getattr(core, self.decoder) if self.decoder else core
+
+
+# Template name -> family; checked by tests/test_shared_prefix.py.
+SHARED_PREFIX_FAMILIES = {
+    "qwen2-vl": PrefixFamily("qwen2_vl", mrope=True),
+    "qwen2.5-vl": PrefixFamily("qwen2_5_vl", mrope=True),
+    "qwen3-vl": PrefixFamily("qwen3_vl", mrope=True),  # deepstack features: at prompt positions only
+    "qwen2.5-omni": PrefixFamily("qwen2_5_omni_thinker", mrope=True),  # the thinker; video with sound
+    "qwen2": PrefixFamily("qwen2", mrope=False, decoder=None),  # text only: Qwen2Model is core and decoder
+    "qwen2-audio": PrefixFamily("qwen2_audio", mrope=False),  # a prompt's clips run once, in its own row
+    "llava-onevision": PrefixFamily("llava_onevision", mrope=False),  # batch_num_images stays per prompt
+    "gemma3": PrefixFamily("gemma3", mrope=False, sliding=True),  # token_type_ids on the prompt forward only
 }
 # Tested on CPU. flash_attention_2 should work (bottom-right causal, 2D mask) but is untested: off until a GPU test says so.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -99,18 +138,21 @@ def _recording_cache(num_layers: int) -> Cache:
 # ---------------------------------------------------------------------------------------------
 
 
-def multimodal_core(model: nn.Module) -> nn.Module:
-    """The module with `get_rope_index` and `language_model` (Qwen2VLModel ...), found under a
-    ForConditionalGeneration (`.model`) or a PEFT wrapper (`.base_model.model.model`)."""
+def find_core(model: nn.Module) -> tuple[nn.Module, PrefixFamily]:
+    """The core module of a known family and that family: the first module without an LM head
+    whose config.model_type is a family's, found at `model` or under its `.model` chain
+    (a ForConditionalGeneration's `.model`, a PEFT wrapper's `.base_model.model.model`)."""
+    by_type = {family.model_type: family for family in SHARED_PREFIX_FAMILIES.values()}
     core = model
     for _ in range(5):
-        if hasattr(core, "get_rope_index") and hasattr(core, "language_model"):
-            return core
+        family = by_type.get(getattr(getattr(core, "config", None), "model_type", None))
+        if family is not None and not hasattr(core, "lm_head"):
+            return core, family
         if not hasattr(core, "model"):
             break
         core = core.model
     raise ValueError(
-        f"{type(model).__name__} has no module with get_rope_index and language_model under .model"
+        f"{type(model).__name__} has no model of type {', '.join(by_type)} without LM head under .model"
     )
 
 
@@ -122,17 +164,25 @@ def _rope_inputs(inputs: dict) -> dict:
     }
 
 
-def prompt_positions(core: nn.Module, prompt_inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """mRoPE positions of a left-padded prompt batch and where text after it continues.
+def prompt_positions(
+    core: nn.Module, family: PrefixFamily, prompt_inputs: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of a left-padded prompt batch and where text after it continues.
 
-    Returns positions [3, B, P] (what the naive forward gives the prompt tokens) and
-    next_position [3, B] (the position of a first completion token). One text column is appended
-    before calling `get_rope_index`, so next_position is right whatever the prompt ends with.
+    Returns positions (what the naive forward gives the prompt tokens) and next_position (the
+    position of a first completion token): [3, B, P] and [3, B] for mRoPE, [B, P] and [B] for
+    1-D RoPE. A completion token t of prompt b sits at `next_position[..., b] + t` either way.
     """
     input_ids = prompt_inputs["input_ids"]  # [B, P]
     attention_mask = prompt_inputs["attention_mask"]
     if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
         raise ValueError("the prompt batch must be left-padded (template.collate does this)")
+    if not family.mrope:  # as generate and Template.position_ids: 0, 1, ... over the real tokens
+        mask = attention_mask.long()
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [B, P]
+        return positions, mask.sum(-1)  # [B, P], [B]
+    # mRoPE: one text column is appended before calling `get_rope_index`, so next_position is
+    # right whatever the prompt ends with.
     one = torch.ones_like(input_ids[:, :1])
     input_ids = torch.cat([input_ids, one], dim=1)
     attention_mask = torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1)
@@ -161,14 +211,14 @@ def prompt_positions(core: nn.Module, prompt_inputs: dict) -> tuple[torch.Tensor
 
 
 @contextmanager
-def _cache_through_checkpointing(core: nn.Module):
+def _cache_through_checkpointing(decoder: nn.Module):
     """Let decoder layers keep their cache under gradient checkpointing.
 
     transformers drops `past_key_values` inside a checkpointed layer, because a cache that
     appends would be appended to twice by the backward replay. Both cache layers here are
     idempotent, so the replay is harmless: allow it on these layer instances for one call.
     """
-    layers = [m for m in core.language_model.modules() if getattr(m, "gradient_checkpointing", False)]
+    layers = [m for m in decoder.modules() if getattr(m, "gradient_checkpointing", False)]
     for layer in layers:
         layer._can_checkpoint_with_cache = True  # instance attribute, shadows the class default
     try:
@@ -178,10 +228,10 @@ def _cache_through_checkpointing(core: nn.Module):
             del layer._can_checkpoint_with_cache
 
 
-def _checkpointing_reentrant(core: nn.Module) -> bool:
+def _checkpointing_reentrant(decoder: nn.Module) -> bool:
     """True if some decoder layer uses reentrant checkpointing (its forward runs without grad,
     so K/V recorded inside it would carry no gradient)."""
-    for module in core.language_model.modules():
+    for module in decoder.modules():
         if getattr(module, "gradient_checkpointing", False):
             func = getattr(module, "_gradient_checkpointing_func", None)
             if getattr(func, "keywords", {}).get("use_reentrant", True) is not False:
@@ -204,30 +254,36 @@ def supports_shared_prefix(model: nn.Module, template_or_model_type) -> tuple[bo
 
     template_or_model_type: a Template (its registered name is used) or a `--model_type` string.
     The family is taken from that explicit name, then the model is checked to be that family
-    with a plain full-attention KV cache.
+    with attention layers this module handles (full; sliding-window where the family says so).
     """
     name = getattr(template_or_model_type, "name", template_or_model_type)
-    family = next((k for k in SUPPORTED_MODEL_TYPES if _normalise(k) == _normalise(str(name))), None)
-    if family is None:
+    key = next((k for k in SHARED_PREFIX_FAMILIES if _normalise(k) == _normalise(str(name))), None)
+    if key is None:
         return (
             False,
-            f"model type {name!r} has no shared-prefix path (known: {', '.join(SUPPORTED_MODEL_TYPES)})",
+            f"model type {name!r} has no shared-prefix path (known: {', '.join(SHARED_PREFIX_FAMILIES)})",
         )
+    family = SHARED_PREFIX_FAMILIES[key]
     try:
-        core = multimodal_core(model)
+        core, _ = find_core(model)
     except ValueError as error:
         return False, str(error)
     config = core.config
-    if config.model_type != SUPPORTED_MODEL_TYPES[family]:
+    if config.model_type != family.model_type:
         return False, f"model_type {name!r} but the model's config says {config.model_type!r}"
     text_config = config.get_text_config()
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(text_config, "use_sliding_window", False):
-        return False, f"only full attention is shared (layer types {sorted(layer_types)})"
+    handled = {"full_attention", "sliding_attention"} if family.sliding else {"full_attention"}
+    sliding = getattr(text_config, "use_sliding_window", False)
+    if not layer_types <= handled or (sliding and not family.sliding):
+        shared = " and ".join(sorted(handled))
+        return False, f"layer types {sorted(layer_types)}: {key} shares only {shared} layers"
+    if getattr(text_config, "use_bidirectional_attention", False):
+        return False, "bidirectional text attention (use_bidirectional_attention) cannot decode from a prefix"
     attention = text_config._attn_implementation
     if attention not in SUPPORTED_ATTENTION:
         return False, f"attention implementation {attention!r} is not one of {', '.join(SUPPORTED_ATTENTION)}"
-    if _checkpointing_reentrant(core):
+    if _checkpointing_reentrant(family.text_decoder(core)):
         return (
             False,
             "reentrant gradient checkpointing would cut the gradient through the shared K/V; use use_reentrant=False",
@@ -265,10 +321,11 @@ def shared_prefix_hidden(
     """Final hidden states that predict each completion token, with each prompt run once.
 
     Args:
-        backbone: the multimodal model without LM head (`model.model`, a Qwen2VLModel); a
-            ForConditionalGeneration or PEFT wrapper is unwrapped to it.
-        prompt_inputs: the collated, left-padded batch of B prompts (input_ids, attention_mask,
-            mm_token_type_ids, pixel_values, image_grid_thw, ... as `template.collate` gives).
+        backbone: the family's core (`model.model`: a Qwen2VLModel, Gemma3Model, Qwen2Model ...);
+            a ForConditionalGeneration / ForCausalLM or PEFT wrapper is unwrapped to it.
+        prompt_inputs: the collated, left-padded batch of B prompts (input_ids, attention_mask and
+            the family's media: pixel_values, image_grid_thw, input_features, token_type_ids ...
+            as `template.collate` gives).
         completion_ids, completion_mask: [N, T], the rows of prompt b contiguous and in prompt
             order; right-padded (mask 1 up to and including EOS).
         num_generations: G (N = B * G), or the number of rows of each prompt (a list of B
@@ -278,7 +335,8 @@ def shared_prefix_hidden(
         hidden [N, T, H]: hidden[:, t] predicts completion_ids[:, t] (hidden[:, 0] is the prompt's
         last state). Equal to slicing the naive forward over prompt + completion.
     """
-    core = multimodal_core(backbone)
+    core, family = find_core(backbone)
+    decoder = family.text_decoder(core)
     num_prompts = prompt_inputs["input_ids"].shape[0]
     num_rows, length = completion_ids.shape
     device = completion_ids.device
@@ -287,7 +345,7 @@ def shared_prefix_hidden(
         raise ValueError(
             f"{num_rows} completion rows do not match {num_prompts} prompts x {num_generations} rows"
         )
-    if _checkpointing_reentrant(core):
+    if _checkpointing_reentrant(decoder):
         raise ValueError(
             "shared_prefix_hidden needs non-reentrant gradient checkpointing (use_reentrant=False)"
         )
@@ -296,10 +354,11 @@ def shared_prefix_hidden(
         torch.arange(num_prompts, device=device), torch.tensor(counts, device=device)
     )  # [N]
 
-    positions, next_position = prompt_positions(core, prompt_inputs)  # [3, B, P], [3, B]
+    # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
+    positions, next_position = prompt_positions(core, family, prompt_inputs)
     recorded = _recording_cache(core.config.get_text_config().num_hidden_layers)
     prompt_kwargs = {k: v for k, v in prompt_inputs.items() if k != "position_ids"}
-    with _cache_through_checkpointing(core):
+    with _cache_through_checkpointing(decoder):
         # use_cache=False: the layers use a cache that is passed in regardless, and checkpointed
         # layers would otherwise warn that they turn use_cache off
         prompt_hidden = core(
@@ -312,7 +371,8 @@ def shared_prefix_hidden(
 
     # Tokens 0 .. T-2 go in; their states predict tokens 1 .. T-1.
     steps = torch.arange(length - 1, device=device)  # [T - 1]
-    completion_positions = next_position[:, prompt_of_row, None] + steps  # [3, N, T - 1]
+    # [3, N, T - 1] or [N, T - 1]
+    completion_positions = next_position.index_select(-1, prompt_of_row)[..., None] + steps
     prompt_mask = prompt_inputs["attention_mask"][prompt_of_row]  # [N, P]
     attention_mask = torch.cat(
         [prompt_mask, completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1
@@ -320,7 +380,9 @@ def shared_prefix_hidden(
     prefix = Cache(
         layers=[_PrefixLayer(layer.keys, layer.values, group, prompt_of_row) for layer in recorded.layers]
     )
-    with _cache_through_checkpointing(core):
+    # A completion is text: no media, and (Gemma3) no token_type_ids, which Gemma3Model does
+    # not require; its masks then come from the cache's sizes, the sliding window included.
+    with _cache_through_checkpointing(decoder):
         completion_hidden = core(
             input_ids=completion_ids[:, :-1],
             attention_mask=attention_mask,

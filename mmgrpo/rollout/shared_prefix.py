@@ -5,7 +5,7 @@ decoder prefill runs over G copies of each prompt (transformers 5.23 encodes the
 repeats the features; older versions and most trainers ran the vision tower G times too).
 This backend runs both once per prompt:
 
-    1. prefill:  vision tower + decoder over the B prompts, K/V recorded           (B rows)
+    1. prefill:  media towers + decoder over the B prompts, K/V recorded          (B rows)
     2. expand:   every layer's K/V written G times into a preallocated buffer      (B * G rows)
     3. decode:   per step one decoder forward on the B * G new tokens, sampling, EOS bookkeeping
 
@@ -14,6 +14,13 @@ per-step host sync (finished rows are tracked on device; `finished.all()` is rea
 `check_every` steps). The K/V buffer is allocated once for P + max_new_tokens positions, so a
 step writes one column instead of concatenating the whole cache as DynamicCache does.
 
+Every template family runs here (mmgrpo.grpo.shared_prefix.SHARED_PREFIX_FAMILIES): the prefill
+calls the family's core with the prompt's media and positions ([3, B, P] mRoPE for the Qwen-VL
+families and the Qwen2.5-Omni thinker, [B, P] 1-D RoPE for Qwen2, Qwen2-Audio, LLaVA-OneVision
+and Gemma3), the decode steps call its text decoder. Qwen2-Audio's clips stay in their prompt's
+row (no `repeat_rows` needed, unlike HFRollout). Gemma3's sliding-window layers get their own
+per-step mask (see `_step_masks`).
+
 Sampling follows transformers' order: placeholder ids suppressed, then temperature, top-k,
 top-p, then one draw per row by inverse CDF (`sample_from`); greedy takes the argmax after
 suppression. Greedy outputs equal HF generate's token for token (tests/test_shared_prefix.py).
@@ -21,7 +28,8 @@ suppression. Greedy outputs equal HF generate's token for token (tests/test_shar
     backend = SharedPrefixRollout(model, eos_token_ids=[...], pad_token_id=..., suppress_token_ids=[...])
     rollout = backend.generate(prompt_batch, SamplingParams(num_generations=8, max_new_tokens=256))
 
-Use it only where `supports_shared_prefix(model, template)` says so; elsewhere use HFRollout.
+Use it only where `supports_shared_prefix(model, template)` says so (other attention kinds,
+reentrant checkpointing ...); elsewhere use HFRollout.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mmgrpo.grpo.shared_prefix import _recording_cache, multimodal_core, prompt_positions
+from mmgrpo.grpo.shared_prefix import _recording_cache, find_core, prompt_positions
 from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
 
 
@@ -118,7 +126,8 @@ class SharedPrefixRollout:
         check_every: int = 8,
     ):
         self.model = model
-        self.core = multimodal_core(model)
+        self.core, self.family = find_core(model)
+        self.decoder = self.family.text_decoder(self.core)  # runs the decode steps
         self.lm_head = model.get_output_embeddings()
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -155,8 +164,9 @@ class SharedPrefixRollout:
         temperature = 1.0 if params.greedy else params.temperature
 
         # 1. prefill, once per prompt
-        positions, next_position = prompt_positions(core, prompt_batch)  # [3, B, P], [3, B]
-        recorded = _recording_cache(len(core.language_model.layers))
+        # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
+        positions, next_position = prompt_positions(core, self.family, prompt_batch)
+        recorded = _recording_cache(len(self.decoder.layers))
         prompt_kwargs = {k: v for k, v in prompt_batch.items() if k != "position_ids"}
         hidden = core(
             **prompt_kwargs, position_ids=positions, past_key_values=recorded, use_cache=True
@@ -170,7 +180,7 @@ class SharedPrefixRollout:
         )
         del recorded
         step_mask = self._step_masks(prompt_mask, group, capacity, hidden.dtype)
-        position = next_position.repeat_interleave(group, dim=1)[:, :, None]  # [3, N, 1]
+        position = next_position.repeat_interleave(group, dim=-1)[..., None]  # [3, N, 1] or [N, 1]
 
         # 3. decode
         eos = torch.tensor(self.eos_token_ids, device=device)
@@ -187,7 +197,7 @@ class SharedPrefixRollout:
             finished |= torch.isin(token, eos)
             if step == max_new - 1 or ((step + 1) % self.check_every == 0 and bool(finished.all())):
                 break
-            hidden = core.language_model(
+            hidden = self.decoder(
                 input_ids=token[:, None],
                 attention_mask=step_mask(prompt_len + step + 1),
                 position_ids=position + step,
@@ -204,24 +214,46 @@ class SharedPrefixRollout:
         attention's mask at every step, reading `mask.all()` on the host each time.
         Without padding there is no mask at all (SDPA then runs grouped-query attention
         without repeating K/V); with padding a ready 4D mask in the attention's own convention.
+        A decoder with sliding-window layers (Gemma3) gets {"full_attention": ...,
+        "sliding_attention": ...}: the sliding one keeps the last `sliding_window` cache
+        indices of the padding mask, as transformers' `sliding_window_overlay` does.
         """
-        if bool(prompt_mask.all()):  # one host read, before the loop
-            return lambda length: None
-        keep = torch.ones(prompt_mask.shape[0] * group, capacity, dtype=torch.bool, device=prompt_mask.device)
-        keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(
-            group, dim=0
-        )  # [N, P + max_new]
-        attention = self.core.language_model.config._attn_implementation
-        if attention == "sdpa":
-            mask = keep[:, None, None, :]  # [N, 1, 1, P + max_new], True = attend
-        elif attention == "eager":
-            mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(
-                ~keep, torch.finfo(dtype).min
-            )
-            mask = mask[:, None, None, :]  # additive
-        else:  # flash attention and others take the 2D mask
-            mask = keep.long()
-        return lambda length: mask[..., :length]
+        config = self.decoder.config
+        attention = config._attn_implementation
+        num_rows = prompt_mask.shape[0] * group
+
+        def to_attention(keep: torch.Tensor) -> torch.Tensor:  # keep: [N, L], True = attend
+            if attention == "sdpa":
+                return keep[:, None, None, :]  # [N, 1, 1, L]
+            if attention == "eager":  # additive
+                mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+                return mask.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
+            return keep.long()  # flash attention and others take the 2D mask
+
+        keep = full_mask = None  # without padding: no mask (one host read, before the loop)
+        if not bool(prompt_mask.all()):
+            keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=prompt_mask.device)
+            keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)
+            full_mask = to_attention(keep)  # [N, 1, 1, P + max_new]
+
+        def full(length: int) -> torch.Tensor | None:
+            return None if full_mask is None else full_mask[..., :length]
+
+        if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+            return full
+        if attention not in ("sdpa", "eager"):  # supports_shared_prefix refuses these too
+            raise NotImplementedError(f"sliding-window decode masks: sdpa and eager only, not {attention}")
+        window = config.sliding_window
+        columns = torch.arange(capacity, device=prompt_mask.device)
+
+        def sliding(length: int) -> torch.Tensor | None:
+            # the query is cache index length - 1; it sees indices > (length - 1) - window
+            if keep is None and length <= window:
+                return None
+            in_window = (columns[:length] >= length - window).expand(num_rows, length)  # [N, L]
+            return to_attention(in_window if keep is None else keep[:, :length] & in_window)
+
+        return lambda length: {"full_attention": full(length), "sliding_attention": sliding(length)}
 
     @staticmethod
     def _pick(logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -275,11 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     model, processor = load_model(path), load_processor(path)
     template = get_template(args.family, processor, max_pixels=args.image_size**2)
     pixels = np.random.RandomState(0).randint(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
+    takes_images = "image" in template.modalities  # else a text prompt (Qwen2, Qwen2-Audio)
+    question = ("<image>" if takes_images else "") + "How many red circles?"
     samples = [
         LoadedSample(
             id=f"bench/{i}",
-            messages=[{"role": "user", "content": "<image>How many red circles?"}],
-            images=[Image.fromarray(pixels)],
+            messages=[{"role": "user", "content": question}],
+            images=[Image.fromarray(pixels)] if takes_images else [],
         )
         for i in range(args.num_prompts)
     ]
@@ -291,9 +325,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     params = SamplingParams(num_generations=args.num_generations, max_new_tokens=args.max_new_tokens)
     backends = {"hf": HFRollout(model, **kwargs), "shared": SharedPrefixRollout(model, **kwargs)}
+    image_tokens = int((batch["input_ids"] == template.media["image"].token_id).sum()) if takes_images else 0
     print(
         f"{path}: {args.num_prompts} prompt(s) of {batch['input_ids'].shape[1]} tokens "
-        f"({int((batch['mm_token_type_ids'] == 1).sum()) // args.num_prompts} image tokens each), "
+        f"({image_tokens // args.num_prompts} image tokens each), "
         f"G={args.num_generations}, {args.max_new_tokens} new tokens, {args.threads} thread(s)"
     )
 
@@ -323,17 +358,18 @@ def main(argv: list[str] | None = None) -> None:
 
     completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
     lm_head = model.get_output_embeddings()
+    backbone = model.get_submodule(template.components["backbone"])
 
     def logprob_step(shared: bool) -> None:
         model.zero_grad(set_to_none=True)
         if shared:
             hidden = shared_prefix_hidden(
-                model.model, batch, completion_ids, completion_mask, args.num_generations
+                backbone, batch, completion_ids, completion_mask, args.num_generations
             )
         else:
             inputs = template.forward_inputs(batch, completion_ids, completion_mask, model=model)
             prompt_len = batch["input_ids"].shape[1]
-            hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
+            hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
         logps, _ = completion_logprobs(hidden, lm_head.weight, completion_ids)
         (logps * completion_mask).sum().backward()
 
