@@ -7,7 +7,11 @@ This backend runs both once per prompt:
 
     1. prefill:  media towers + decoder over the B prompts, K/V recorded          (B rows)
     2. expand:   every layer's K/V written G times into a preallocated buffer      (B * G rows)
-    3. decode:   per step one decoder forward on the B * G new tokens, sampling, EOS bookkeeping
+    3. decode:   per step one decoder step on the B * G new tokens, sampling, EOS bookkeeping
+
+The decoder step is `LeanDecoder.step` (rollout/lean_decode.py: the layers' operations run
+straight on their weights, rotary tables computed once per rollout) for the Qwen-style decoders,
+transformers' text decoder with a ready mask for the others (Gemma3).
 
 The loop does nothing else: no logits processors, no re-padding, no processor calls, no
 per-step host sync (finished rows are tracked on device; `finished.all()` is read every
@@ -39,6 +43,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.grpo.shared_prefix import _recording_cache, find_core, prompt_positions
 from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
+from mmgrpo.rollout.lean_decode import LeanDecoder
 
 
 class _BufferLayer(DynamicLayer):
@@ -109,11 +114,23 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
+def _padding_keep(prompt_mask: torch.Tensor, group: int, capacity: int) -> torch.Tensor | None:
+    """[B * G, capacity] bool, False on each row's left padding; None if no prompt is padded
+    (one host read, before the decode loop)."""
+    if bool(prompt_mask.all()):
+        return None
+    keep = torch.ones(prompt_mask.shape[0] * group, capacity, dtype=torch.bool, device=prompt_mask.device)
+    keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)
+    return keep
+
+
 class SharedPrefixRollout:
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
 
     check_every: steps between the host reads of "has every row finished?" (each read is one
     device sync; after all rows finish at most check_every - 1 steps are wasted).
+    lean: run decode steps with `LeanDecoder` (the layers' operations without transformers'
+    module stack, rollout/lean_decode.py) where the decoder's layers allow it.
     """
 
     def __init__(
@@ -124,6 +141,7 @@ class SharedPrefixRollout:
         pad_token_id: int,
         suppress_token_ids: list[int],
         check_every: int = 8,
+        lean: bool = True,
     ):
         self.model = model
         self.core, self.family = find_core(model)
@@ -133,6 +151,7 @@ class SharedPrefixRollout:
         self.pad_token_id = pad_token_id
         self.suppress_token_ids = list(suppress_token_ids)
         self.check_every = check_every
+        self.lean = LeanDecoder(self.decoder) if lean and LeanDecoder.supports(self.decoder)[0] else None
 
     def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
         """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
@@ -179,8 +198,8 @@ class SharedPrefixRollout:
             layers=[_BufferLayer(layer.keys, layer.values, group, capacity) for layer in recorded.layers]
         )
         del recorded
-        step_mask = self._step_masks(prompt_mask, group, capacity, hidden.dtype)
         position = next_position.repeat_interleave(group, dim=-1)[..., None]  # [3, N, 1] or [N, 1]
+        advance = self._stepper(cache, prompt_mask, group, capacity, position, hidden.dtype)
 
         # 3. decode
         eos = torch.tensor(self.eos_token_ids, device=device)
@@ -197,15 +216,36 @@ class SharedPrefixRollout:
             finished |= torch.isin(token, eos)
             if step == max_new - 1 or ((step + 1) % self.check_every == 0 and bool(finished.all())):
                 break
-            hidden = self.decoder(
+            logits = self.lm_head(advance(token, step)).float()  # [N, V]
+        return tokens, logps
+
+    def _stepper(self, cache: Cache, prompt_mask: torch.Tensor, group: int, capacity: int, position, dtype):
+        """A function (token [N], step) -> the decoder's final hidden state [N, H] for that token,
+        which sits at cache index P + step: the lean step where it applies, else transformers'."""
+        prompt_len = prompt_mask.shape[1]
+        if self.lean is not None:
+            steps = torch.arange(capacity - prompt_len, device=prompt_mask.device)
+            cos, sin = self.lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim], all steps at once
+            buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
+            keep = _padding_keep(prompt_mask, group, capacity)
+            keep = None if keep is None else keep[:, None, None, :]  # SDPA's boolean mask, True = attend
+
+            def lean_step(token: torch.Tensor, step: int) -> torch.Tensor:
+                return self.lean.step(token, cos[:, step], sin[:, step], buffers, prompt_len + step + 1, keep)
+
+            return lean_step
+        step_mask = self._step_masks(prompt_mask, group, capacity, dtype)
+
+        def transformers_step(token: torch.Tensor, step: int) -> torch.Tensor:
+            return self.decoder(
                 input_ids=token[:, None],
                 attention_mask=step_mask(prompt_len + step + 1),
                 position_ids=position + step,
                 past_key_values=cache,
                 use_cache=True,
-            ).last_hidden_state  # [N, 1, H]
-            logits = self.lm_head(hidden[:, -1]).float()  # [N, V]
-        return tokens, logps
+            ).last_hidden_state[:, -1]
+
+        return transformers_step
 
     def _step_masks(self, prompt_mask: torch.Tensor, group: int, capacity: int, dtype: torch.dtype):
         """A function: keys seen so far -> the attention mask of one decode step.
@@ -230,11 +270,8 @@ class SharedPrefixRollout:
                 return mask.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
             return keep.long()  # flash attention and others take the 2D mask
 
-        keep = full_mask = None  # without padding: no mask (one host read, before the loop)
-        if not bool(prompt_mask.all()):
-            keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=prompt_mask.device)
-            keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)
-            full_mask = to_attention(keep)  # [N, 1, 1, P + max_new]
+        keep = _padding_keep(prompt_mask, group, capacity)  # without padding: no mask at all
+        full_mask = None if keep is None else to_attention(keep)  # [N, 1, 1, P + max_new]
 
         def full(length: int) -> torch.Tensor | None:
             return None if full_mask is None else full_mask[..., :length]

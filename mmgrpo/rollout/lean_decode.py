@@ -1,0 +1,144 @@
+"""One decode step of a Qwen-style decoder without the transformers module stack.
+
+A rollout decode step feeds one token per row through the decoder. For the small models and
+short contexts of RL rollouts the arithmetic is tiny and the cost is per-operation overhead:
+transformers' layer stack spends about as long in Python (decorators, output capture, mask and
+rotary set-up, the attention-interface lookup, cache objects) as in the operations themselves.
+`LeanDecoder.step` runs the same operations, in the same order and dtype, straight on the
+layers' weights:
+
+    embed -> per layer: RMSNorm, q/k/v (+ Qwen3's q/k norms), RoPE, write K/V into the
+    rollout's buffer, SDPA over the buffer, o_proj, residual, RMSNorm, SwiGLU MLP, residual
+    -> final RMSNorm
+
+The rotary cos/sin of every step are computed once per rollout by the model's own rotary
+module (mRoPE included: a generated token has equal temporal/height/width positions), so
+positions follow the model exactly. `supports` accepts only the decoder layer classes listed
+below, whose forward is exactly this sequence; anything else decodes through transformers.
+tests/test_lean_decode.py checks greedy tokens identical and log-probs equal to 1e-5 against
+the transformers path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Decoder layers whose forward is the sequence above (RMSNorm pre-norm, RoPE attention, SwiGLU).
+LEAN_LAYERS = {
+    "Qwen2DecoderLayer",  # Qwen2 / Qwen2.5 text, Qwen2-Audio's and LLaVA-OneVision's LLM
+    "Qwen2VLDecoderLayer",
+    "Qwen2_5_VLDecoderLayer",
+    "Qwen2_5OmniDecoderLayer",  # the Qwen2.5-Omni thinker
+    "Qwen3VLTextDecoderLayer",  # + q_norm / k_norm on each head
+}
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Qwen RMSNorm, op for op: statistics in fp32, weight applied in x's dtype."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """The weights one decoder layer's step reads (plain tensors: no module calls)."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.gqa = attn.num_key_value_groups > 1 if hasattr(attn, "num_key_value_groups") else False
+
+
+class LeanDecoder:
+    """Decode steps of `language_model` (a Qwen-style text decoder) over a rollout's K/V buffers.
+
+    buffers: per layer (keys, values) tensors [N, kv_heads, capacity, head_dim] holding the
+    prompt's K/V in their first P columns; `step` writes column `length - 1` and attends to
+    columns [0, length).
+    """
+
+    def __init__(self, language_model: nn.Module):
+        self.embed = language_model.embed_tokens
+        self.norm = language_model.norm
+        self.rotary = language_model.rotary_emb
+        self.layers = [_Layer(layer) for layer in language_model.layers]
+
+    @staticmethod
+    def supports(language_model: nn.Module) -> tuple[bool, str]:
+        """(True, "") if every layer is one of LEAN_LAYERS with SiLU MLP, plain embedding and no
+        sliding window; else (False, why)."""
+        layers = getattr(language_model, "layers", None)
+        if layers is None or not all(hasattr(language_model, a) for a in ("embed_tokens", "norm", "rotary_emb")):
+            return False, f"{type(language_model).__name__} is not a Qwen-style decoder"
+        names = {type(layer).__name__ for layer in layers}
+        if not names <= LEAN_LAYERS:
+            return False, f"decoder layers {sorted(names - LEAN_LAYERS)} have no lean decode step"
+        config = language_model.config
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return False, f"hidden_act {config.hidden_act!r} (the lean step implements SiLU)"
+        if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            return False, "sliding-window layers"
+        if type(language_model.embed_tokens) is not nn.Embedding:
+            return False, f"embedding {type(language_model.embed_tokens).__name__} (the lean step implements nn.Embedding)"
+        return True, ""
+
+    def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, T, head_dim] for positions [N, T] (or [3, N, T] mRoPE), by the model's own rotary module."""
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        return self.rotary(probe, positions)
+
+    @torch.no_grad()
+    def step(
+        self,
+        token: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        buffers: list[tuple[torch.Tensor, torch.Tensor]],
+        length: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """token [N] at cache column length - 1 -> final hidden state [N, H].
+
+        cos, sin: [N, head_dim] of this step. mask: None (attend to every column) or bool
+        [N, 1, 1, >= length], True = attend.
+        """
+        rows = token.shape[0]
+        hidden = F.embedding(token, self.embed.weight)[:, None]  # [N, 1, H]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [N, 1, 1, D]
+        mask = mask[..., :length] if mask is not None else None
+        column = length - 1
+        for layer, (key_buffer, value_buffer) in zip(self.layers, buffers):
+            x = _rms_norm(hidden, layer.input_norm)
+            q = F.linear(x, layer.q.weight, layer.q.bias).view(rows, 1, -1, layer.head_dim)
+            k = F.linear(x, layer.k.weight, layer.k.bias).view(rows, 1, -1, layer.head_dim)
+            v = F.linear(x, layer.v.weight, layer.v.bias).view(rows, 1, -1, layer.head_dim)
+            if layer.q_norm is not None:
+                q, k = _rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, 1, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            key_buffer[:, :, column : column + 1] = k
+            value_buffer[:, :, column : column + 1] = v
+            keys, values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+            attended = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.gqa
+            )  # [N, heads, 1, D]
+            attended = attended.transpose(1, 2).reshape(rows, 1, -1)
+            hidden = hidden + F.linear(attended, layer.o.weight, layer.o.bias)
+            x = _rms_norm(hidden, layer.post_norm)
+            x = F.silu(F.linear(x, layer.gate.weight, layer.gate.bias)) * F.linear(x, layer.up.weight, layer.up.bias)
+            hidden = hidden + F.linear(x, layer.down.weight, layer.down.bias)
+        return _rms_norm(hidden, self.norm)[:, 0]  # [N, H]

@@ -1,0 +1,78 @@
+"""The lean decode step (mmgrpo/rollout/lean_decode.py) against transformers' decoder forward.
+
+Both run inside SharedPrefixRollout on the same prefill and K/V buffers; only the per-step
+decoder differs. Greedy tokens must be identical and sampled tokens (same seed) identical with
+log-probs equal to 1e-5 (fp32), for a left-padded batch (masked attention) and an unpadded one,
+on every family whose decoder layers the lean step implements.
+"""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgrpo.data.schema import LoadedSample
+from mmgrpo.models import load_model, load_processor
+from mmgrpo.models.tiny import build_tiny
+from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.rollout.lean_decode import LeanDecoder
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+from mmgrpo.templates import get_template
+
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision"]
+
+
+def _media_sample(template) -> LoadedSample:
+    """A prompt with the family's first medium (text only for a text family)."""
+    rng = np.random.RandomState(0)
+    if "image" in template.modalities:
+        image = Image.fromarray(rng.randint(0, 256, (56, 84, 3), dtype=np.uint8))
+        return LoadedSample(id="m/0", messages=[{"role": "user", "content": "<image>What is it?"}], images=[image])
+    if "audio" in template.modalities:
+        audio = (0.3 * np.sin(2 * np.pi * 330 * np.arange(16000) / 16000)).astype(np.float32)
+        return LoadedSample(id="m/0", messages=[{"role": "user", "content": "<audio>What is it?"}], audios=[audio])
+    return LoadedSample(id="m/0", messages=[{"role": "user", "content": "Count from one to ten, please."}])
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def setup(request):
+    family = request.param
+    path = str(build_tiny(family))
+    model = load_model(path, dtype=torch.float32)
+    template = get_template(family, load_processor(path))
+    tokenizer = template.tokenizer
+    eos = [tokenizer.eos_token_id, *template.stop_token_ids]
+    kwargs = dict(  # EOS never sampled: every row decodes all the steps (stopping is outside the step)
+        eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, suppress_token_ids=[*template.suppress_token_ids, *eos]
+    )
+    backends = {lean: SharedPrefixRollout(model, **kwargs, lean=lean) for lean in (False, True)}
+    assert backends[True].lean is not None, LeanDecoder.supports(backends[True].decoder)
+    assert backends[False].lean is None
+    media = _media_sample(template)
+    text = LoadedSample(id="t/0", messages=[{"role": "user", "content": "Hi."}])
+    padded = template.collate([template.encode_prompt(s) for s in (media, text)])
+    unpadded = template.collate([template.encode_prompt(s) for s in (media, media)])
+    assert not bool(padded["attention_mask"].all()) and bool(unpadded["attention_mask"].all())
+    return backends, {"padded": padded, "unpadded": unpadded}
+
+
+@pytest.mark.parametrize("batch_kind", ["padded", "unpadded"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_lean_step_equals_transformers(setup, batch_kind, greedy):
+    backends, batches = setup
+    params = SamplingParams(num_generations=3, max_new_tokens=20, greedy=greedy)
+    results = {}
+    for lean, backend in backends.items():
+        torch.manual_seed(0)
+        results[lean] = backend.sample(batches[batch_kind], params)
+    (reference, ref_logps), (lean, lean_logps) = results[False], results[True]
+    assert torch.equal(reference.completion_ids, lean.completion_ids)
+    assert torch.equal(reference.completion_mask, lean.completion_mask)
+    torch.testing.assert_close(lean_logps, ref_logps, atol=1e-5, rtol=0)
+    assert reference.completion_ids.shape[1] == params.max_new_tokens
+
+
+def test_unsupported_layers_decode_through_transformers():
+    model = load_model(str(build_tiny("gemma3")), dtype=torch.float32)
+    ok, reason = LeanDecoder.supports(model.model.language_model)
+    assert not ok and "Gemma3DecoderLayer" in reason
