@@ -21,7 +21,8 @@ What is the same in both systems (one fresh subprocess per run, so peak RSS is p
     (`suppress_tokens` in TRL's generation_kwargs; the rollout backend's `suppress_token_ids`
     in mmgrpo), so every completion is exactly --max_completion_length tokens;
   - gradient checkpointing OFF in both (TRL turns it on by default; that would cost it ~20%);
-  - data loading in the training process (dataloader_num_workers 0 in both).
+  - data loading in the training process (dataloader_num_workers 0 in both);
+  - no TensorBoard or other tracker (report_to "none" in both; mmgrpo still writes metrics.jsonl).
 
 Measured per run after the warm-up steps: seconds per step (the interval between the ends of
 consecutive optimizer steps, so data loading and logging count), CPU seconds per step,
@@ -250,7 +251,7 @@ def run_mmgrpo(spec: dict) -> dict:
         "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", "0.04", "--loss_type", "dapo",
         "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(spec["warmup"] + spec["steps"]),
         "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
-        "--gradient_checkpointing", "false", "--log_completions", "0", "--max_prompt_length", "4096",
+        "--gradient_checkpointing", "false", "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
         "--seed", "0",
     ])
     clock = StepClock(spec["warmup"])

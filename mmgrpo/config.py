@@ -215,6 +215,8 @@ class TrainConfig:
     """Print and log every N steps."""
     log_completions: int = 4
     """Prompts per step written to completions.jsonl (all G completions of each)."""
+    report_to: str = "tensorboard"
+    """`tensorboard` (event files in the run folder, beside metrics.jsonl) or `none` (metrics.jsonl only)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     bf16: bool = False
@@ -401,6 +403,7 @@ def validate(cfg: TrainConfig) -> None:
         "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
         "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
+        "report_to": (cfg.report_to, ("tensorboard", "none")),
         "backend": (cfg.rollout.backend, ("hf",)),
     }
     for flag, (value, allowed) in choices.items():

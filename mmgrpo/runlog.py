@@ -38,12 +38,13 @@ class RunLogger:
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
         self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if getattr(cfg, "report_to", "tensorboard") == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir))
-        except ImportError:  # tensorboard is optional outside the pinned set
-            pass
+                self.tb = SummaryWriter(str(self.dir))
+            except ImportError:  # tensorboard is optional outside the pinned set
+                pass
 
     def log_step(self, metrics: dict, records: list[dict] = (), print_it: bool = True) -> None:
         metrics = {k: _jsonable(v) for k, v in metrics.items()}

@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText
 from mmgrpo.cli import main as cli_main
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
+from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny import resolve_model_path
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
@@ -47,6 +48,19 @@ def test_train_cli_leaves_the_run_files(tmp_path):
     assert "num_generations: 4" in (out / "config.yaml").read_text()
     model = AutoModelForImageTextToText.from_pretrained(out / "checkpoint-2")
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_report_to_none_writes_metrics_only(tmp_path):
+    from mmgrpo.runlog import RunLogger
+
+    cfg = TrainConfig.from_args([*FAST, "--report_to", "none", "--output_dir", str(tmp_path)])
+    logger = RunLogger(tmp_path, cfg)
+    logger.log_step({"step": 1, "reward": 0.5}, print_it=False)
+    logger.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward": 0.5}]
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    with pytest.raises(ConfigError, match="--report_to 'wandb'"):
+        TrainConfig.from_args([*FAST, "--report_to", "wandb"]).validate()
 
 
 def test_one_step_changes_every_trainable_parameter(tmp_path):
