@@ -49,7 +49,12 @@ def _plain_call(fn, *args, **kwargs):
 
 
 class Policy:
-    def __init__(self, model: nn.Module, template, *, shared_prefix: bool = True, logprob_chunk_size: int | None = None):
+    def __init__(
+        self, model: nn.Module, template, *, shared_prefix: bool = True, shared_rollout: bool = True,
+        logprob_chunk_size: int | None = None,
+    ):
+        """shared_prefix: run each prompt once per group in the log-prob forwards and (with
+        shared_rollout) in rollouts, where `supports_shared_prefix` allows it."""
         self.model = model
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
@@ -57,13 +62,14 @@ class Policy:
         eos = {tokenizer.eos_token_id, *template.stop_token_ids}
         self.eos_token_ids = sorted(i for i in eos if i is not None)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self.shared_prefix = False
+        self.shared_prefix = False  # in the log-prob forwards (old, ref, update)
         if shared_prefix:
             self.shared_prefix, reason = supports_shared_prefix(model, template)
             if not self.shared_prefix:
                 console.print(f"[yellow]group-shared prefix off ({reason}): prompts run once per completion")
-        backend = SharedPrefixRollout if self.shared_prefix else HFRollout
-        extra = {} if self.shared_prefix else {"repeat_rows": template.repeat_rows}  # audio rows (rollout/hf.py)
+        shared = self.shared_prefix and shared_rollout
+        backend = SharedPrefixRollout if shared else HFRollout
+        extra = {} if shared else {"repeat_rows": template.repeat_rows}  # audio rows (rollout/hf.py)
         self.rollout_backend = backend(
             model, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, suppress_token_ids=template.suppress_token_ids,
             **extra,

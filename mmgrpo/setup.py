@@ -232,8 +232,9 @@ def build_run(cfg: TrainConfig) -> Run:
     ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
     if cfg.algo.beta > 0 and cfg.model.train_type == "full":
         ref_model = reference_copy(model, bf16=cfg.bf16, share_frozen=cfg.dist.parallel == "none")
-    # Shared-prefix rollouts and forwards are not verified on sharded models yet: plain ones there.
-    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix and cfg.dist.parallel == "none")
+    # Sharded models (FSDP2 / ZeRO-3) share the prefix in the log-prob forwards; their rollouts use
+    # HF generate, which keeps the ranks stepping together (synced_gpus).
+    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix, shared_rollout=cfg.dist.parallel == "none")
     policy.ref_model = ref_model
     policy.disable_adapters = peft_model.disable_adapter if peft_model is not None else None
     return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device,

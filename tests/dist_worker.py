@@ -161,13 +161,13 @@ def local_fraction(strategy) -> float:
     return 1.0
 
 
-def parity_step(parallel: str | None, out: Path) -> dict:
+def parity_step(parallel: str | None, out: Path, *extra: str) -> dict:
     """One GRPO step on this rank's share of a fixed global batch; loss and full gradients."""
     from mmgrpo.engine import grpo_step
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    run = prepared_run(config(parallel or "none", world_size, out), fixed_completions=True)
+    run = prepared_run(config(parallel or "none", world_size, out, *extra), fixed_completions=True)
     every_prompt = image_prompts(run.template, PER_RANK_PROMPTS * 2)
     mine = every_prompt[rank * len(every_prompt) // world_size:(rank + 1) * len(every_prompt) // world_size]
     captured = {}
@@ -180,7 +180,7 @@ def parity_step(parallel: str | None, out: Path) -> dict:
     run.strategy.optimizer_step = capture_then_step
     metrics, _ = grpo_step(run, mine, step=1)
     return {"loss": metrics["loss"], "reward": metrics["reward"], "grads": captured, "run": run,
-            "local_fraction": local_fraction(run.strategy)}
+            "local_fraction": local_fraction(run.strategy), "shared_prefix": run.policy.shared_prefix}
 
 
 def main() -> None:

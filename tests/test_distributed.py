@@ -132,11 +132,13 @@ def test_blank_image_changes_no_logprob_and_no_completion(tiny_qwen2_vl_path):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The step of one process on the global batch (both ranks' prompts)."""
+    """The step of one process on the global batch (both ranks' prompts), each prompt repeated
+    per completion (no shared prefix): the sharded runs share it, so both paths are compared."""
     sys.path.insert(0, str(WORKER.parent))
     import dist_worker
 
-    result = dist_worker.parity_step(None, tmp_path_factory.mktemp("single"))
+    result = dist_worker.parity_step(None, tmp_path_factory.mktemp("single"), "--shared_prefix", "false")
+    assert not result["shared_prefix"]
     result.pop("run")
     return result
 
@@ -153,6 +155,7 @@ def test_two_ranks_match_one_process(parallel, one_process, tmp_path):
     # one GRPO step: same loss, same step-1 gradients as one process on the global batch (fp32)
     ranks = torch.load(tmp_path / "parity.pt", weights_only=False)
     assert ranks["local_fraction"] == pytest.approx(0.5, abs=0.01)  # each rank really holds half the weights
+    assert ranks["shared_prefix"]  # the sharded log-prob forwards run each prompt once per group
     assert ranks["loss"] == pytest.approx(one_process["loss"], abs=1e-5)
     assert ranks["reward"] == pytest.approx(one_process["reward"], abs=1e-6)
     assert ranks["grads"].keys() == one_process["grads"].keys()

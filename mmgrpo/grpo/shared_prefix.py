@@ -366,17 +366,18 @@ def shared_prefix_hidden(
         ).last_hidden_state  # [B, P, H]
     # The prompt's last state predicts completion token 0 of every row of its group.
     first = prompt_hidden[:, -1:].index_select(0, prompt_of_row)  # [N, 1, H]
-    if length == 1:
-        return first
 
-    # Tokens 0 .. T-2 go in; their states predict tokens 1 .. T-1.
-    steps = torch.arange(length - 1, device=device)  # [T - 1]
-    # [3, N, T - 1] or [N, T - 1]
+    # Tokens 0 .. T-2 go in; their states predict tokens 1 .. T-1. With T = 1 token 0 still goes
+    # in and its state is dropped: every call runs both forwards, so ranks whose sharded weights
+    # are gathered inside each layer call (FSDP2, ZeRO-3) make the same collective calls.
+    inputs = max(length - 1, 1)
+    steps = torch.arange(inputs, device=device)  # [T']
+    # [3, N, T'] or [N, T']
     completion_positions = next_position.index_select(-1, prompt_of_row)[..., None] + steps
     prompt_mask = prompt_inputs["attention_mask"][prompt_of_row]  # [N, P]
     attention_mask = torch.cat(
-        [prompt_mask, completion_mask[:, :-1].to(prompt_mask.dtype)], dim=1
-    )  # [N, P + T - 1]
+        [prompt_mask, completion_mask[:, :inputs].to(prompt_mask.dtype)], dim=1
+    )  # [N, P + T']
     prefix = Cache(
         layers=[_PrefixLayer(layer.keys, layer.values, group, prompt_of_row) for layer in recorded.layers]
     )
@@ -384,10 +385,10 @@ def shared_prefix_hidden(
     # not require; its masks then come from the cache's sizes, the sliding window included.
     with _cache_through_checkpointing(decoder):
         completion_hidden = core(
-            input_ids=completion_ids[:, :-1],
+            input_ids=completion_ids[:, :inputs],
             attention_mask=attention_mask,
             position_ids=completion_positions,
             past_key_values=prefix,
             use_cache=False,
-        ).last_hidden_state  # [N, T - 1, H]
-    return torch.cat([first, completion_hidden], dim=1)  # [N, T, H]
+        ).last_hidden_state  # [N, T', H]
+    return torch.cat([first, completion_hidden[:, : length - 1]], dim=1)  # [N, T, H]
