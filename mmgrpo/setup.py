@@ -18,12 +18,14 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.pipeline import cycle, make_prompt_loader
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.grpo.shared_prefix import supports_shared_prefix
 from mmgrpo.lora import apply_train_type, check_trainable, model_skeleton, save_pretrained
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
 from mmgrpo.parallel import build_strategy
 from mmgrpo.policy import Policy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
 from mmgrpo.templates import get_template, load_template_plugin
 
 
@@ -232,9 +234,15 @@ def build_run(cfg: TrainConfig) -> Run:
     ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
     if cfg.algo.beta > 0 and cfg.model.train_type == "full":
         ref_model = reference_copy(model, bf16=cfg.bf16, share_frozen=cfg.dist.parallel == "none")
-    # Sharded models (FSDP2 / ZeRO-3) share the prefix in the log-prob forwards; their rollouts use
-    # HF generate, which keeps the ranks stepping together (synced_gpus).
-    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix, shared_rollout=cfg.dist.parallel == "none")
+    # Sharded models (FSDP2 / ZeRO-3) gather weights inside each layer call, so every rank must make
+    # the same calls. Their log-prob forwards share the prefix (always two forwards per call). Their
+    # rollouts share it where the weights are gathered once for the whole rollout and the decode steps
+    # are lean (no module call after the prefill, so a rank may stop early); else HF generate, synced.
+    sharded = cfg.dist.parallel != "none"
+    shared_rollout = not sharded or (
+        cfg.dist.gather_for_generation and supports_shared_prefix(model, template)[0] and SharedPrefixRollout.lean_applies(model)
+    )
+    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix, shared_rollout=shared_rollout)
     policy.ref_model = ref_model
     policy.disable_adapters = peft_model.disable_adapter if peft_model is not None else None
     return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device,

@@ -227,6 +227,32 @@ def main() -> None:
                                                     "completion_length_max": metrics["completion_length_max"]}))
     timings["mixed"] = time.perf_counter() - start
 
+    start = time.perf_counter()  # the shared-prefix rollout on the sharded model, weights gathered once
+    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+
+    # Rank 0 stops after one token, rank 1 samples 8: its lean decode steps call no module, so
+    # rank 0 may leave the loop early. Log-probs of the sampled tokens, as the decode loop computed
+    # them from the gathered weights, must equal the sharded log-prob forward's.
+    backend = SharedPrefixRollout(run.policy.model, eos_token_ids=eos, pad_token_id=run.policy.pad_token_id,
+                                  suppress_token_ids=run.template.suppress_token_ids)
+    gathered = run.strategy.blocks_gathered if parallel == "fsdp2" else run.strategy.all_gathered
+
+    def sample(batch, params):
+        with gathered():
+            return backend.sample(batch, params)
+
+    encoded = [enc for _, enc in prompts]
+    prompt_batch = run.strategy.align_media(run.template.collate(encoded), run.template)
+    rollout, sampled = run.policy.rollout_call(sample, prompt_batch, SamplingParams(num_generations=G, max_new_tokens=8))
+    forward = run.strategy.align_media(run.policy.forward_batch(encoded, [G] * len(encoded)), run.template)
+    with torch.no_grad():
+        recomputed, _ = run.policy.completion_logprobs(forward, rollout.completion_ids, rollout.completion_mask)
+    report = {"lean": backend.lean is not None, "length": int(rollout.completion_mask.sum(1).max()),
+              "max_diff": float((recomputed - sampled).abs().max())}
+    (out / f"shared_rollout_rank{rank}.json").write_text(json.dumps(report))
+    timings["shared_rollout"] = time.perf_counter() - start
+
     start = time.perf_counter()  # LoRA + bf16 through the real training loop
     from mmgrpo.engine import train
 

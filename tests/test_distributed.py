@@ -168,6 +168,12 @@ def test_two_ranks_match_one_process(parallel, one_process, tmp_path):
     assert mixed["loss"] is not None and mixed["reward/text"] is not None and mixed["reward/image"] is not None
     assert mixed["completion_length_max"] > 1  # rank 1 went on sampling after rank 0 stopped
 
+    # the shared-prefix rollout on the sharded model (lean steps on weights gathered once): rank 0
+    # stopped after one token while rank 1 went on; its log-probs equal the sharded forward's
+    shared = [json.loads((tmp_path / f"shared_rollout_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(r["lean"] for r in shared) and shared[0]["length"] == 1 and shared[1]["length"] > 1
+    assert max(r["max_diff"] for r in shared) < 1e-5, shared
+
     # the consolidated checkpoint loads with from_pretrained and gives the sharded model's log-probs
     from mmgrpo.models.loading import load_model, load_processor
     from mmgrpo.policy import Policy

@@ -76,3 +76,26 @@ def test_unsupported_layers_decode_through_transformers():
     model = load_model(str(build_tiny("gemma3")), dtype=torch.float32)
     ok, reason = LeanDecoder.supports(model.model.language_model)
     assert not ok and "Gemma3DecoderLayer" in reason
+
+
+def test_lora_projections_decode_through_transformers(tiny_qwen2_vl_path):
+    """A LoRA layer adds its adapters in its forward: the lean step, which reads .weight, must not
+    run; the rollout then equals HF generate on the adapted model."""
+    from peft import LoraConfig, get_peft_model
+
+    from mmgrpo.rollout.hf import HFRollout
+
+    model = load_model(tiny_qwen2_vl_path, dtype=torch.float32)
+    template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0))
+    generator = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: make the adapters change the outputs
+            param.data = torch.randn(param.shape, generator=generator)
+    kwargs = dict(eos_token_ids=[template.tokenizer.eos_token_id], pad_token_id=template.tokenizer.pad_token_id,
+                  suppress_token_ids=template.suppress_token_ids)
+    shared = SharedPrefixRollout(model, **kwargs)
+    assert shared.lean is None and "LoRA" in LeanDecoder.supports(shared.decoder)[1]
+    batch = template.collate([template.encode_prompt(_media_sample(template))])
+    params = SamplingParams(num_generations=2, max_new_tokens=12, greedy=True)
+    assert torch.equal(shared.generate(batch, params).completion_ids, HFRollout(model, **kwargs).generate(batch, params).completion_ids)

@@ -184,12 +184,19 @@ class Wrapper(nn.Module):
         return fn(*args, **kwargs)
 
 
-def sync_rollouts(policy, world_size: int) -> None:
+def sync_rollouts(policy, world_size: int, gathered: bool) -> None:
     """Sharded models gather weights in every forward: all ranks must run as many decoding steps
-    as the slowest (generate's synced_gpus keeps the finished ones stepping)."""
+    as the slowest (generate's synced_gpus keeps the finished ones stepping). The shared-prefix
+    rollout's lean decode steps call no module: with the weights gathered for the whole rollout
+    (`gathered`) its ranks need no syncing."""
     backend = policy.rollout_backend
     if not hasattr(backend, "generate_kwargs"):
-        raise ConfigError(f"the {type(backend).__name__} rollout cannot run on a sharded model: use the HF generate rollout.")
+        if gathered and getattr(backend, "lean", None) is not None:
+            return
+        raise ConfigError(
+            f"the {type(backend).__name__} rollout cannot run on a sharded model without --gather_for_generation "
+            "and lean decode steps: use the HF generate rollout (--shared_prefix false)."
+        )
     if world_size > 1:
         backend.generate_kwargs["synced_gpus"] = True
 

@@ -56,7 +56,7 @@ class FSDP2(Strategy):
         else:
             mp_policy = MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.cfg.dist.offload_param else OffloadPolicy()
-        sync_rollouts(policy, self.world_size)
+        sync_rollouts(policy, self.world_size, self.cfg.dist.gather_for_generation)
         self.wrapper = shard(policy.model, mp_policy, offload)
         policy.call = policy.rollout_call = self.wrapper
         if self.cfg.dist.gather_for_generation:

@@ -126,7 +126,7 @@ class ZeRO3(Strategy):
     def wrap(self, policy, make_optimizer):
         import deepspeed
 
-        sync_rollouts(policy, self.world_size)
+        sync_rollouts(policy, self.world_size, self.cfg.dist.gather_for_generation)
         hidden_size = getattr(policy.model.config.get_text_config(), "hidden_size", None)
         config = deepspeed_config(self.cfg, self.world_size, hidden_size)
         self.engine, optimizer, _, _ = deepspeed.initialize(
@@ -146,10 +146,13 @@ class ZeRO3(Strategy):
 
     @contextmanager
     def all_gathered(self):
-        """Every weight gathered on every rank (a rollout: one gather instead of one per decoding step)."""
-        import deepspeed
+        """Every weight gathered on every rank for a whole rollout: one gather instead of one per
+        decoding step. ZeRO-3's module hooks are off meanwhile (DeepSpeed's own
+        `unwrap_model_for_generation`), or the first forward's post-hooks would release the
+        weights that later steps, the lean ones included, read."""
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
+        with unwrap_model_for_generation(self.engine):
             yield
 
     def backward(self, loss: torch.Tensor) -> None:

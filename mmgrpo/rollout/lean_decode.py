@@ -14,7 +14,9 @@ layers' weights:
 The rotary cos/sin of every step are computed once per rollout by the model's own rotary
 module (mRoPE included: a generated token has equal temporal/height/width positions), so
 positions follow the model exactly. `supports` accepts only the decoder layer classes listed
-below, whose forward is exactly this sequence; anything else decodes through transformers.
+below, whose forward is exactly this sequence, with plain nn.Linear projections (a LoRA-wrapped
+projection adds its adapters in its forward, which the step does not call); anything else
+decodes through transformers.
 tests/test_lean_decode.py checks greedy tokens identical and log-probs equal to 1e-5 against
 the transformers path.
 """
@@ -83,7 +85,8 @@ class LeanDecoder:
         layers = getattr(language_model, "layers", None)
         if layers is None or not all(hasattr(language_model, a) for a in ("embed_tokens", "norm", "rotary_emb")):
             return False, f"{type(language_model).__name__} is not a Qwen-style decoder"
-        names = {type(layer).__name__ for layer in layers}
+        # FSDP2's fully_shard swaps a block's class for a subclass named FSDP<class>; its forward is the block's
+        names = {type(layer).__name__.removeprefix("FSDP") for layer in layers}
         if not names <= LEAN_LAYERS:
             return False, f"decoder layers {sorted(names - LEAN_LAYERS)} have no lean decode step"
         config = language_model.config
@@ -93,6 +96,13 @@ class LeanDecoder:
             return False, "sliding-window layers"
         if type(language_model.embed_tokens) is not nn.Embedding:
             return False, f"embedding {type(language_model.embed_tokens).__name__} (the lean step implements nn.Embedding)"
+        # The step reads `.weight` / `.bias` of each projection: a wrapped one (a LoRA layer adds
+        # its adapters in forward) would be skipped silently, so anything but nn.Linear decodes
+        # through transformers.
+        for layer in layers:
+            for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
+                if name.endswith("_proj") and type(module) is not nn.Linear:
+                    return False, f"{name} is a {type(module).__name__}, not nn.Linear (LoRA adapters run in its forward)"
         return True, ""
 
     def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,6 +153,14 @@ class SharedPrefixRollout:
         self.check_every = check_every
         self.lean = LeanDecoder(self.decoder) if lean and LeanDecoder.supports(self.decoder)[0] else None
 
+    @staticmethod
+    def lean_applies(model) -> bool:
+        """True if the decode steps of `model` would run as lean steps: after the prefill they call
+        no module, so on a sharded model whose weights are gathered for the whole rollout a rank
+        can stop when its own rows finish (no collective inside the loop)."""
+        core, family = find_core(model)
+        return LeanDecoder.supports(family.text_decoder(core))[0]
+
     def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
         """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
         return self.sample(prompt_batch, params)[0]
