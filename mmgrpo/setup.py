@@ -18,7 +18,6 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.pipeline import cycle, make_prompt_loader
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.grpo.shared_prefix import supports_shared_prefix
 from mmgrpo.lora import apply_train_type, check_trainable, model_skeleton, save_pretrained
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
@@ -239,9 +238,7 @@ def build_run(cfg: TrainConfig) -> Run:
     # rollouts share it where the weights are gathered once for the whole rollout and the decode steps
     # are lean (no module call after the prefill, so a rank may stop early); else HF generate, synced.
     sharded = cfg.dist.parallel != "none"
-    shared_rollout = not sharded or (
-        cfg.dist.gather_for_generation and supports_shared_prefix(model, template)[0] and SharedPrefixRollout.lean_applies(model)
-    )
+    shared_rollout = not sharded or (cfg.dist.gather_for_generation and SharedPrefixRollout.lean_applies(model))
     policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix, shared_rollout=shared_rollout)
     policy.ref_model = ref_model
     policy.disable_adapters = peft_model.disable_adapter if peft_model is not None else None

@@ -158,7 +158,10 @@ class SharedPrefixRollout:
         """True if the decode steps of `model` would run as lean steps: after the prefill they call
         no module, so on a sharded model whose weights are gathered for the whole rollout a rank
         can stop when its own rows finish (no collective inside the loop)."""
-        core, family = find_core(model)
+        try:
+            core, family = find_core(model)
+        except ValueError:  # not a family the shared prefix knows
+            return False
         return LeanDecoder.supports(family.text_decoder(core))[0]
 
     def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
@@ -287,7 +290,7 @@ class SharedPrefixRollout:
         if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
             return full
         if attention not in ("sdpa", "eager"):  # supports_shared_prefix refuses these too
-            raise NotImplementedError(f"sliding-window decode masks: sdpa and eager only, not {attention}")
+            raise ValueError(f"sliding-window decode masks: sdpa and eager only, not {attention}")
         window = config.sliding_window
         columns = torch.arange(capacity, device=prompt_mask.device)
 
