@@ -96,3 +96,20 @@ def test_a_video_without_sound_is_an_error_naming_the_sample(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(omni_args(write_dataset(tmp_path, sound=False), tmp_path / "run"))
     assert re.search(r"error: sample tones_in_video/train/\d: video 0 has no sound track", capsys.readouterr().err)
+
+
+def test_omni_evaluates_videos_with_sound(tmp_path, capsys):
+    """`mmgrpo eval --use_audio_in_video` feeds the sound track as training does (a video without
+    one is then the same one-line error naming the sample)."""
+    from mmgrpo.cli import main
+
+    args = ["eval", "--model", "tiny:qwen2.5-omni", "--use_audio_in_video", "--video_nframes", "4",
+            "--metrics", "vqa_accuracy", "--max_completion_length", "4", "--batch_size", "2"]  # fmt: skip
+    main([*args, "--dataset", write_dataset(tmp_path, sound=True), "--output_dir", str(tmp_path / "eval")])
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["counts"] == {"all": 4, "video": 4} and "vqa_accuracy" in result["metrics"]
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    with pytest.raises(SystemExit):
+        main([*args, "--dataset", write_dataset(silent, sound=False), "--output_dir", str(tmp_path / "eval2")])
+    assert re.search(r"error: sample tones_in_video/test/\d: video 0 has no sound track", capsys.readouterr().err)

@@ -61,7 +61,10 @@ def evaluate(policy, template, dataset, output_dir, *, metrics: list[str], model
         )
 
 
-def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=()):
+def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
+                **template_options):
+    """The policy and template of a model folder (or tiny:<family>), for evaluation.
+    template_options: family options such as Qwen2.5-Omni's use_audio_in_video, video_fps, video_nframes."""
     from mmgrpo.models.loading import load_model, load_processor
     from mmgrpo.models.tiny import resolve_model_path
     from mmgrpo.policy import Policy
@@ -77,7 +80,7 @@ def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min
 
         raise ConfigError(f"--model_type is required for --model {model_path} (e.g. --model_type qwen2-vl).")
     path = resolve_model_path(model_path)
-    template = get_template(model_type, load_processor(path), max_pixels=max_pixels, min_pixels=min_pixels)
+    template = get_template(model_type, load_processor(path), max_pixels=max_pixels, min_pixels=min_pixels, **template_options)
     model = load_model(path).eval()
     return Policy(model, template), template
 
@@ -96,6 +99,11 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=32, help="Samples per generate call.")
     p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N samples.")
     p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit after resizing.")
+    p.add_argument("--min_pixels", type=int, default=None, help="Image pixel floor after resizing.")
+    p.add_argument("--video_fps", type=float, default=None, help="Frames per second sampled from a video (as in training).")
+    p.add_argument("--video_nframes", type=int, default=None, help="Frames sampled from a video (as in training).")
+    p.add_argument("--use_audio_in_video", action="store_true",
+                   help="Qwen2.5-Omni: feed each video's sound track with its frames (as in training).")
     p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
     p.add_argument("--output_dir", required=True, help="Where eval.json, eval.md and samples.jsonl go.")
     p.add_argument("--resume", action="store_true", help="Continue an interrupted eval in --output_dir.")
@@ -108,12 +116,18 @@ def main(argv: list[str]) -> dict:
     args = eval_parser().parse_args(argv)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
     metrics = args.metrics or dataset.reward_funcs
-    policy, template = load_policy(args.model, args.model_type, max_pixels=args.max_pixels,
-                                   template_plugin=args.template_plugin)
+    video = {"video_fps": args.video_fps, "video_nframes": args.video_nframes}
+    policy, template = load_policy(
+        args.model, args.model_type, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
+        template_plugin=args.template_plugin, **video, **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
+    )
+    media_kwargs = {"fps": args.video_fps, "nframes": args.video_nframes}
+    if args.use_audio_in_video:  # each video's sound track too, at the audio tower's rate (as training does)
+        media_kwargs.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
     result = evaluate(
         policy, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
         num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,
-        batch_size=args.batch_size, resume=args.resume, limit=args.limit,
+        batch_size=args.batch_size, resume=args.resume, limit=args.limit, media_kwargs=media_kwargs,
     )
     for name, value in result["metrics"].items():
         console.print(f"{name}: {value}")
