@@ -148,7 +148,9 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
             ], micro, completion_ids.shape)
 
     with timers("adv"):
-        advantages, adv_stats = group_advantages(torch.nan_to_num(rewards, nan=0.0), G, cfg.algo.scale_rewards)
+        rewards_known = torch.nan_to_num(rewards, nan=0.0)
+        batch_std = run.strategy.std_across_ranks(rewards_known) if cfg.algo.scale_rewards == "batch" else None
+        advantages, adv_stats = group_advantages(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
         advantages = advantages.to(completion_ids.device)
         if cfg.algo.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
             weights = parse_modality_weights(cfg.algo.modality_weights)

@@ -195,6 +195,13 @@ def main() -> None:
         torch.save(result, out / "parity.pt")
     timings["parity"] = time.perf_counter() - start
 
+    start = time.perf_counter()  # --scale_rewards batch: the std of both ranks' rewards together
+    batch = parity_step(parallel, out / "parity_batch_run", "--scale_rewards", "batch")
+    batch.pop("run").strategy.barrier()
+    if rank == 0:
+        torch.save({k: batch[k] for k in ("loss", "grads")}, out / "parity_batch.pt")
+    timings["parity_batch"] = time.perf_counter() - start
+
     start = time.perf_counter()  # the sharded model after its step: log-probs, then one HF folder
     from mmgrpo.engine import grpo_step
 

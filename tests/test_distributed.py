@@ -143,10 +143,22 @@ def one_process(tmp_path_factory):
     return result
 
 
+@pytest.fixture(scope="module")
+def one_process_batch_scaled(tmp_path_factory):
+    """As `one_process`, with --scale_rewards batch: advantages divided by the std of all rewards."""
+    sys.path.insert(0, str(WORKER.parent))
+    import dist_worker
+
+    result = dist_worker.parity_step(None, tmp_path_factory.mktemp("single_batch"), "--shared_prefix", "false",
+                                     "--scale_rewards", "batch")
+    result.pop("run")
+    return result
+
+
 @pytest.mark.distributed
 @pytest.mark.xdist_group("distributed")
 @pytest.mark.parametrize("parallel", ["fsdp2", "zero3"])
-def test_two_ranks_match_one_process(parallel, one_process, tmp_path):
+def test_two_ranks_match_one_process(parallel, one_process, one_process_batch_scaled, tmp_path):
     start = time.perf_counter()
     done = launch([str(WORKER), parallel, str(tmp_path)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -162,6 +174,14 @@ def test_two_ranks_match_one_process(parallel, one_process, tmp_path):
     for name, grad in one_process["grads"].items():
         torch.testing.assert_close(ranks["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert sum(float(g.abs().sum()) for g in one_process["grads"].values()) > 0
+
+    # --scale_rewards batch: each rank divides by the std of both ranks' rewards, as one process does
+    batch = torch.load(tmp_path / "parity_batch.pt", weights_only=False)
+    assert batch["loss"] == pytest.approx(one_process_batch_scaled["loss"], abs=1e-5)
+    assert any(not torch.allclose(grad, one_process["grads"][name], atol=1e-6, rtol=1e-3)  # the scaling really differs
+               for name, grad in one_process_batch_scaled["grads"].items())
+    for name, grad in one_process_batch_scaled["grads"].items():
+        torch.testing.assert_close(batch["grads"][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
     # text-only prompts on one rank, images on the other: completes
     mixed = json.loads((tmp_path / "mixed.json").read_text())

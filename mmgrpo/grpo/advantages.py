@@ -60,7 +60,7 @@ def get_advantage(name: str) -> AdvantageFn:
 
 @register_advantage("grpo")
 def group_advantages(
-    rewards: Tensor, num_generations: int, scale_rewards: str = "group"
+    rewards: Tensor, num_generations: int, scale_rewards: str = "group", batch_std: Tensor | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO advantages: reward minus its group's mean, optionally divided by a std.
 
@@ -73,6 +73,8 @@ def group_advantages(
         scale_rewards: "group" divides by each group's std, "batch" by the std of all N
             rewards (the group mean is still subtracted), "none" does not divide (Dr. GRPO:
             dividing by a small std up-weights near-unanimous groups, a difficulty bias).
+        batch_std: for "batch", the std to divide by instead of that of `rewards`: under data
+            parallelism, the std of every rank's rewards (`strategy.std_across_ranks`).
 
     Returns:
         advantages: [N] float32, on the device of ``rewards``, with no grad.
@@ -81,8 +83,8 @@ def group_advantages(
             ``frac_reward_zero_std``: fraction of groups whose G rewards are all equal
             (their advantages are 0 and they teach nothing: the "loss is 0" confusion).
 
-    Under data parallelism pass the rewards of this rank only for "group" and "none" (groups
-    never straddle ranks); for "batch" the engine may gather them first to match TRL.
+    Under data parallelism pass the rewards of this rank (groups never straddle ranks), and for
+    "batch" the global std as `batch_std`, so the result equals one process on the whole batch.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"--scale_rewards {scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
@@ -105,7 +107,7 @@ def group_advantages(
     if scale_rewards == "group":
         advantages = advantages / (group_std + STD_EPS)
     elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + STD_EPS)
+        advantages = advantages / ((rewards.std() if batch_std is None else batch_std) + STD_EPS)
 
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     stats = {

@@ -340,6 +340,16 @@ class Strategy:
         value = torch.as_tensor(value, dtype=torch.float32).reshape(1)
         return self._reduce(value, dist.ReduceOp.SUM)[0] / self.world_size  # float32: a loss stays float32
 
+    def std_across_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """The unbiased std of every rank's `values` together (one all-reduce of count, sum and
+        sum of squares, in float64); on one process, `values.std()`."""
+        if self.world_size == 1:
+            return values.float().std()
+        flat = values.detach().double().reshape(-1).cpu()
+        count, total, squares = self._reduce(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat * flat).sum()]), dist.ReduceOp.SUM)
+        variance = (squares - total * total / count) / (count - 1)
+        return variance.clamp_min(0).sqrt().float().to(values.device)
+
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if it is True on any (e.g. a non-finite loss: all skip the update)."""
         return bool(self._reduce(torch.tensor([float(flag)]), dist.ReduceOp.MAX)[0])
