@@ -11,9 +11,9 @@ weight (used by `mix_datasets`), anything else is a split. So `a:0.7` is dataset
 0.7, `a:test` its test split, `a:test:0.7` both; split names cannot be numbers.
 
 Registry files are YAML holding `datasets:`, a list of entries (docs/data.md has the format). They
-are read from, in order: the built-in `datasets_cfg/*.yaml` at the top of the mmgrpo checkout (found
-as `Path(mmgrpo/__file__).parents[1] / "datasets_cfg"`, so mmgrpo must be installed editable, as
-`make` does), then each file in `$MMGRPO_DATASET_REGISTRY` (os.pathsep-separated), then
+are read from, in order: the built-in `datasets_cfg/*.yaml` at the top of the mmgrpo checkout
+(linked into the package as `mmgrpo/datasets_cfg`, which a wheel carries as package data), then
+each file in `$MMGRPO_DATASET_REGISTRY` (os.pathsep-separated), then
 `extra_files` (the CLI's `--dataset_registry FILE`). A name defined twice is an error.
 """
 
@@ -31,7 +31,7 @@ from mmgrpo.data.augment import Augment, parse_augment
 from mmgrpo.data.schema import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
 from mmgrpo.errors import ConfigError, DataError
 
-BUILTIN_DIR = Path(__file__).resolve().parents[2] / "datasets_cfg"
+BUILTIN_DIR = Path(__file__).resolve().parents[1] / "datasets_cfg"
 ENV_VAR = "MMGRPO_DATASET_REGISTRY"
 PATH_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 _SOURCE_KEYS = ("files", "folder", "splits", "synthetic")
