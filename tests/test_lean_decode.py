@@ -99,3 +99,27 @@ def test_lora_projections_decode_through_transformers(tiny_qwen2_vl_path):
     batch = template.collate([template.encode_prompt(_media_sample(template))])
     params = SamplingParams(num_generations=2, max_new_tokens=12, greedy=True)
     assert torch.equal(shared.generate(batch, params).completion_ids, HFRollout(model, **kwargs).generate(batch, params).completion_ids)
+
+
+@pytest.mark.parametrize("precision", ["bf16_weights", "bf16_autocast"])
+def test_lean_step_in_bfloat16(precision, tiny_qwen2_vl_path):
+    """Training with --bf16 rolls out under autocast (fp32 weights); bf16 checkpoints run in bf16.
+    The lean step's dtypes follow transformers' op for op: the same tokens and log-probs."""
+    weights = torch.bfloat16 if precision == "bf16_weights" else torch.float32
+    model = load_model(tiny_qwen2_vl_path, dtype=weights)
+    template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
+    eos = [template.tokenizer.eos_token_id, *template.stop_token_ids]
+    kwargs = dict(eos_token_ids=eos, pad_token_id=template.tokenizer.pad_token_id,
+                  suppress_token_ids=[*template.suppress_token_ids, *eos])
+    text = LoadedSample(id="t/0", messages=[{"role": "user", "content": "Hi."}])
+    batch = template.collate([template.encode_prompt(s) for s in (_media_sample(template), text)])
+    batch = {k: v.to(weights) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    params = SamplingParams(num_generations=3, max_new_tokens=16, greedy=True)
+    results = []
+    for lean in (False, True):
+        backend = SharedPrefixRollout(model, **kwargs, lean=lean)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast"):
+            results.append(backend.sample(batch, params))
+    (reference, ref_logps), (lean, lean_logps) = results
+    assert torch.equal(reference.completion_ids, lean.completion_ids)
+    torch.testing.assert_close(lean_logps, ref_logps, atol=1e-3, rtol=0)
