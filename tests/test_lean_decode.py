@@ -1,7 +1,8 @@
 """The lean decode step (mmgrpo/rollout/lean_decode.py) against transformers' decoder forward.
 
-Both run inside SharedPrefixRollout on the same prefill and K/V buffers; only the per-step
-decoder differs. Greedy tokens must be identical and sampled tokens (same seed) identical with
+Both run inside SharedPrefixRollout on the same prefill; only the per-step decoder differs (and
+the K/V layout: transformers' step reads a copy of the prompt's K/V per row, the lean step holds
+it once per prompt and its G rows read it together). Greedy tokens must be identical and sampled tokens (same seed) identical with
 log-probs equal to 1e-5 (fp32), for a left-padded batch (masked attention) and an unpadded one,
 on every family whose decoder layers the lean step implements.
 """
@@ -122,4 +123,6 @@ def test_lean_step_in_bfloat16(precision, tiny_qwen2_vl_path):
             results.append(backend.sample(batch, params))
     (reference, ref_logps), (lean, lean_logps) = results
     assert torch.equal(reference.completion_ids, lean.completion_ids)
-    torch.testing.assert_close(lean_logps, ref_logps, atol=1e-3, rtol=0)
+    # one SDPA call per prompt instead of one per row, so bf16 rounds at other places:
+    # log-probs of about -7 agree to 4e-3 (a bf16 step there is 3e-2)
+    torch.testing.assert_close(lean_logps, ref_logps, atol=1e-2, rtol=0)

@@ -6,12 +6,14 @@ repeats the features; older versions and most trainers ran the vision tower G ti
 This backend runs both once per prompt:
 
     1. prefill:  media towers + decoder over the B prompts, K/V recorded          (B rows)
-    2. expand:   every layer's K/V written G times into a preallocated buffer      (B * G rows)
+    2. K/V:      lean steps: kept once per prompt, its G rows read it together; transformers'
+                 steps: written G times into a preallocated buffer                (B * G rows)
     3. decode:   per step one decoder step on the B * G new tokens, sampling, EOS bookkeeping
 
 The decoder step is `LeanDecoder.step` (rollout/lean_decode.py: the layers' operations run
-straight on their weights, rotary tables computed once per rollout) for the Qwen-style decoders,
-transformers' text decoder with a ready mask for the others (Gemma3).
+straight on their weights, rotary tables computed once per rollout, each prompt's K/V held once
+and attended by its G rows in one SDPA call) for the Qwen-style decoders, transformers' text
+decoder with a ready mask for the others (Gemma3).
 
 The loop does nothing else: no logits processors, no re-padding, no processor calls, no
 per-step host sync (finished rows are tracked on device; `finished.all()` is read every
@@ -43,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.grpo.shared_prefix import _recording_cache, find_core, prompt_positions
 from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
-from mmgrpo.rollout.lean_decode import LeanDecoder
+from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
 
 
 class _BufferLayer(DynamicLayer):
@@ -203,14 +205,10 @@ class SharedPrefixRollout:
         ).last_hidden_state
         logits = self.lm_head(hidden[:, -1]).float().repeat_interleave(group, dim=0)  # [N, V]
 
-        # 2. K/V of each prompt written G times into buffers for P + max_new positions
-        capacity = prompt_len + max_new
-        cache = Cache(
-            layers=[_BufferLayer(layer.keys, layer.values, group, capacity) for layer in recorded.layers]
-        )
-        del recorded
+        # 2. the decode steps' K/V stores, from the prompts' recorded K/V
         position = next_position.repeat_interleave(group, dim=-1)[..., None]  # [3, N, 1] or [N, 1]
-        advance = self._stepper(cache, prompt_mask, group, capacity, position, hidden.dtype)
+        advance = self._stepper(recorded, prompt_mask, group, max_new, position, hidden.dtype)
+        del recorded
 
         # 3. decode
         eos = torch.tensor(self.eos_token_ids, device=device)
@@ -230,21 +228,26 @@ class SharedPrefixRollout:
             logits = self.lm_head(advance(token, step)).float()  # [N, V]
         return tokens, logps
 
-    def _stepper(self, cache: Cache, prompt_mask: torch.Tensor, group: int, capacity: int, position, dtype):
+    def _stepper(self, recorded: Cache, prompt_mask: torch.Tensor, group: int, max_new: int, position, dtype):
         """A function (token [N], step) -> the decoder's final hidden state [N, H] for that token,
-        which sits at cache index P + step: the lean step where it applies, else transformers'."""
+        which sits at cache index P + step: the lean step where it applies, else transformers'.
+
+        Lean: each prompt's K/V is held once and its G rows read it together (`GroupedPrefixKV`).
+        Transformers' step: every row holds a copy of its prompt's K/V in a buffer for
+        P + max_new positions.
+        """
         prompt_len = prompt_mask.shape[1]
+        capacity = prompt_len + max_new
         if self.lean is not None:
-            steps = torch.arange(capacity - prompt_len, device=prompt_mask.device)
+            steps = torch.arange(max_new, device=prompt_mask.device)
             cos, sin = self.lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim], all steps at once
-            buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
-            keep = _padding_keep(prompt_mask, group, capacity)
-            keep = None if keep is None else keep[:, None, None, :]  # SDPA's boolean mask, True = attend
+            kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, prompt_mask) for layer in recorded.layers]
 
             def lean_step(token: torch.Tensor, step: int) -> torch.Tensor:
-                return self.lean.step(token, cos[:, step], sin[:, step], buffers, prompt_len + step + 1, keep)
+                return self.lean.step(token, cos[:, step], sin[:, step], kv, step)
 
             return lean_step
+        cache = Cache(layers=[_BufferLayer(layer.keys, layer.values, group, capacity) for layer in recorded.layers])
         step_mask = self._step_masks(prompt_mask, group, capacity, dtype)
 
         def transformers_step(token: torch.Tensor, step: int) -> torch.Tensor:
