@@ -8,8 +8,11 @@ rotary set-up, the attention-interface lookup, cache objects) as in the operatio
 layers' weights:
 
     embed -> per layer: RMSNorm, q/k/v (+ Qwen3's q/k norms), RoPE, write K/V into the
-    rollout's buffer, SDPA over the buffer, o_proj, residual, RMSNorm, SwiGLU MLP, residual
+    rollout's buffer, SDPA over it, o_proj, residual, RMSNorm, SwiGLU MLP, residual
     -> final RMSNorm
+
+The buffer (`GroupedPrefixKV`) holds each prompt's K/V once, followed by its G rows' tokens,
+and one SDPA call per prompt serves its G rows; transformers' cache would hold G copies.
 
 The rotary cos/sin of every step are computed once per rollout by the model's own rotary
 module (mRoPE included: a generated token has equal temporal/height/width positions), so
@@ -17,7 +20,7 @@ positions follow the model exactly. `supports` accepts only the decoder layer cl
 below, whose forward is exactly this sequence, with plain nn.Linear projections (a LoRA-wrapped
 projection adds its adapters in its forward, which the step does not call); anything else
 decodes through transformers.
-tests/test_lean_decode.py checks greedy tokens identical and log-probs equal to 1e-5 against
+tests/test_lean_decode.py checks tokens identical and log-probs equal to 1e-5 (fp32) against
 the transformers path.
 """
 
