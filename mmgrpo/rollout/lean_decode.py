@@ -141,26 +141,30 @@ class GroupedPrefixKV:
     """One layer's K/V as one [B, kv_heads, P + G * max_new, head_dim] buffer per prompt: the
     prompt's K/V written once (not G times), then its G rows' tokens step-major (column
     P + step * G + g holds row g's token of that step). A step is one SDPA call per prompt with
-    its G rows as G queries, each masked to the prompt and its own columns, so the prompt's K/V
-    is held and read once per group. Against every row holding a copy of its prompt's K/V (one
-SDPA call over N rows, as transformers' cache does) it is even at a 33-token prompt and 1.4-1.6x
-faster at 500-1200 tokens, G=8, on CPU (docs/speed.md), and never holds G copies.
+    its G rows as G queries, each masked to the prompt and its own columns (`group_mask`), so
+    the prompt's K/V is held and read once per group. Against every row holding a copy of its
+    prompt's K/V (one SDPA call over N rows, as transformers' cache does) it is even at a
+    33-token prompt and 1.4-1.6x faster at 500-1200 tokens, G=8, on CPU (docs/speed.md).
 
-    keys, values: the prompts' recorded K/V [B, kv_heads, P, head_dim]; keep: None or bool
-    [B, P] (False on left padding).
+    keys, values: the prompts' recorded K/V [B, kv_heads, P, head_dim]; mask: `group_mask`'s,
+    shared by all layers.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, group: int, max_new: int, keep: torch.Tensor | None):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, group: int, max_new: int, mask: torch.Tensor):
         batch, kv_heads, prompt_len, head_dim = keys.shape
-        self.group, self.prompt_len = group, prompt_len
+        self.group, self.prompt_len, self.mask = group, prompt_len, mask
         self.keys = keys.new_empty(batch, kv_heads, prompt_len + group * max_new, head_dim)
         self.values = torch.empty_like(self.keys)
         self.keys[:, :, :prompt_len], self.values[:, :, :prompt_len] = keys, values
-        own = torch.eye(group, dtype=torch.bool, device=keys.device).repeat(1, max_new)  # [G, G * max_new]
-        prompt = torch.ones(batch, prompt_len, dtype=torch.bool, device=keys.device) if keep is None else keep.bool()
-        self.mask = torch.cat(
-            [prompt[:, None, None, :].expand(batch, 1, group, prompt_len), own.expand(batch, 1, group, -1)], dim=-1
-        )  # [B, 1, G, P + G * max_new], True = attend
+
+    @staticmethod
+    def group_mask(prompt_mask: torch.Tensor, group: int, max_new: int) -> torch.Tensor:
+        """[B, 1, G, P + G * max_new] bool, True = attend: query g sees its prompt's real tokens
+        and the columns of its own row (P + step * G + g)."""
+        batch, prompt_len = prompt_mask.shape
+        own = torch.eye(group, dtype=torch.bool, device=prompt_mask.device).repeat(1, max_new)  # [G, G * max_new]
+        prompt = prompt_mask.bool()[:, None, None, :].expand(batch, 1, group, prompt_len)
+        return torch.cat([prompt, own.expand(batch, 1, group, -1)], dim=-1)
 
     def attend(self, q, k, v, step: int, scaling: float, gqa: bool) -> torch.Tensor:
         rows, heads, _, dim = q.shape

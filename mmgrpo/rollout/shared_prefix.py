@@ -116,16 +116,6 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-def _padding_keep(prompt_mask: torch.Tensor, group: int, capacity: int) -> torch.Tensor | None:
-    """[B * G, capacity] bool, False on each row's left padding; None if no prompt is padded
-    (one host read, before the decode loop)."""
-    if bool(prompt_mask.all()):
-        return None
-    keep = torch.ones(prompt_mask.shape[0] * group, capacity, dtype=torch.bool, device=prompt_mask.device)
-    keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)
-    return keep
-
-
 class SharedPrefixRollout:
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
 
@@ -241,7 +231,8 @@ class SharedPrefixRollout:
         if self.lean is not None:
             steps = torch.arange(max_new, device=prompt_mask.device)
             cos, sin = self.lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim], all steps at once
-            kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, prompt_mask) for layer in recorded.layers]
+            mask = GroupedPrefixKV.group_mask(prompt_mask, group, max_new)  # one for every layer
+            kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, mask) for layer in recorded.layers]
 
             def lean_step(token: torch.Tensor, step: int) -> torch.Tensor:
                 return self.lean.step(token, cos[:, step], sin[:, step], kv, step)
@@ -284,7 +275,10 @@ class SharedPrefixRollout:
                 return mask.masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
             return keep.long()  # flash attention and others take the 2D mask
 
-        keep = _padding_keep(prompt_mask, group, capacity)  # without padding: no mask at all
+        keep = None  # without padding: no mask at all (one host read, before the loop)
+        if not bool(prompt_mask.all()):
+            keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=prompt_mask.device)
+            keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)  # [N, P + max_new]
         full_mask = None if keep is None else to_attention(keep)  # [N, 1, 1, P + max_new]
 
         def full(length: int) -> torch.Tensor | None:
