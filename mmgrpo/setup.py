@@ -143,10 +143,8 @@ class Run:
         return cycle(loader)
 
     def media_options(self) -> dict:
-        options = {"fps": self.cfg.model.video_fps, "nframes": self.cfg.model.video_nframes}
-        if self.cfg.model.use_audio_in_video:  # each video's sound track too, at the audio tower's rate
-            options.update(audio_in_video=True, sampling_rate=self.template.sampling_rate or 16000)
-        return options
+        model = self.cfg.model
+        return media_options(self.template, model.video_fps, model.video_nframes, model.use_audio_in_video)
 
     def save(self, path: Path) -> None:
         """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
@@ -190,6 +188,15 @@ def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None)
         "shortest_edge": min_pixels or size["shortest_edge"],
         "longest_edge": max_pixels or size["longest_edge"],
     }
+
+
+def media_options(template, video_fps, video_nframes, use_audio_in_video: bool) -> dict:
+    """`Sample.load_media` options for training and evaluation alike: video frame sampling and,
+    with use_audio_in_video, each video's sound track at the audio tower's rate."""
+    options = {"fps": video_fps, "nframes": video_nframes}
+    if use_audio_in_video:
+        options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
+    return options
 
 
 def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) -> torch.nn.Module:

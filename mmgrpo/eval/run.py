@@ -112,6 +112,7 @@ def eval_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> dict:
     from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.setup import media_options
 
     args = eval_parser().parse_args(argv)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
@@ -121,9 +122,7 @@ def main(argv: list[str]) -> dict:
         args.model, args.model_type, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
         template_plugin=args.template_plugin, **video, **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
     )
-    media_kwargs = {"fps": args.video_fps, "nframes": args.video_nframes}
-    if args.use_audio_in_video:  # each video's sound track too, at the audio tower's rate (as training does)
-        media_kwargs.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
+    media_kwargs = media_options(template, args.video_fps, args.video_nframes, args.use_audio_in_video)
     result = evaluate(
         policy, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
         num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,
