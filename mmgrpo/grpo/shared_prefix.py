@@ -51,6 +51,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from mmgrpo.templates.base import positions_from_mask
+
 
 @dataclass(frozen=True)
 class PrefixFamily:
@@ -178,9 +180,7 @@ def prompt_positions(
     if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
         raise ValueError("the prompt batch must be left-padded (template.collate does this)")
     if not family.mrope:  # as generate and Template.position_ids: 0, 1, ... over the real tokens
-        mask = attention_mask.long()
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [B, P]
-        return positions, mask.sum(-1)  # [B, P], [B]
+        return positions_from_mask(attention_mask), attention_mask.long().sum(-1)  # [B, P], [B]
     # mRoPE: one text column is appended before calling `get_rope_index`, so next_position is
     # right whatever the prompt ends with.
     one = torch.ones_like(input_ids[:, :1])

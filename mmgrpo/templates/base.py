@@ -411,8 +411,7 @@ class Template:
 
         Families with 3-D (mRoPE) positions override this with the model's own index.
         """
-        positions = inputs["attention_mask"].long().cumsum(-1) - 1  # [N, seq_len]
-        return positions.masked_fill(inputs["attention_mask"] == 0, 1)
+        return positions_from_mask(inputs["attention_mask"])
 
     # ----------------------------------------------------------------------------------------
     # Boxes and generation
@@ -471,6 +470,13 @@ class Template:
     def suppress_token_ids(self) -> list[int]:
         """Ids a policy must never sample (placeholders, media delimiters): pass to generate."""
         return sorted({self.token_id(t) for t in self.never_sample_tokens})
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """1-D positions of a left-padded batch as `generate` computes them: 0, 1, ... over the real
+    tokens, 1 on padding. attention_mask [N, L] -> [N, L]."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
 def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
