@@ -1,12 +1,23 @@
-"""What every rollout backend returns, and the sampling options it takes.
+"""What every rollout engine takes and returns.
 
-A backend turns a batch of B prompts into B x G completions. The engine needs nothing else
-from it, so HF generate, vLLM colocated and vLLM server can stand behind the same call.
+A rollout engine turns B prompts into B x G completions. The training step needs nothing else
+from it, so the in-process engines (HF generate, the shared-prefix sampler) and vLLM (colocated
+or as a server) stand behind the same two calls:
+
+    rollout = engine.generate(prompts, sampling)      # list[PromptInputs] -> Rollout
+    engine.update_weights(named_tensors, version)     # after every optimizer step
+
+An in-process engine samples from the policy's own module, so its `update_weights` only records
+the version; an engine holding its own copy of the weights (vLLM) loads the tensors it is given.
+`named_tensors` is a lazy iterable of (HF parameter name, full tensor): an engine that does not
+iterate it costs nothing, one that does receives the tensors one at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,10 +37,24 @@ class Rollout:
     completion_ids: torch.Tensor  # [B * G, T] right-padded with pad_token_id
     completion_mask: torch.Tensor  # [B * G, T] 1 up to and including the EOS token
     truncated: torch.Tensor  # [B * G] bool: no EOS within max_new_tokens
+    logps: torch.Tensor | None = None  # [B * G, T] the sampler's log-probs of the tokens (0 after EOS), if it gives them
+    weight_version: int = 0  # the optimizer steps the sampling weights had seen
 
     @property
     def lengths(self) -> torch.Tensor:  # [B * G]
         return self.completion_mask.sum(1)
+
+
+class RolloutEngine(Protocol):
+    """The interface every rollout engine implements (see the module docstring)."""
+
+    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
+        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Make the next `generate` sample from these weights, tagged `version`."""
+        ...
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
