@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from mmgrpo import plugins
 from mmgrpo.errors import ConfigError, RewardError
 from mmgrpo.rewards import (
     box_iou,
@@ -34,7 +35,7 @@ def fresh_registry(monkeypatch):
     # Tests register throwaway rewards and check warn-once: give each a private registry state.
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_WARNED", set())
-    monkeypatch.setattr(registry, "_PLUGINS", {})
+    monkeypatch.setattr(plugins, "_LOADED", {})
 
 
 # ---------------------------------------------------------------- VQAv2 normalisation
@@ -394,7 +395,7 @@ def test_plugin_errors_say_what_to_do(tmp_path):
         get_reward(f"{tmp_path}/rewards_a.txt:good")
     broken = tmp_path / "broken.py"
     broken.write_text("def oops(:\n")
-    with pytest.raises(ConfigError, match="importing .*broken.py failed with SyntaxError"):
+    with pytest.raises(ConfigError, match="broken.py.* failed to load: SyntaxError"):
         get_reward(f"{broken}:oops")
 
 

@@ -17,22 +17,18 @@ completions (`solution`, `sample_id`, `to_image_box`, and every other dataset co
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 from mmgrpo.errors import ConfigError, RewardError
+from mmgrpo.plugins import import_plugin
 
 logger = logging.getLogger("mmgrpo.rewards")
 
 RewardFunc = Callable[..., list]
 
 _REGISTRY: dict[str, RewardFunc] = {}
-_PLUGINS: dict[str, object] = {}  # absolute file path -> loaded module (a file is executed once)
 _WARNED: set[str] = set()  # warnings already logged (once per reward and kind)
 
 
@@ -111,29 +107,7 @@ def _load_plugin(spec: str) -> RewardFunc:
         raise ConfigError(
             f"reward plugin '{spec}': '{path}' is not a .py file; write 'path/to/file.py:{func_name}'"
         )
-    abs_path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(abs_path):
-        raise ConfigError(
-            f"reward plugin '{spec}': file '{path}' not found (looked at {abs_path}); "
-            "give a path relative to the working directory or an absolute one"
-        )
-    module = _PLUGINS.get(abs_path)
-    if module is None:
-        stem = os.path.splitext(os.path.basename(abs_path))[0]
-        digest = hashlib.sha1(abs_path.encode()).hexdigest()[:8]
-        module_name = f"mmgrpo_reward_plugin_{stem}_{digest}"
-        module_spec = importlib.util.spec_from_file_location(module_name, abs_path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look modules up here
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ConfigError(
-                f"reward plugin '{spec}': importing {abs_path} failed with {type(exc).__name__}: {exc}; "
-                f"fix the file (run `python {path}` to see the full error)"
-            ) from exc
-        _PLUGINS[abs_path] = module
+    module = import_plugin(path, "reward plugin")
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
