@@ -205,3 +205,18 @@ def test_real_reward_names_work_as_metrics():
 def test_unknown_metric_lists_the_known_ones():
     with pytest.raises(ConfigError, match=r"unknown metric 'bleu4'.*exact_match.*rouge_l"):
         get_metric("bleu4")
+
+
+def test_exact_match_reward_and_metric_agree():
+    """The `exact_match` reward in training and the `exact_match` metric in evaluation score the
+    same completion against the same solution alike (one function: rewards.text.exact_match_score)."""
+    from mmgrpo.eval.metrics import get_metric
+    from mmgrpo.rewards import exact_match
+
+    cases = [("<answer>(B)</answer>", "B"), ("paris", "Paris"), ("<answer>Paris.</answer>", "paris"),
+             ("<answer> </answer>", ""), ("the red car", "red car"), ("<think>x</think>42", "42"),
+             ("<answer>b</answer>", ["a", "B"]), ("Lyon", "Nice")]  # fmt: skip
+    completions, solutions = [c for c, _ in cases], [s for _, s in cases]
+    rewards = exact_match(completions, solution=solutions)
+    metric = get_metric("exact_match").fn([[c] for c in completions], solution=solutions).scores["exact_match"]
+    assert rewards == metric == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]

@@ -212,26 +212,21 @@ def answer_text(completion: str) -> str:
     return extract_answer(completion)
 
 
-def _normalize(text: str) -> str:
-    return " ".join(str(text).lower().split()).rstrip(".").strip()
-
-
 def _references(solution) -> list[str]:
     return [str(s) for s in solution] if isinstance(solution, list | tuple) else [str(solution)]
 
 
 def _exact(completion: str, solution) -> float:
-    prediction = _normalize(answer_text(completion))
-    # an empty answer is never right; a reference may itself be wrapped in <answer> tags
-    return float(
-        bool(prediction) and any(prediction == _normalize(answer_text(r)) for r in _references(solution))
-    )
+    from mmgrpo.rewards.text import exact_match_score
+
+    return exact_match_score(completion, solution)
 
 
 @register_metric("exact_match", needs=("solution",))
 def exact_match(completions, solution, **_):
-    """1 if the answer equals a reference (any of a list), ignoring case, repeated whitespace and
-    a final full stop; else 0 (an empty answer always 0)."""
+    """1 if the answer equals a reference (any of a list) as the `exact_match` reward scores it
+    (`mmgrpo.rewards.text.exact_match_score`: case, repeated whitespace and edge punctuation,
+    quotes and brackets ignored; an empty answer always 0), else 0."""
     return MetricValues({"exact_match": _per_sample(completions, solution, _exact)})
 
 

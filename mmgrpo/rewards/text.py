@@ -92,21 +92,27 @@ def normalize_text(text: str) -> str:
     return " ".join(text.lower().split()).strip(_EDGE_PUNCTUATION)
 
 
+def exact_match_score(completion: str, solution) -> float:
+    """1.0 if the answer part of `completion` equals the solution (or one of a list of
+    solutions) after `normalize_text`; an empty answer scores 0.0. The `exact_match` reward and
+    the `exact_match` evaluation metric both score with this function.
+
+    >>> exact_match_score("<answer>(B)</answer>", "B"), exact_match_score("Paris.", "paris")
+    (1.0, 1.0)
+    """
+    answer = normalize_text(extract_answer(completion))
+    return float(bool(answer) and answer in {normalize_text(g) for g in gold_texts(solution)})
+
+
 @register_reward("exact_match")
 def exact_match(completions: list[str], solution: list, **columns) -> list[float]:
-    """`exact_match`: 1.0 if the answer part equals the solution (or any of a list of
-    solutions) after `normalize_text`; an empty answer scores 0.0.
+    """`exact_match`: `exact_match_score` of each completion against its solution.
 
     >>> exact_match(["<answer>(B)</answer>", "<answer>b</answer>", "<answer> </answer>", "Paris."],
     ...             solution=["B", ["a", "B"], [""], "paris"])
     [1.0, 1.0, 0.0, 1.0]
     """
-    scores = []
-    for completion, gold in zip(completions, solution, strict=True):
-        answer = normalize_text(extract_answer(completion))
-        golds = {normalize_text(g) for g in gold_texts(gold)}
-        scores.append(float(bool(answer) and answer in golds))
-    return scores
+    return [exact_match_score(completion, gold) for completion, gold in zip(completions, solution, strict=True)]
 
 
 def make_soft_overlong(max_completion_length: int, cache_length: int):
