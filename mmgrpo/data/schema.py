@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mmgrpo.errors import DataError
+from mmgrpo.processors.video import Video  # noqa: F401  (part of the sample schema: LoadedSample.videos)
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 MEDIA_KINDS = ("images", "videos", "audios")
 MEDIA_TAGS = {"images": "<image>", "videos": "<video>", "audios": "<audio>"}
@@ -34,17 +35,6 @@ ROLES = ("system", "user", "assistant")
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 # Columns normalize_row consumes; every other column reaches Sample.columns unchanged.
 _STRUCTURAL = ("messages", "query", "system", *MEDIA_KINDS)
-
-
-@dataclass
-class Video:
-    """A decoded video: the sampled frames and what a processor needs to know about them."""
-
-    frames: Any  # uint8 numpy array [num_frames, height, width, 3]
-    metadata: dict  # fps, total_num_frames, frames_indices, duration (seconds)
-    # The sound track, float32 mono [num_samples] at the requested rate: decoded only when asked
-    # (`load_media(audio_in_video=True)`, Qwen2.5-Omni's use_audio_in_video); None otherwise.
-    audio: np.ndarray | None = None
 
 
 @dataclass
@@ -126,11 +116,6 @@ class LoadedSample:
     def modality(self) -> str:
         kinds = [k[:-1] for k in MEDIA_KINDS if getattr(self, k)]
         return kinds[0] if len(kinds) == 1 else ("text" if not kinds else "mixed")
-
-
-def load_sample(sample: Sample, **media_kwargs) -> LoadedSample:
-    """`sample.load_media(**media_kwargs)` as a plain function (picklable, for DataLoader workers)."""
-    return sample.load_media(**media_kwargs)
 
 
 def normalize_row(

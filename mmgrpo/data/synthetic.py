@@ -33,17 +33,11 @@ import PIL.Image
 import PIL.ImageDraw
 
 from mmgrpo.data import synthetic_av
+from mmgrpo.data.drawing import COLOURS, SHAPES
+from mmgrpo.data.drawing import draw_shape as _draw_shape
+from mmgrpo.data.drawing import jitter as _jitter
 
 GENERATOR_VERSION = 1  # bump when the output of any generator changes: the cache folder changes with it
-SHAPES = ("circle", "square", "triangle")
-COLOURS = {  # name -> RGB; each drawn colour gets a small per-image jitter
-    "red": (215, 35, 35),
-    "green": (35, 155, 50),
-    "blue": (35, 70, 215),
-    "yellow": (235, 205, 30),
-    "purple": (135, 45, 170),
-    "orange": (245, 135, 25),
-}
 # What real annotators write besides the colour name (VQAv2 holds 10 answers per question).
 ANSWER_VARIANTS = {
     "red": ("dark red", "crimson", "maroon", "pink"),
@@ -222,10 +216,6 @@ def _pick(rng: np.random.Generator, options):
     return options[int(rng.integers(len(options)))]
 
 
-def _jitter(rng: np.random.Generator, rgb: tuple[int, int, int]) -> tuple[int, ...]:
-    return tuple(int(c) for c in np.clip(np.array(rgb) + rng.integers(-15, 16, size=3), 0, 255))
-
-
 def _place_boxes(rng: np.random.Generator, size: int, count: int, *, low: float, high: float) -> list[tuple]:
     """Up to `count` square boxes (x0, y0, x1, y1) that do not touch (rejection sampling)."""
     boxes = []
@@ -242,18 +232,3 @@ def _place_boxes(rng: np.random.Generator, size: int, count: int, *, low: float,
         ):
             boxes.append(box)
     return boxes
-
-
-def _draw_shape(draw: PIL.ImageDraw.ImageDraw, shape: str, box: tuple, rgb) -> tuple[int, int, int, int]:
-    """Draw `shape` filling the square `box` (x1, y1 exclusive); returns the exact pixel box it covers."""
-    x0, y0, x1, y1 = box
-    mask = PIL.Image.new("L", draw.im.size, 0)
-    mask_draw = PIL.ImageDraw.Draw(mask)
-    for target, fill in ((draw, rgb), (mask_draw, 255)):
-        if shape == "circle":
-            target.ellipse((x0, y0, x1 - 1, y1 - 1), fill=fill)
-        elif shape == "square":
-            target.rectangle((x0, y0, x1 - 1, y1 - 1), fill=fill)
-        else:  # an upward triangle
-            target.polygon(((x0 + (x1 - 1 - x0) / 2, y0), (x1 - 1, y1 - 1), (x0, y1 - 1)), fill=fill)
-    return tuple(int(v) for v in mask.getbbox())

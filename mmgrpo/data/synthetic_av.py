@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mmgrpo.data.drawing import COLOURS, SHAPES, draw_shape, jitter
+
 DIRECTIONS = ("left", "right", "up", "down")
 MOTION_FRAMES = 8  # frames per clip
 MOTION_FPS = 4  # frames per second of the clip: 2 seconds of video
@@ -99,12 +101,11 @@ def _shapes_motion(rng: np.random.Generator, size: int, *, as_frames: bool = Fal
     import PIL.Image
     import PIL.ImageDraw
 
-    from mmgrpo.data import synthetic  # imported here: synthetic imports this module
 
     direction = DIRECTIONS[int(rng.integers(len(DIRECTIONS)))]
-    shape = synthetic.SHAPES[int(rng.integers(len(synthetic.SHAPES)))]
-    colour = list(synthetic.COLOURS)[int(rng.integers(len(synthetic.COLOURS)))]
-    rgb = synthetic._jitter(rng, synthetic.COLOURS[colour])
+    shape = SHAPES[int(rng.integers(len(SHAPES)))]
+    colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
+    rgb = jitter(rng, COLOURS[colour])
     grey = int(rng.integers(200, 256))
     side = int(rng.integers(int(size * 0.2), int(size * 0.3) + 1))
     travel = int(rng.integers(int(size * 0.35), size - side + 1))  # how far it moves over the clip
@@ -117,7 +118,7 @@ def _shapes_motion(rng: np.random.Generator, size: int, *, as_frames: bool = Fal
             along = size - side - along  # mirror: moves towards 0
         x0, y0 = (along, across) if direction in ("left", "right") else (across, along)
         image = PIL.Image.new("RGB", (size, size), (grey, grey, grey))
-        synthetic._draw_shape(PIL.ImageDraw.Draw(image), shape, (x0, y0, x0 + side, y0 + side), rgb)
+        draw_shape(PIL.ImageDraw.Draw(image), shape, (x0, y0, x0 + side, y0 + side), rgb)
         frames.append(np.asarray(image))
     row = {
         "messages": [

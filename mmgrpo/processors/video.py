@@ -24,12 +24,24 @@ from __future__ import annotations
 
 import io
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from mmgrpo.data.schema import Video
 from mmgrpo.errors import DataError
 from mmgrpo.processors import describe_ref, resolve_media_path
+
+
+@dataclass
+class Video:
+    """A decoded video: the sampled frames and what a processor needs to know about them."""
+
+    frames: Any  # uint8 numpy array [num_frames, height, width, 3]
+    metadata: dict  # fps, total_num_frames, frames_indices, duration (seconds)
+    # The sound track, float32 mono [num_samples] at the requested rate: decoded only when asked
+    # (`load_media(audio_in_video=True)`, Qwen2.5-Omni's use_audio_in_video); None otherwise.
+    audio: np.ndarray | None = None
 
 
 def load_video(
