@@ -3,7 +3,7 @@
 No weights can be downloaded here, so every test model is built from a config object with
 seeded random weights, a byte-level BPE tokenizer trained on a fixed built-in corpus, the
 family's special tokens at fixed ids, a chat template and the family's real processor classes.
-The tokenizer and chat templates are built in `mmgrpo.models.tokenizer`.
+The tokenizer and chat templates are built in `mmgrpo.models.tiny_tokenizer`.
 The same recipe always gives byte-identical files.
 
     python -c "from mmgrpo.models.tiny import build_tiny; print(build_tiny('qwen2-vl'))"
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models import tokenizer as _tokenizer_module
-from mmgrpo.models.tokenizer import (
+from mmgrpo.models import tiny_tokenizer as _tokenizer_module
+from mmgrpo.models.tiny_tokenizer import (
     BPE_VOCAB_SIZE,  # noqa: F401  (re-exported: tests import it from here)
     GEMMA3_CHAT_TEMPLATE,
     QWEN_OMNI_PARTS,
@@ -41,6 +41,7 @@ from mmgrpo.models.tokenizer import (
 
 BUILDER_VERSION = 1  # bump when a recipe's output changes, so caches rebuild
 TINY_PREFIX = "tiny:"
+DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
 
 # Size of every tiny model unless overridden (about 1M parameters).
 DEFAULT_DIMS = {
