@@ -137,23 +137,6 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     return model, peft_model
 
 
-def model_skeleton(path: str) -> nn.Module:
-    """The model's module tree with no weights (meta device): names and layer types only."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM
-
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type == "qwen2_5_omni":
-        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
-
-        auto_class, config = Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config
-    elif type(config) in AutoModelForMultimodalLM._model_mapping:
-        auto_class = AutoModelForMultimodalLM
-    else:
-        auto_class = AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto_class.from_config(config)
-
-
 def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter."""
     path = Path(path)
@@ -168,11 +151,16 @@ def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[s
 # ---- mmgrpo export ---------------------------------------------------------------------------
 
 
-def merge_lora(adapter_dir: str, output_dir: str, base_model: str | None = None) -> Path:
-    """Base model + the adapter in `adapter_dir`, merged into plain weights, saved as an HF folder."""
+def merge_lora(adapter_dir: str, output_dir: str, base_model: str | None = None, model_type: str | None = None) -> Path:
+    """Base model + the adapter in `adapter_dir`, merged into plain weights, saved as an HF folder.
+
+    model_type: the family's template (how its checkpoint loads); default: the one the training
+    run recorded in the checkpoint (`mmgrpo.json`), else the Auto classes.
+    """
     from peft import PeftModel
 
-    from mmgrpo.models.loading import load_model, load_processor
+    from mmgrpo.models.loading import load_model, load_processor, saved_model_type
+    from mmgrpo.templates import get_template
 
     config_file = Path(adapter_dir) / "adapter_config.json"
     if not config_file.is_file():
@@ -180,12 +168,15 @@ def merge_lora(adapter_dir: str, output_dir: str, base_model: str | None = None)
     base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
     if not base:
         raise ConfigError(f"{config_file} names no base model: pass --base_model.")
-    model = load_model(base)
+    has_processor = any((Path(adapter_dir) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"))
+    processor = load_processor(adapter_dir if has_processor else base)
+    model_type = model_type or saved_model_type(adapter_dir)
+    template = get_template(model_type, processor) if model_type else None
+    model = load_model(base, template=template)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     out = Path(output_dir)
     merged.save_pretrained(out, safe_serialization=True)
-    has_processor = any((Path(adapter_dir) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"))
-    load_processor(adapter_dir if has_processor else base).save_pretrained(out)
+    processor.save_pretrained(out)
     return out
 
 
@@ -198,8 +189,9 @@ def export_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output_dir", required=True, help="Where the merged model and its processor are written.")
     parser.add_argument("--merge_lora", action="store_true", help="Merge the adapter into the base weights (required).")
     parser.add_argument("--base_model", default=None, help="The base model (default: the one adapter_config.json names).")
+    parser.add_argument("--model_type", default=None, help="The model family (default: the one the training run recorded in the checkpoint).")
     args = parser.parse_args(argv)
     if not args.merge_lora:
         raise ConfigError("mmgrpo export writes merged LoRA weights: pass --merge_lora.")
-    out = merge_lora(args.model, args.output_dir, args.base_model)
+    out = merge_lora(args.model, args.output_dir, args.base_model, args.model_type)
     print(f"merged model written to {out}")

@@ -18,9 +18,9 @@ from PIL import Image
 
 from mmgrpo.data.schema import LoadedSample, Video
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.forward.policy import Policy
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
-from mmgrpo.policy import Policy
 from mmgrpo.templates import Template, get_template
 from mmgrpo.templates.hooks import sampled_fps, video_metadata
 
@@ -133,7 +133,8 @@ def test_build_is_byte_identical_and_loads(family, tmp_path, paths, processors, 
     placeholders |= {tokenizer.convert_ids_to_tokens(hook.token_id) for hook in template.media.values()}
     assert placeholders <= suppressed
     assert set(template.stop_token_ids).isdisjoint(template.suppress_token_ids)
-    assert template.logit_softcap is None
+    # the chunked LM head applies no final-logit soft-capping; Policy refuses a model that needs it
+    assert getattr(model.config.get_text_config(), "final_logit_softcapping", None) is None
 
 
 def test_gemma3_image_projection_is_not_zero(models):
@@ -141,9 +142,13 @@ def test_gemma3_image_projection_is_not_zero(models):
     assert projection.abs().sum() > 0  # transformers zero-initialises it: the image would have no effect
 
 
-def test_full_qwen2_5_omni_checkpoint_loads_its_thinker(tmp_path, paths, models):
+def test_full_qwen2_5_omni_checkpoint_loads_its_thinker(tmp_path, paths, models, processors):
+    """The template says how the family's checkpoints load (`Template.model_class`): a full
+    Qwen2.5-Omni folder (thinker + talker + vocoder) gives its thinker, as a skeleton too."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, Qwen2_5OmniConfig
+
+    from mmgrpo.models.loading import model_skeleton
 
     thinker = AutoConfig.from_pretrained(paths["qwen2.5-omni"])
     Qwen2_5OmniConfig(thinker_config=thinker.to_dict()).save_pretrained(tmp_path)
@@ -151,8 +156,10 @@ def test_full_qwen2_5_omni_checkpoint_loads_its_thinker(tmp_path, paths, models)
     save_file(
         {"thinker." + k: v for k, v in weights.items()}, str(tmp_path / "model.safetensors"), {"format": "pt"}
     )
-    loaded = load_model(str(tmp_path))
+    template = get_template("qwen2.5-omni", processors["qwen2.5-omni"])
+    loaded = load_model(str(tmp_path), template=template)
     assert type(loaded).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
+    assert type(model_skeleton(str(tmp_path), template)).__name__ == "Qwen2_5OmniThinkerForConditionalGeneration"
     reference = models["qwen2.5-omni"].state_dict()
     assert all(torch.equal(value, reference[name]) for name, value in loaded.state_dict().items())
 

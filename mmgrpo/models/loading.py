@@ -1,5 +1,10 @@
 """Load a model and its processor from a folder, a hub id or `tiny:<family>`.
 
+Every command loads in the same order (training, evaluation, attention maps):
+
+    path, processor, template = load_template("tiny:qwen2-vl", None, max_pixels=...)  # plugins -> model type
+    model = load_model(path, template=template)          # -> processor -> template -> model
+
 model = load_model("tiny:qwen2-vl")            # float32, eval mode (any family in docs/models.md)
 processor = load_processor("tiny:qwen2-vl")    # tokenizer padding_side = "left"
 """
@@ -11,7 +16,7 @@ import os
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models.tiny import resolve_model_path
+from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
@@ -36,27 +41,31 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
     return path
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, **kwargs):
-    """The model in eval mode.
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, template=None, **kwargs):
+    """The model in eval mode, in the class the family's template names (`Template.model_class`:
+    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint)."""
+    from transformers import AutoConfig
 
-    AutoModelForMultimodalLM for image / video / audio models (it covers AutoModelForImageTextToText
-    and the audio LMs such as Qwen2-Audio), AutoModelForCausalLM for text models. A full
-    Qwen2.5-Omni checkpoint (thinker + talker + vocoder) loads its thinker only: GRPO trains the
-    part that writes text.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM
+    from mmgrpo.templates import Template
 
     path = checkpoint_path(name_or_path)
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type == "qwen2_5_omni":
-        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+    saved = AutoConfig.from_pretrained(path)
+    model_class, config, extra = (template or Template).model_class(saved)
+    if config is not saved:  # the template loads part of the checkpoint (a sub-config)
+        extra = {**extra, "config": config}
+    return model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
 
-        return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-            path, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""}, **kwargs
-        ).eval()
-    multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
-    auto_class = AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM
-    return auto_class.from_pretrained(path, dtype=dtype, **kwargs).eval()
+
+def model_skeleton(path: str, template=None) -> torch.nn.Module:
+    """The model's module tree with no weights (meta device): names and layer types only, for
+    checks before the weights load."""
+    from transformers import AutoConfig
+
+    from mmgrpo.templates import Template
+
+    model_class, config, _ = (template or Template).model_class(AutoConfig.from_pretrained(checkpoint_path(path)))
+    with torch.device("meta"):  # Auto classes build from a config with from_config, model classes with _from_config
+        return model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
 
 
 def load_processor(name_or_path: str, **kwargs):
@@ -67,3 +76,58 @@ def load_processor(name_or_path: str, **kwargs):
     tokenizer = getattr(processor, "tokenizer", processor)
     tokenizer.padding_side = "left"  # not saved with a tokenizer: set at run time
     return processor
+
+
+RUN_INFO_FILE = "mmgrpo.json"  # written into every checkpoint: {"model_type": template name}
+
+
+def saved_model_type(path: str) -> str | None:
+    """The model type a training run recorded in its checkpoint folder, or None."""
+    import json
+
+    info = os.path.join(os.path.expanduser(path), RUN_INFO_FILE)
+    if not os.path.isfile(info):
+        return None
+    try:
+        return json.loads(open(info).read()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def load_template(
+    model: str, model_type: str | None, *, template_plugin=(), min_pixels=None, max_pixels=None, **options
+):
+    """(checkpoint path, processor, template) of a model: template plugins imported, the model type
+    resolved (`tiny:<family>` names its own), the processor loaded with the pixel limits written
+    into it (so a checkpoint saved from it resizes as training did), the template bound to it.
+
+    options: the template's other options (video_fps, video_nframes, Qwen2.5-Omni's use_audio_in_video ...).
+    """
+    from mmgrpo.templates import get_template, load_template_plugin
+
+    for spec in template_plugin:  # registers templates for model_type; a bad file fails before any model loads
+        load_template_plugin(spec)
+    if model_type is None and model.startswith(TINY_PREFIX):
+        model_type = model.removeprefix(TINY_PREFIX)
+    model_type = model_type or saved_model_type(model)
+    if model_type is None:
+        raise ConfigError(f"--model_type is required for --model {model} (e.g. --model_type qwen2-vl).")
+    path = resolve_model_path(model)
+    processor = load_processor(path)
+    keep_pixel_limits(processor, min_pixels, max_pixels)
+    template = get_template(model_type, processor, min_pixels=min_pixels, max_pixels=max_pixels, **options)
+    return path, processor, template
+
+
+def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Write --min_pixels/--max_pixels into the image processor, so checkpoints (and `mmgrpo eval`
+    of them) resize images exactly as training did."""
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None)
+    if not isinstance(size, dict) or "shortest_edge" not in size:
+        return  # a family without pixel budgets (the template rejects the flags itself)
+    image_processor.size = {
+        **size,
+        "shortest_edge": min_pixels or size["shortest_edge"],
+        "longest_edge": max_pixels or size["longest_edge"],
+    }

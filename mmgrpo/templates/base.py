@@ -90,9 +90,19 @@ class Template:
     token_type_key: str | None = None  # per-token modality ids the forward needs: "mm_token_type_ids" ...
     token_types: dict[str, int] = {}  # modality -> its value under token_type_key (text is 0)
     expand_in_text = False  # hooks return text spliced in before tokenizing (see module docstring)
-    # Final-logit soft-capping the model's LM head applies (logits = cap * tanh(logits / cap)); the
-    # chunked LM head of the engine must apply it too. None for every family registered here.
-    logit_softcap: float | None = None
+    # What the fast paths may assume about the family's model (docs/speed.md). A template vouches
+    # for these; nothing outside mmgrpo/templates/ inspects a model's family or class:
+    # - shared_prefix: the backbone runs a prompt (its media included) once and the completions of
+    #   its group from the recorded K/V (mmgrpo/forward/shared_prefix.py), positions from
+    #   `prompt_positions`, the text decoder at components["llm"];
+    # - sliding_window_layers: the decoder mixes full and sliding-window layers and takes a
+    #   {layer type: mask} mapping (Gemma3); decoders with sliding layers otherwise run naive;
+    # - lean_decode: every decoder layer's forward is RMSNorm -> q/k/v (+ per-head q/k RMSNorm) ->
+    #   RoPE -> attention -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual, so rollouts may
+    #   run it as the lean step (mmgrpo/rollout/lean_decode.py) on the layers' weights.
+    shared_prefix: bool = False
+    sliding_window_layers: bool = False
+    lean_decode: bool = False
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
@@ -409,9 +419,50 @@ class Template:
     def position_ids(self, model, inputs: dict[str, Any]) -> torch.Tensor:
         """Position ids for a forward, as `generate` computes them: [N, seq_len] 1-D positions here.
 
-        Families with 3-D (mRoPE) positions override this with the model's own index.
+        Families with 3-D (mRoPE) positions override this with the model's own index. Every
+        position the trainer computes comes from this one hook (`prompt_positions` too).
         """
         return positions_from_mask(inputs["attention_mask"])
+
+    def prompt_positions(self, model, prompt_inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of a left-padded prompt batch and where text after it continues.
+
+        Returns (positions, next_position): [B, P] and [B] for 1-D positions, [3, B, P] and [3, B]
+        for mRoPE; completion token t of prompt b sits at `next_position[..., b] + t`. Computed by
+        `position_ids` over the prompt with one text token appended, so it is right whatever the
+        prompt ends with (an image's last positions run ahead of its token count under mRoPE).
+        """
+        attention_mask = prompt_inputs["attention_mask"]  # [B, P]
+        if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
+            raise ValueError("the prompt batch must be left-padded (template.collate does this)")
+        extended = dict(prompt_inputs)
+        one = torch.ones_like(prompt_inputs["input_ids"][:, :1])  # [B, 1]: any text token
+        extended["input_ids"] = torch.cat([prompt_inputs["input_ids"], one], dim=1)
+        extended["attention_mask"] = torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1)
+        for key in self.token_keys:
+            types = prompt_inputs.get(key)
+            if types is None:
+                types = torch.zeros_like(prompt_inputs["input_ids"])
+            extended[key] = torch.cat([types, torch.zeros_like(one).to(types.dtype)], dim=1)
+        positions = self.position_ids(model, extended)  # [B, P + 1] or [3, B, P + 1]
+        return positions[..., :-1], positions[..., -1]
+
+    # ----------------------------------------------------------------------------------------
+    # Loading
+    # ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def model_class(cls, config) -> tuple[type, Any, dict[str, Any]]:
+        """(class, config, from_pretrained kwargs) that load this family's checkpoint for training.
+
+        AutoModelForMultimodalLM for image / video / audio models (it covers
+        AutoModelForImageTextToText and audio LMs), AutoModelForCausalLM for text models. A
+        family whose checkpoints hold more than the part GRPO trains overrides this.
+        """
+        from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
+
+        multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
+        return (AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM), config, {}
 
     # ----------------------------------------------------------------------------------------
     # Boxes and generation
@@ -465,6 +516,21 @@ class Template:
     def stop_token_ids(self) -> list[int]:
         """Ids that end a completion: pass with the eos id to generate."""
         return sorted({self.token_id(t) for t in self.stop_tokens})
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a completion: the tokenizer's eos and the family's stop tokens."""
+        return sorted(i for i in {self.tokenizer.eos_token_id, *self.stop_token_ids} if i is not None)
+
+    @property
+    def completion_pad_id(self) -> int:
+        """The id after a completion's end (right padding of completion rows)."""
+        return self.pad_token_id if self.pad_token_id is not None else self.eos_token_ids[0]
+
+    def decode(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+        """Completion texts: the tokens up to EOS, special tokens dropped."""
+        rows = completion_ids.masked_fill(completion_mask == 0, self.completion_pad_id).tolist()
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @property
     def suppress_token_ids(self) -> list[int]:

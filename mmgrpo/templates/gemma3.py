@@ -9,7 +9,7 @@
   Pan-and-scan crops are not used.
 - The forward needs `token_type_ids` (1 on image soft tokens, 0 elsewhere, completions
   included): image tokens attend to each other both ways. Positions are plain 1-D RoPE.
-- Gemma3ForConditionalGeneration applies no final-logit soft-capping (logit_softcap None).
+- Gemma3ForConditionalGeneration applies no final-logit soft-capping.
 
 Boxes: `[x1, y1, x2, y2]` in 0-1000 of the image ("rel1000"). Gemma3 has no grounding format
 of its own; this is Gemini's normalisation in x-first order, to be taught by the reward.
@@ -65,6 +65,8 @@ class Gemma3Template(Template):
     token_type_key = "token_type_ids"
     token_types = {"image": 1}
     expand_in_text = True
+    shared_prefix = True  # token_type_ids on the prompt forward only; completions are text
+    sliding_window_layers = True  # Gemma3 interleaves sliding-window and full layers
 
     def build_media(self) -> dict:
         return {

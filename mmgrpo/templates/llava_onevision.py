@@ -132,6 +132,8 @@ class LlavaOnevisionTemplate(Template):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = ("<image>", "<video>")
+    shared_prefix = True  # batch_num_images stays per prompt
+    lean_decode = True  # the llava-onevision-qwen2 checkpoints' LLM is Qwen2
 
     def build_media(self) -> dict:
         return {

@@ -22,6 +22,8 @@ class Qwen2Template(Template):
         "lm_head": "lm_head",
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
+    shared_prefix = True
+    lean_decode = True
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML with a default system turn."""

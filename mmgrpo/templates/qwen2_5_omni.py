@@ -63,6 +63,8 @@ class Qwen2_5OmniTemplate(Template):
         "lm_head": "lm_head",
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
+    shared_prefix = True  # audio, video with sound: the prompt forward takes them as the naive one does
+    lean_decode = True  # the thinker's decoder layers are Qwen2-style
     never_sample_tokens = (
         "<|IMAGE|>",
         "<|VIDEO|>",
@@ -169,6 +171,16 @@ class Qwen2_5OmniTemplate(Template):
             if j < len(audio_chunks):
                 ids += [audio_id] * (audio_chunks[j][1] - audio_chunks[j][0])
         return ids + [self.token_id("<|audio_eos|>")]
+
+    @classmethod
+    def model_class(cls, config):
+        """A full Qwen2.5-Omni checkpoint (thinker + talker + vocoder) loads its thinker only: GRPO
+        trains the part that writes text. A thinker checkpoint loads as it is."""
+        if config.model_type != "qwen2_5_omni":
+            return super().model_class(config)
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+        return Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, {"key_mapping": {r"^thinker\.": ""}}
 
     def batch_flags(self, prompts: list) -> dict:
         return {"use_audio_in_video": True} if self.use_audio_in_video else {}

@@ -29,6 +29,8 @@ class Qwen2AudioTemplate(Template):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+    shared_prefix = True  # a prompt's clips run once, in its own row
+    lean_decode = True  # its LLM is Qwen2
 
     def build_media(self) -> dict:
         return {

@@ -59,6 +59,8 @@ class Qwen2VLTemplate(Template):
     token_type_key = "mm_token_type_ids"
     token_types = {"image": 1, "video": 2}
     seconds_key: str | None = None  # Qwen2-VL positions do not advance with video time
+    shared_prefix = True
+    lean_decode = True  # Qwen2-style decoder layers (Qwen2.5-VL's too)
 
     def build_media(self) -> dict:
         o = self.options

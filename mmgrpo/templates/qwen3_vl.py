@@ -88,6 +88,8 @@ class Qwen3VLTemplate(Template):
     never_sample_tokens = QWEN_VL_NEVER_SAMPLE
     token_type_key = "mm_token_type_ids"
     token_types = {"image": 1, "video": 2}
+    shared_prefix = True  # deepstack features are added at prompt positions only
+    lean_decode = True  # Qwen3 layers: the lean step's per-head q/k RMSNorm
 
     def build_media(self) -> dict:
         o = self.options
