@@ -15,8 +15,8 @@ from PIL import Image
 
 from mmgrpo.data.schema import LoadedSample
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.forward.policy import Policy
 from mmgrpo.models import load_model, load_processor
-from mmgrpo.policy import Policy
 from mmgrpo.templates import get_template, known_templates, load_template_plugin
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_template.md"
@@ -95,6 +95,40 @@ def test_plugin_template_works_end_to_end(plugin, tiny_qwen2_vl_path):
         template.encode_prompt(audio)
 
 
+def test_plugin_template_takes_the_fast_paths(plugin, tiny_qwen2_vl_path):
+    """The docs' plugin is Qwen2-VL's architecture under a new name, declaring the fast paths: it
+    gets the group-shared prefix in log-prob forwards and rollouts and the lean decode step, and
+    both equal the naive paths."""
+    from mmgrpo.forward.shared_prefix import shared_prefix_hidden
+    from mmgrpo.rollout import HFRollout, SamplingParams, SharedPrefixRollout, build_rollout_engine
+
+    processor, model = load_processor(tiny_qwen2_vl_path), load_model(tiny_qwen2_vl_path)
+    template = get_template("qwen2-vl-nosys", processor)
+    assert type(template).__module__.startswith("mmgrpo_plugin_")  # really the plugin's class
+    policy = Policy(model, template)
+    assert policy.shared_prefix, policy.naive_reason
+    engine = build_rollout_engine(policy)
+    assert isinstance(engine, SharedPrefixRollout) and engine.lean is not None
+
+    samples = [
+        LoadedSample(id="f/0", messages=[{"role": "user", "content": "<image>Where?"}], images=[_image(84, 56)]),
+        LoadedSample(id="f/1", messages=[{"role": "user", "content": "Colour of <image>, step by step?"}],
+                     images=[_image(140, 112, seed=1)]),
+    ]  # fmt: skip
+    prompts = [template.encode_prompt(s) for s in samples]
+    params = SamplingParams(num_generations=2, max_new_tokens=8, greedy=True)
+    rollout = engine.generate(prompts, params)
+    assert torch.equal(rollout.completion_ids, HFRollout(model, template).generate(prompts, params).completion_ids)
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    batch = template.collate(prompts)
+    with torch.no_grad():
+        naive = template.forward_inputs(batch, ids, mask)
+        prompt_len = batch["input_ids"].shape[1]
+        expected = model.model(**naive, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
+        shared = shared_prefix_hidden(model, template, batch, ids, mask, 2)
+    torch.testing.assert_close(shared * mask[..., None], expected * mask[..., None], atol=1e-5, rtol=0)
+
+
 def test_plugin_as_module(tmp_path, monkeypatch):
     (tmp_path / "my_plugin_pkg_x1.py").write_text(
         "from mmgrpo.templates import register_template\n"
@@ -111,7 +145,7 @@ def test_plugin_as_module(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        (None, "no such file"),
+        (None, "file not found"),
         ("x = 1\n", "registered no template"),
         ("raise RuntimeError('boom')\n", "failed to load: RuntimeError: boom"),
         (

@@ -15,12 +15,13 @@ from PIL import Image
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.grpo.logprobs import completion_logprobs
-from mmgrpo.grpo.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, filter_logits
+from mmgrpo.rollout.sampling import filter_logits
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
 from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",
@@ -76,6 +77,10 @@ READS = {
 
 
 def _prompt_batch(template, kinds=("image", "two_images", "text", "video")):
+    return template.collate(_prompts(template, kinds))
+
+
+def _prompts(template, kinds=("image", "two_images", "text", "video")):
     """Left-padded prompts of different lengths: one image, two images of other sizes, text only (an
     audio for Qwen2.5-Omni), a video (with its sound where the template uses it); see READS for the
     families without some of these. LLaVA-OneVision: the one image is tiled (anyres), the two are
@@ -106,7 +111,7 @@ def _prompt_batch(template, kinds=("image", "two_images", "text", "video")):
         "story": LoadedSample(id="s/10", messages=[{"role": "user", "content": "Tell a story about a cat."}]),
     }  # fmt: skip
     reads = READS.get(template.name, {})
-    return template.collate([template.encode_prompt(samples[reads.get(kind, kind)]) for kind in kinds])
+    return [template.encode_prompt(samples[reads.get(kind, kind)]) for kind in kinds]
 
 
 def _completions(num_prompts, length=7, seed=0):
@@ -166,7 +171,7 @@ def test_logps_and_gradients_match_naive(family, setups):
         model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights
     )
     got, grads = _logps_and_grads(
-        model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+        model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
     )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     _assert_grads_equal(expected_grads, grads, template, batch)  # Omni, Qwen2-Audio: the audio tower too
@@ -186,11 +191,11 @@ def test_unequal_groups(setups):
     weights_kept = torch.zeros_like(weights)
     weights_kept[keep] = weights[keep]
     expected, expected_grads = _logps_and_grads(
-        model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights_kept
+        model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights_kept
     )
     got, grads = _logps_and_grads(
         model,
-        lambda: shared_prefix_hidden(model.model, batch, ids[keep], mask[keep], [1, 3, 1]),
+        lambda: shared_prefix_hidden(model, template, batch, ids[keep], mask[keep], [1, 3, 1]),
         ids[keep],
         mask[keep],
         weights[keep],
@@ -198,7 +203,7 @@ def test_unequal_groups(setups):
     torch.testing.assert_close(got, expected[keep], atol=1e-5, rtol=0)
     _assert_grads_equal(expected_grads, grads, template, batch)
     with pytest.raises(ValueError, match="do not match"):
-        shared_prefix_hidden(model.model, batch, ids[keep], mask[keep], [1, 3, 2])
+        shared_prefix_hidden(model, template, batch, ids[keep], mask[keep], [1, 3, 2])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -216,7 +221,7 @@ def test_gradient_checkpointing(family, setups):
         model.activation_checkpointing_enable({"use_reentrant": False})
         assert supports_shared_prefix(model, template) == (True, "")
         got, grads = _logps_and_grads(
-            model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+            model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
         )
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         _assert_grads_equal(expected_grads, grads, template, batch)
@@ -225,7 +230,7 @@ def test_gradient_checkpointing(family, setups):
         ok, reason = supports_shared_prefix(model, template)
         assert not ok and "reentrant" in reason
         with pytest.raises(ValueError, match="reentrant"):
-            shared_prefix_hidden(model.model, batch, ids, mask, GROUP)
+            shared_prefix_hidden(model, template, batch, ids, mask, GROUP)
     finally:
         model.activation_checkpointing_disable()
         model.eval()
@@ -237,7 +242,7 @@ def test_single_token_completions(setups):
     ids, mask = _completions(2, length=1)
     with torch.no_grad():
         expected = _naive_hidden(model, template, batch, ids, mask)
-        got = shared_prefix_hidden(model, batch, ids, mask, GROUP)  # a ForConditionalGeneration is unwrapped
+        got = shared_prefix_hidden(model, template, batch, ids, mask, GROUP)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
@@ -245,16 +250,12 @@ def test_supports_shared_prefix(setups):
     for family in FAMILIES:
         assert supports_shared_prefix(*setups[family]) == (True, ""), family
     model, template = setups["qwen2-vl"]
-    assert supports_shared_prefix(model, "Qwen2_VL")[0]
-    ok, reason = supports_shared_prefix(model, "llama")
-    assert not ok and "'llama' has no shared-prefix path" in reason
-    ok, reason = supports_shared_prefix(model, "qwen2.5-vl")  # the name and the checkpoint disagree
-    assert not ok and "qwen2_vl" in reason
-    llava, _ = setups["llava-onevision"]
-    ok, reason = supports_shared_prefix(llava, "qwen2")  # its LLM is a Qwen2, the model is not
-    assert not ok and "llava_onevision" in reason
-    ok, reason = supports_shared_prefix(torch.nn.Linear(2, 2), "qwen2-vl")
-    assert not ok and "without LM head" in reason
+    undeclared = type("Undeclared", (type(template),), {"shared_prefix": False, "name": "undeclared"})
+    ok, reason = supports_shared_prefix(model, undeclared(template.processor))
+    assert not ok and "does not declare shared_prefix" in reason
+    elsewhere = type("Elsewhere", (type(template),), {"components": {**template.components, "llm": "model.nowhere"}})
+    ok, reason = supports_shared_prefix(model, elsewhere(template.processor))
+    assert not ok and "nowhere" in reason
     # what the paths do not handle is refused, with the reason
     for family, key, value, words in [
         ("qwen2", "layer_types", ["sliding_attention", "full_attention"], "sliding_attention"),
@@ -276,13 +277,7 @@ def test_supports_shared_prefix(setups):
 
 
 def _backend(model, template, eos_token_ids):
-    return SharedPrefixRollout(
-        model,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=template.pad_token_id,
-        suppress_token_ids=template.suppress_token_ids,
-        check_every=3,
-    )
+    return SharedPrefixRollout(model, template, eos_token_ids=eos_token_ids, check_every=3)
 
 
 def _first_new_token(rows: list[list[int]], start: int) -> int:
@@ -296,16 +291,17 @@ def _first_new_token(rows: list[list[int]], start: int) -> int:
     raise AssertionError(f"no fresh token in {rows}")
 
 
-def _assert_greedy_equals_hf_generate(model, template, batch, attention):
+def _assert_greedy_equals_hf_generate(model, template, prompts, attention):
+    batch = template.collate(prompts)
     # EOS ids that some rows produce early, so rows stop at different steps
     probe = _backend(model, template, [template.pad_token_id]).generate(
-        batch, SamplingParams(num_generations=1, max_new_tokens=8, greedy=True)
+        prompts, SamplingParams(num_generations=1, max_new_tokens=8, greedy=True)
     )
     eos = [template.pad_token_id, _first_new_token(probe.completion_ids.tolist(), start=2)]
     params = SamplingParams(num_generations=GROUP, max_new_tokens=10, greedy=True)
     try:
         model.set_attn_implementation(attention)
-        rollout = _backend(model, template, eos).generate(batch, params)
+        rollout = _backend(model, template, eos).generate(prompts, params)
         # HF generate refuses num_return_sequences > 1 when greedy: repeat the rows instead (same thing)
         with torch.no_grad():
             output = model.generate(
@@ -327,7 +323,7 @@ def _assert_greedy_equals_hf_generate(model, template, batch, attention):
 )
 def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
     model, template = setups[family]
-    _assert_greedy_equals_hf_generate(model, template, _prompt_batch(template, kinds), attention)
+    _assert_greedy_equals_hf_generate(model, template, _prompts(template, kinds), attention)
 
 
 def _sampled_logps_and_naive(model, template, batch):
@@ -372,14 +368,14 @@ def test_gemma3_sliding_window(setups):
         expected, expected_grads = _logps_and_grads(model, naive, ids, mask, weights)
         assert (expected - wide).abs().max() > 1e-3  # the window applies
         got, grads = _logps_and_grads(
-            model, lambda: shared_prefix_hidden(model.model, batch, ids, mask, GROUP), ids, mask, weights
+            model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
         )
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         _assert_grads_equal(expected_grads, grads, template, batch)
         for attention in ("sdpa", "eager"):
             # padded: a 4D mask at every step; single: none until the window is passed
             for kinds in [("image", "two_images", "video"), ("two_images",)]:
-                _assert_greedy_equals_hf_generate(model, template, _prompt_batch(template, kinds), attention)
+                _assert_greedy_equals_hf_generate(model, template, _prompts(template, kinds), attention)
         logps, expected = _sampled_logps_and_naive(model, template, batch)
         torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
     finally:

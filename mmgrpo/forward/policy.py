@@ -1,31 +1,34 @@
-"""The model as the GRPO engine sees it: its parts, generate, and completion log-probs.
+"""The model as the training step sees it: log-probs of completion tokens, under the policy or
+its reference.
 
-The template says where the model's parts live (vision/audio tower, aligner, language model,
-LM head) and how media is merged into the token sequence; the policy uses that to
-  - run a rollout backend over a batch of prompts,
-  - compute log-probs of completion tokens only, from the last hidden state through a chunked
-    LM head (no [batch, seq, vocab] tensor ever exists),
-  - freeze or train parts by name.
+    policy = Policy(model, template)                               # one process
+    batch = policy.forward_batch(prompts, counts)                  # a micro-batch's prompts, collated once
+    logps, entropy = policy.completion_logprobs(batch, completion_ids, completion_mask)
+    ref_logps, _ = policy.completion_logprobs(batch, completion_ids, completion_mask, reference=True)
 
-Group-shared prefix (docs/speed.md): where the family supports it, each prompt (with its media)
-runs once per group in rollout and in every log-prob forward, and its G completions attend to
-its keys and values. Elsewhere the naive path repeats the prompt per completion; both give the
-same log-probs and gradients (tests/test_shared_prefix.py).
+Log-probs come from the last hidden state through a chunked LM head (mmgrpo/grpo/logprobs.py):
+no [batch, seq, vocab] tensor ever exists. Where the template allows it (docs/speed.md), each
+prompt and its media run once per group and its G completions read the prompt's keys and
+values (mmgrpo/forward/shared_prefix.py); elsewhere the naive path repeats the prompt per
+completion. Both give the same log-probs and gradients (tests/test_shared_prefix.py).
+
+Everything a Policy needs is given when it is built (mmgrpo/setup.py builds the run's one):
+how its forwards run (`call`: a plain call, or through a sharding wrapper that gathers the
+weights they touch) and what the reference is (a frozen copy of the starting weights, or with
+LoRA the same model with its adapters disabled). Nothing patches it afterwards.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from mmgrpo.errors import ConfigError
+from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
-from mmgrpo.grpo.shared_prefix import shared_prefix_hidden, supports_shared_prefix
-from mmgrpo.rollout.base import Rollout, SamplingParams
-from mmgrpo.rollout.hf import HFRollout
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
-from mmgrpo.runlog import console
 
 
 @dataclass
@@ -37,6 +40,11 @@ class ForwardBatch:
     shared: bool
 
 
+def plain_call(fn, *args, **kwargs):
+    """How a forward runs in one process: just call it."""
+    return fn(*args, **kwargs)
+
+
 def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
     try:
         return model.get_submodule(dotted)
@@ -44,41 +52,39 @@ def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
         return None
 
 
-def _plain_call(fn, *args, **kwargs):
-    return fn(*args, **kwargs)
-
-
 class Policy:
     def __init__(
-        self, model: nn.Module, template, *, shared_prefix: bool = True, shared_rollout: bool = True,
+        self,
+        model: nn.Module,
+        template,
+        *,
+        shared_prefix: bool = True,
         logprob_chunk_size: int | None = None,
+        call: Callable = plain_call,
+        ref_model: nn.Module | None = None,
+        ref_call: Callable = plain_call,
+        disable_adapters: Callable | None = None,
     ):
-        """shared_prefix: run each prompt once per group in the log-prob forwards and (with
-        shared_rollout) in rollouts, where `supports_shared_prefix` allows it."""
+        """
+        shared_prefix: run each prompt once per group where `supports_shared_prefix` allows it.
+        call: runs a forward function (`call(fn, *args)`); sharding strategies pass their wrapper.
+        ref_model, ref_call: the frozen reference copy (full training with beta > 0) and how it runs.
+        disable_adapters: LoRA: a context manager under which the model is the base = the reference.
+        """
+        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        if softcap:
+            raise ConfigError(
+                f"the model's LM head soft-caps its logits (final_logit_softcapping={softcap}); the chunked "
+                "log-prob path does not, so its log-probs would be wrong. This model cannot be trained here yet."
+            )
         self.model = model
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
-        tokenizer = template.tokenizer
-        eos = {tokenizer.eos_token_id, *template.stop_token_ids}
-        self.eos_token_ids = sorted(i for i in eos if i is not None)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self.shared_prefix = False  # in the log-prob forwards (old, ref, update)
+        self.call, self.ref_call = call, ref_call
+        self.ref_model, self.disable_adapters = ref_model, disable_adapters
+        self.shared_prefix, self.naive_reason = False, "off (--shared_prefix false)"
         if shared_prefix:
-            self.shared_prefix, reason = supports_shared_prefix(model, template)
-            if not self.shared_prefix:
-                console.print(f"[yellow]group-shared prefix off ({reason}): prompts run once per completion")
-        shared = self.shared_prefix and shared_rollout
-        backend = SharedPrefixRollout if shared else HFRollout
-        extra = {} if shared else {"repeat_rows": template.repeat_rows}  # audio rows (rollout/hf.py)
-        self.rollout_backend = backend(
-            model, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, suppress_token_ids=template.suppress_token_ids,
-            **extra,
-        )
-        # How forwards and rollouts run (mmgrpo/parallel): a plain call here; FSDP2 / ZeRO-3 route
-        # them through a wrapper module whose forward gathers the sharded weights they touch.
-        self.call = self.ref_call = self.rollout_call = _plain_call
-        self.ref_model: nn.Module | None = None  # frozen copy of the starting weights (full training, beta > 0)
-        self.disable_adapters = None  # LoRA: a context manager under which the model is the base = the reference
+            self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
 
     # ---- parts ---------------------------------------------------------------------------
 
@@ -90,8 +96,6 @@ class Policy:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    # ---- rollout -------------------------------------------------------------------------
-
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -100,15 +104,6 @@ class Policy:
         """Tensors of a collated batch moved to the model's device (a no-op on CPU)."""
         device = self.device
         return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-    def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
-        """B collated prompts -> B x G completions (on the model's device)."""
-        return self.rollout_call(self.rollout_backend.generate, self.to_device(prompt_batch), params)
-
-    def decode(self, rollout: Rollout) -> list[str]:
-        """Completion texts: the tokens up to EOS, special tokens dropped."""
-        rows = rollout.completion_ids.masked_fill(rollout.completion_mask == 0, self.pad_token_id).tolist()
-        return self.template.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     # ---- log-probs -----------------------------------------------------------------------
 
@@ -128,7 +123,6 @@ class Policy:
         temperature: float = 1.0,
         compute_entropy: bool = False,
         reference: bool = False,
-        model: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of each completion token given its prompt (see `_completion_logprobs`).
 
@@ -137,9 +131,11 @@ class Policy:
         """
         kwargs = dict(temperature=temperature, compute_entropy=compute_entropy)
         if not reference:
-            return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, model=model, **kwargs)
+            return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, **kwargs)
         if self.ref_model is not None:
-            return self.ref_call(self._completion_logprobs, batch, completion_ids, completion_mask, model=self.ref_model, **kwargs)
+            return self.ref_call(
+                self._completion_logprobs, batch, completion_ids, completion_mask, model=self.ref_model, **kwargs
+            )
         if self.disable_adapters is None:
             raise ValueError("no reference model: beta > 0 loads one in full training; LoRA uses the adapter-free base")
         with self.disable_adapters():
@@ -161,10 +157,10 @@ class Policy:
         Returns logps [N, T] (and entropy [N, T] if asked), zero where completion_mask is 0.
         """
         model = model or self.model
-        backbone = model.get_submodule(self.template.components["backbone"])
         if batch.shared:
-            hidden = shared_prefix_hidden(backbone, batch.prompts, completion_ids, completion_mask, batch.counts)
+            hidden = shared_prefix_hidden(model, self.template, batch.prompts, completion_ids, completion_mask, batch.counts)
         else:
+            backbone = model.get_submodule(self.template.components["backbone"])
             inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
             hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
             prompt_len = batch.prompts["input_ids"].shape[1]

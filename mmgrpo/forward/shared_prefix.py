@@ -14,22 +14,19 @@ approximation: a decoder token sees the same keys, values, mask and positions as
 forward, so log-probs and gradients match it to float rounding (tests/test_shared_prefix.py
 checks 1e-5 in fp32).
 
-    hidden = shared_prefix_hidden(model.model, prompt_batch, completion_ids, completion_mask, G)
+    hidden = shared_prefix_hidden(model, template, prompt_batch, completion_ids, completion_mask, G)
     logps, _ = completion_logprobs(hidden, model.lm_head.weight, completion_ids)
 
-Families (``SHARED_PREFIX_FAMILIES``): all eight template families. Each has a *core* (the module
-that takes input_ids + media and returns last_hidden_state: Qwen2VLModel, LlavaOnevisionModel,
-Gemma3Model, Qwen2Model for text ...), a text decoder inside it (the rollout's decode loop) and
-one of two position schemes:
-
-- mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker): the prompt's [3, B, P]
-  positions come from the model's own ``get_rope_index``; completion token t sits at
-  ``next_position + t``, where ``next_position`` is where the prompt's text positions continue
-  (found by appending one text token to the prompt in ``get_rope_index``).
-- 1-D RoPE (Qwen2, Qwen2-Audio, LLaVA-OneVision, Gemma3): what `generate` gives a left-padded
-  batch, ``attention_mask.cumsum(-1) - 1`` over the real tokens, and next_position = the number
-  of real prompt tokens. (The policy's naive forward lets the model count 0..L-1 over the
-  padding too: a per-row shift, which RoPE ignores, so the two agree to float rounding.)
+What the family's model looks like comes from its template (mmgrpo/templates/base.py): the
+*backbone* (``components["backbone"]``: the module that takes input_ids + media and returns
+last_hidden_state), the text decoder inside it (``components["llm"]``), whether the family
+allows the shared prefix at all (``shared_prefix``) and has sliding-window layers
+(``sliding_window_layers``), and the positions (``prompt_positions``, from the template's one
+``position_ids`` hook): [3, B, P] mRoPE for the Qwen-VL families and the Qwen2.5-Omni thinker,
+[B, P] 1-D RoPE for the others, where a completion token t sits at ``next_position + t``. (The
+policy's naive forward lets a 1-D model count 0..L-1 over the padding too: a per-row shift,
+which RoPE ignores, so the two agree to float rounding.) A family registered by a plugin gets
+these paths by declaring the same (tests/test_custom_template.py).
 
 Media need nothing else: the prompt forward gets the collated media as the naive forward does
 (Qwen2-Audio's clips, LLaVA-OneVision's tiles with `batch_num_images`, Gemma3's
@@ -43,45 +40,12 @@ Where it cannot apply, ``supports_shared_prefix`` says why and the caller runs t
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mmgrpo.templates.base import positions_from_mask
-
-
-@dataclass(frozen=True)
-class PrefixFamily:
-    """What the shared-prefix paths need to know about one template family's model."""
-
-    # config.model_type of the core: the module without LM head that takes input_ids + media
-    model_type: str
-    # positions from the core's get_rope_index ([3, B, P]); else 1-D from the attention mask ([B, P])
-    mrope: bool
-    # the core's text decoder, which runs the rollout's decode steps; None: the core itself
-    decoder: str | None = "language_model"
-    # sliding-window layers handled (the decoder takes a {layer type: mask} mapping)
-    sliding: bool = False
-
-    def text_decoder(self, core: nn.Module) -> nn.Module:
-        return getattr(core, self.decoder) if self.decoder else core
-
-
-# Template name -> family; checked by tests/test_shared_prefix.py.
-SHARED_PREFIX_FAMILIES = {
-    "qwen2-vl": PrefixFamily("qwen2_vl", mrope=True),
-    "qwen2.5-vl": PrefixFamily("qwen2_5_vl", mrope=True),
-    "qwen3-vl": PrefixFamily("qwen3_vl", mrope=True),  # deepstack features: at prompt positions only
-    "qwen2.5-omni": PrefixFamily("qwen2_5_omni_thinker", mrope=True),  # the thinker; video with sound
-    "qwen2": PrefixFamily("qwen2", mrope=False, decoder=None),  # text only: Qwen2Model is core and decoder
-    "qwen2-audio": PrefixFamily("qwen2_audio", mrope=False),  # a prompt's clips run once, in its own row
-    "llava-onevision": PrefixFamily("llava_onevision", mrope=False),  # batch_num_images stays per prompt
-    "gemma3": PrefixFamily("gemma3", mrope=False, sliding=True),  # token_type_ids on the prompt forward only
-}
 # Tested on CPU. flash_attention_2 should work (bottom-right causal, 2D mask) but is untested: off until a GPU test says so.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -131,7 +95,8 @@ class _PrefixLayer(DynamicLayer):
         return self._prepend(self.keys, key_states), self._prepend(self.values, value_states)
 
 
-def _recording_cache(num_layers: int) -> Cache:
+def recording_cache(num_layers: int) -> Cache:
+    """A cache whose layers keep the K/V of the one forward they see (a prompt's)."""
     return Cache(layers=[_RecordingLayer() for _ in range(num_layers)])
 
 
@@ -140,74 +105,9 @@ def _recording_cache(num_layers: int) -> Cache:
 # ---------------------------------------------------------------------------------------------
 
 
-def find_core(model: nn.Module) -> tuple[nn.Module, PrefixFamily]:
-    """The core module of a known family and that family: the first module without an LM head
-    whose config.model_type is a family's, found at `model` or under its `.model` chain
-    (a ForConditionalGeneration's `.model`, a PEFT wrapper's `.base_model.model.model`)."""
-    by_type = {family.model_type: family for family in SHARED_PREFIX_FAMILIES.values()}
-    core = model
-    for _ in range(5):
-        family = by_type.get(getattr(getattr(core, "config", None), "model_type", None))
-        if family is not None and not hasattr(core, "lm_head"):
-            return core, family
-        if not hasattr(core, "model"):
-            break
-        core = core.model
-    raise ValueError(
-        f"{type(model).__name__} has no model of type {', '.join(by_type)} without LM head under .model"
-    )
-
-
-def _rope_inputs(inputs: dict) -> dict:
-    return {
-        k: inputs[k]
-        for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-        if inputs.get(k) is not None
-    }
-
-
-def prompt_positions(
-    core: nn.Module, family: PrefixFamily, prompt_inputs: dict
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions of a left-padded prompt batch and where text after it continues.
-
-    Returns positions (what the naive forward gives the prompt tokens) and next_position (the
-    position of a first completion token): [3, B, P] and [3, B] for mRoPE, [B, P] and [B] for
-    1-D RoPE. A completion token t of prompt b sits at `next_position[..., b] + t` either way.
-    """
-    input_ids = prompt_inputs["input_ids"]  # [B, P]
-    attention_mask = prompt_inputs["attention_mask"]
-    if not bool(attention_mask[:, -1].all()):  # the prompt's last state must be its last column
-        raise ValueError("the prompt batch must be left-padded (template.collate does this)")
-    if not family.mrope:  # as generate and Template.position_ids: 0, 1, ... over the real tokens
-        return positions_from_mask(attention_mask), attention_mask.long().sum(-1)  # [B, P], [B]
-    # mRoPE: one text column is appended before calling `get_rope_index`, so next_position is
-    # right whatever the prompt ends with.
-    one = torch.ones_like(input_ids[:, :1])
-    input_ids = torch.cat([input_ids, one], dim=1)
-    attention_mask = torch.cat([attention_mask, one.to(attention_mask.dtype)], dim=1)
-    if core.config.model_type == "qwen2_5_omni_thinker":  # its own signature (audio lengths, sound in video)
-        feature_mask = prompt_inputs.get("feature_attention_mask")
-        positions, _ = core.get_rope_index(
-            input_ids,
-            image_grid_thw=prompt_inputs.get("image_grid_thw"),
-            video_grid_thw=prompt_inputs.get("video_grid_thw"),
-            attention_mask=attention_mask,
-            use_audio_in_video=bool(prompt_inputs.get("use_audio_in_video", False)),
-            audio_seqlens=feature_mask.sum(-1) if feature_mask is not None else None,
-            second_per_grids=prompt_inputs.get("video_second_per_grid"),
-        )  # [3, B, P + 1]
-        return positions[:, :, :-1], positions[:, :, -1]
-    token_types = prompt_inputs.get("mm_token_type_ids")
-    if token_types is None:
-        token_types = torch.zeros_like(input_ids[:, :-1])
-    positions, _ = core.get_rope_index(
-        input_ids,
-        mm_token_type_ids=torch.cat([token_types, torch.zeros_like(one)], dim=1),
-        attention_mask=attention_mask,
-        **_rope_inputs(prompt_inputs),
-    )  # [3, B, P + 1]
-    return positions[:, :, :-1], positions[:, :, -1]
+def model_parts(model: nn.Module, template) -> tuple[nn.Module, nn.Module]:
+    """(backbone, text decoder) of `model` at the template's component paths."""
+    return model.get_submodule(template.components["backbone"]), model.get_submodule(template.components["llm"])
 
 
 @contextmanager
@@ -244,46 +144,35 @@ def _checkpointing_reentrant(decoder: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _normalise(name: str) -> str:
-    return re.sub(r"[._\-]", "-", name.strip().lower())
-
-
-def supports_shared_prefix(model: nn.Module, template_or_model_type) -> tuple[bool, str]:
+def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
     """(True, "") if the shared-prefix forward and rollout are exact for this model, else
     (False, reason): the caller then runs the naive path and prints the reason once.
 
-    template_or_model_type: a Template (its registered name is used) or a `--model_type` string.
-    The family is taken from that explicit name, then the model is checked to be that family
-    with attention layers this module handles (full; sliding-window where the family says so).
+    The template says whether its family allows it at all and where the parts are; the model's
+    configuration is then checked for attention this module handles (full; sliding-window where
+    the template declares such layers).
     """
-    name = getattr(template_or_model_type, "name", template_or_model_type)
-    key = next((k for k in SHARED_PREFIX_FAMILIES if _normalise(k) == _normalise(str(name))), None)
-    if key is None:
-        return (
-            False,
-            f"model type {name!r} has no shared-prefix path (known: {', '.join(SHARED_PREFIX_FAMILIES)})",
-        )
-    family = SHARED_PREFIX_FAMILIES[key]
+    if not template.shared_prefix:
+        return False, f"template {template.name!r} does not declare shared_prefix"
     try:
-        core, _ = find_core(model)
-    except ValueError as error:
-        return False, str(error)
-    config = core.config
-    if config.model_type != family.model_type:
-        return False, f"model_type {name!r} but the model's config says {config.model_type!r}"
-    text_config = config.get_text_config()
+        _, decoder = model_parts(model, template)
+    except AttributeError as error:
+        return False, f"template {template.name!r}: {error}"
+    if not hasattr(decoder, "layers"):
+        return False, f"{template.components['llm']} ({type(decoder).__name__}) has no decoder layers"
+    text_config = decoder.config
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    handled = {"full_attention", "sliding_attention"} if family.sliding else {"full_attention"}
+    handled = {"full_attention", "sliding_attention"} if template.sliding_window_layers else {"full_attention"}
     sliding = getattr(text_config, "use_sliding_window", False)
-    if not layer_types <= handled or (sliding and not family.sliding):
+    if not layer_types <= handled or (sliding and not template.sliding_window_layers):
         shared = " and ".join(sorted(handled))
-        return False, f"layer types {sorted(layer_types)}: {key} shares only {shared} layers"
+        return False, f"layer types {sorted(layer_types)}: template {template.name!r} shares only {shared} layers"
     if getattr(text_config, "use_bidirectional_attention", False):
         return False, "bidirectional text attention (use_bidirectional_attention) cannot decode from a prefix"
     attention = text_config._attn_implementation
     if attention not in SUPPORTED_ATTENTION:
         return False, f"attention implementation {attention!r} is not one of {', '.join(SUPPORTED_ATTENTION)}"
-    if _checkpointing_reentrant(family.text_decoder(core)):
+    if _checkpointing_reentrant(decoder):
         return (
             False,
             "reentrant gradient checkpointing would cut the gradient through the shared K/V; use use_reentrant=False",
@@ -312,7 +201,8 @@ def prompt_rows(rows: slice, num_generations: int) -> tuple[list[int], list[int]
 
 
 def shared_prefix_hidden(
-    backbone: nn.Module,
+    model: nn.Module,
+    template,
     prompt_inputs: dict,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
@@ -321,8 +211,8 @@ def shared_prefix_hidden(
     """Final hidden states that predict each completion token, with each prompt run once.
 
     Args:
-        backbone: the family's core (`model.model`: a Qwen2VLModel, Gemma3Model, Qwen2Model ...);
-            a ForConditionalGeneration / ForCausalLM or PEFT wrapper is unwrapped to it.
+        model: the HF model (its backbone and decoder are found at the template's component paths).
+        template: the family's template (components, positions).
         prompt_inputs: the collated, left-padded batch of B prompts (input_ids, attention_mask and
             the family's media: pixel_values, image_grid_thw, input_features, token_type_ids ...
             as `template.collate` gives).
@@ -335,8 +225,7 @@ def shared_prefix_hidden(
         hidden [N, T, H]: hidden[:, t] predicts completion_ids[:, t] (hidden[:, 0] is the prompt's
         last state). Equal to slicing the naive forward over prompt + completion.
     """
-    core, family = find_core(backbone)
-    decoder = family.text_decoder(core)
+    core, decoder = model_parts(model, template)
     num_prompts = prompt_inputs["input_ids"].shape[0]
     num_rows, length = completion_ids.shape
     device = completion_ids.device
@@ -355,8 +244,8 @@ def shared_prefix_hidden(
     )  # [N]
 
     # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
-    positions, next_position = prompt_positions(core, family, prompt_inputs)
-    recorded = _recording_cache(core.config.get_text_config().num_hidden_layers)
+    positions, next_position = template.prompt_positions(core, prompt_inputs)
+    recorded = recording_cache(len(decoder.layers))
     prompt_kwargs = {k: v for k, v in prompt_inputs.items() if k != "position_ids"}
     with _cache_through_checkpointing(decoder):
         # use_cache=False: the layers use a cache that is passed in regardless, and checkpointed
