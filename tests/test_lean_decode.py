@@ -17,7 +17,7 @@ from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.rollout.lean_decode import LeanDecoder
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
 from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision"]
@@ -43,10 +43,9 @@ def setup(request):
     template = get_template(family, load_processor(path))
     tokenizer = template.tokenizer
     eos = [tokenizer.eos_token_id, *template.stop_token_ids]
-    kwargs = dict(  # EOS never sampled: every row decodes all the steps (stopping is outside the step)
-        eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, suppress_token_ids=[*template.suppress_token_ids, *eos]
-    )
-    backends = {lean: SharedPrefixRollout(model, **kwargs, lean=lean) for lean in (False, True)}
+    # EOS never sampled: every row decodes all the steps (stopping is outside the step)
+    kwargs = dict(eos_token_ids=eos, suppress_token_ids=[*template.suppress_token_ids, *eos])
+    backends = {lean: SharedPrefixRollout(model, template, **kwargs, lean=lean) for lean in (False, True)}
     assert backends[True].lean is not None, LeanDecoder.supports(backends[True].decoder)
     assert backends[False].lean is None
     media = _media_sample(template)
@@ -74,9 +73,16 @@ def test_lean_step_equals_transformers(setup, batch_kind, greedy):
 
 
 def test_unsupported_layers_decode_through_transformers():
-    model = load_model(str(build_tiny("gemma3")), dtype=torch.float32)
+    """Gemma3's template does not declare lean_decode (its layers norm four times, use GELU, scale
+    the embedding, slide): its rollouts decode through transformers, and its decoder's parts
+    fail the lean step's own checks too."""
+    path = str(build_tiny("gemma3"))
+    model = load_model(path, dtype=torch.float32)
+    template = get_template("gemma3", load_processor(path))
+    assert not lean_applies(model, template)
+    assert SharedPrefixRollout(model, template).lean is None
     ok, reason = LeanDecoder.supports(model.model.language_model)
-    assert not ok and "Gemma3DecoderLayer" in reason
+    assert not ok and reason
 
 
 def test_lora_projections_decode_through_transformers(tiny_qwen2_vl_path):
@@ -93,13 +99,13 @@ def test_lora_projections_decode_through_transformers(tiny_qwen2_vl_path):
     for name, param in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: make the adapters change the outputs
             param.data = torch.randn(param.shape, generator=generator)
-    kwargs = dict(eos_token_ids=[template.tokenizer.eos_token_id], pad_token_id=template.tokenizer.pad_token_id,
-                  suppress_token_ids=template.suppress_token_ids)
-    shared = SharedPrefixRollout(model, **kwargs)
+    kwargs = dict(eos_token_ids=[template.tokenizer.eos_token_id])
+    shared = SharedPrefixRollout(model, template, **kwargs)
     assert shared.lean is None and "LoRA" in LeanDecoder.supports(shared.decoder)[1]
-    batch = template.collate([template.encode_prompt(_media_sample(template))])
+    prompts = [template.encode_prompt(_media_sample(template))]
     params = SamplingParams(num_generations=2, max_new_tokens=12, greedy=True)
-    assert torch.equal(shared.generate(batch, params).completion_ids, HFRollout(model, **kwargs).generate(batch, params).completion_ids)
+    hf = HFRollout(model, template, **kwargs)
+    assert torch.equal(shared.generate(prompts, params).completion_ids, hf.generate(prompts, params).completion_ids)
 
 
 @pytest.mark.parametrize("precision", ["bf16_weights", "bf16_autocast"])
@@ -110,15 +116,14 @@ def test_lean_step_in_bfloat16(precision, tiny_qwen2_vl_path):
     model = load_model(tiny_qwen2_vl_path, dtype=weights)
     template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
     eos = [template.tokenizer.eos_token_id, *template.stop_token_ids]
-    kwargs = dict(eos_token_ids=eos, pad_token_id=template.tokenizer.pad_token_id,
-                  suppress_token_ids=[*template.suppress_token_ids, *eos])
+    kwargs = dict(eos_token_ids=eos, suppress_token_ids=[*template.suppress_token_ids, *eos])
     text = LoadedSample(id="t/0", messages=[{"role": "user", "content": "Hi."}])
     batch = template.collate([template.encode_prompt(s) for s in (_media_sample(template), text)])
     batch = {k: v.to(weights) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
     params = SamplingParams(num_generations=3, max_new_tokens=16, greedy=True)
     results = []
     for lean in (False, True):
-        backend = SharedPrefixRollout(model, **kwargs, lean=lean)
+        backend = SharedPrefixRollout(model, template, **kwargs, lean=lean)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast"):
             results.append(backend.sample(batch, params))
     (reference, ref_logps), (lean, lean_logps) = results

@@ -1,0 +1,50 @@
+"""Rollout engines: B prompts -> B x G completions (mmgrpo/rollout/base.py has the interface).
+
+    engine = build_rollout_engine(policy)             # the one place an engine is chosen
+    rollout = engine.generate(prompts, SamplingParams(num_generations=8, max_new_tokens=256))
+    engine.update_weights(named_tensors, version)     # after every optimizer step
+
+    hf.py             transformers' generate, on any model
+    shared_prefix.py  each prompt prefilled once for its G samples; lean decode steps (lean_decode.py)
+    sampling.py       the logit filters and the sampler of the in-process engines
+
+A new engine implements `generate` and `update_weights` and gets a branch in
+`build_rollout_engine` (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams, completion_mask_from_ids
+from mmgrpo.rollout.hf import HFRollout
+from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
+
+__all__ = [
+    "HFRollout",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "SharedPrefixRollout",
+    "build_rollout_engine",
+    "completion_mask_from_ids",
+]
+
+
+def build_rollout_engine(policy, strategy=None, prepared=None, *, gather_for_generation: bool = True) -> RolloutEngine:
+    """The rollout engine for `policy` (its model and template), decided once.
+
+    strategy, prepared: how a sharded run executes its rollouts (None: one process, plain calls).
+    The shared-prefix engine where the policy shares its prefix; on a sharded model only where the
+    weights are gathered once for the whole rollout and the decode steps are lean (they call no
+    module after the prefill, so a rank whose rows finish may stop: no collective in the loop).
+    Elsewhere HF generate, in lockstep across sharded ranks (`synced_gpus`).
+    """
+    model, template = policy.model, policy.template
+    hooks = {}
+    if prepared is not None:
+        hooks = dict(call=prepared.rollout_call, scope=prepared.rollout_scope)
+    if strategy is not None and strategy.world_size > 1:
+        hooks["prepare"] = lambda batch: strategy.align_media(batch, template)  # equal tower calls on all ranks
+    sharded = strategy is not None and strategy.sharded
+    if policy.shared_prefix and (not sharded or (gather_for_generation and lean_applies(model, template))):
+        return SharedPrefixRollout(model, template, **hooks)
+    return HFRollout(model, template, synced=sharded and strategy.world_size > 1, **hooks)

@@ -1,4 +1,7 @@
-"""Rollout with transformers' `generate`: the reference backend, on any device.
+"""Rollout with transformers' `generate`: the reference engine, on any model and device.
+
+    engine = HFRollout(model, template)
+    rollout = engine.generate(prompts, SamplingParams(num_generations=8, max_new_tokens=256))
 
 The G samples of a prompt come from `num_return_sequences=G`, so they stay contiguous. Audio
 is the exception: `generate` repeats every input tensor per row, but `input_features` holds one
@@ -10,8 +13,12 @@ the training forward ("image features and image tokens do not match").
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
+from mmgrpo.forward.policy import plain_call
 from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
 
 
@@ -19,25 +26,49 @@ class HFRollout:
     def __init__(
         self,
         model,
+        template,
         *,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        suppress_token_ids: list[int],
-        repeat_rows=None,
+        call: Callable = plain_call,
+        scope: Callable[[], AbstractContextManager] = nullcontext,
+        prepare: Callable[[dict], dict] | None = None,
+        synced: bool = False,
+        eos_token_ids: list[int] | None = None,
+        suppress_token_ids: list[int] | None = None,
     ):
-        """repeat_rows: `template.repeat_rows(batch, G)`, needed for prompts with audio."""
-        self.model = model
-        self.repeat_rows = repeat_rows
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
-        self.suppress_token_ids = list(suppress_token_ids)
-        # Extra generate() arguments; sharded training sets synced_gpus=True so every rank runs
-        # the same number of forward steps (each gathers weights collectively).
-        self.generate_kwargs: dict = {}
+        """model, template: the policy's HF model and its family's template.
+
+        call / scope / prepare: how a sharding strategy runs a rollout (through its wrapper; inside
+        a context that gathers the weights once; a batch hook such as `align_media`).
+        synced: every rank runs as many decoding steps as the slowest (generate's `synced_gpus`),
+        for sharded models that gather weights inside every step.
+        eos_token_ids, suppress_token_ids: instead of the template's.
+        """
+        self.model, self.template = model, template
+        self.eos_token_ids = list(template.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.pad_token_id = template.completion_pad_id
+        self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
+        self.call, self.scope, self.prepare = call, scope, prepare
+        self.synced = synced
+        self.weight_version = 0
+
+    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
+        """B encoded prompts -> B x G completions (on the model's device)."""
+        batch = self.template.collate(prompts)
+        if self.prepare is not None:
+            batch = self.prepare(batch)
+        device = next(self.model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with self.scope():
+            rollout = self.call(self._generate, batch, sampling)
+        rollout.weight_version = self.weight_version
+        return rollout
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        """generate runs the policy's own module: nothing to load, only the version."""
+        self.weight_version = version
 
     @torch.no_grad()
-    def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
-        """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
+    def _generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         # Every sampling option explicit: a checkpoint's generation_config (e.g. Qwen's top_k=1,
@@ -48,23 +79,23 @@ class HFRollout:
         group = 1 if params.greedy else params.num_generations  # greedy copies are identical
         copies = params.num_generations // group  # completions copied after generate (greedy: G)
         if group > 1 and "input_features" in prompt_batch:
-            if self.repeat_rows is None:
-                raise ValueError("prompts with audio need HFRollout(repeat_rows=template.repeat_rows)")
-            prompt_batch = self.repeat_rows(prompt_batch, group)  # [B * G, L], each row with its own clips
+            prompt_batch = self.template.repeat_rows(prompt_batch, group)  # [B * G, L], each row with its own clips
             group = 1  # the G copies of a prompt are rows now: one sample each
-        output = self.model.generate(
-            **prompt_batch,
-            **sampling,
-            repetition_penalty=1.0,
-            num_return_sequences=group,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            suppress_tokens=self.suppress_token_ids or None,
-            use_cache=True,
-            **self.generate_kwargs,
-        )
-        self.model.train(was_training)
+        try:
+            output = self.model.generate(
+                **prompt_batch,
+                **sampling,
+                repetition_penalty=1.0,
+                num_return_sequences=group,
+                max_new_tokens=params.max_new_tokens,
+                eos_token_id=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                suppress_tokens=self.suppress_token_ids or None,
+                use_cache=True,
+                synced_gpus=self.synced,
+            )
+        finally:
+            self.model.train(was_training)
         prompt_len = prompt_batch["input_ids"].shape[1]
         completion_ids = output[:, prompt_len:].repeat_interleave(copies, dim=0)  # [B * G, T]
         mask, truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)

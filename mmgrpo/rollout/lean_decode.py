@@ -16,10 +16,11 @@ and one SDPA call per prompt serves its G rows; transformers' cache would hold G
 
 The rotary cos/sin of every step are computed once per rollout by the model's own rotary
 module (mRoPE included: a generated token has equal temporal/height/width positions), so
-positions follow the model exactly. `supports` accepts only the decoder layer classes listed
-below, whose forward is exactly this sequence, with plain nn.Linear projections (a LoRA-wrapped
-projection adds its adapters in its forward, which the step does not call); anything else
-decodes through transformers.
+positions follow the model exactly. The template vouches that its family's decoder layers run
+exactly this sequence (`Template.lean_decode`); `supports` then checks what the loaded layers
+could still change: plain nn.Linear projections (a LoRA-wrapped projection adds its adapters in
+its forward, which the step does not call), SiLU, no sliding window. Anything else decodes
+through transformers.
 tests/test_lean_decode.py checks tokens identical and log-probs equal to 1e-5 (fp32) against
 the transformers path.
 """
@@ -29,15 +30,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# Decoder layers whose forward is the sequence above (RMSNorm pre-norm, RoPE attention, SwiGLU).
-LEAN_LAYERS = {
-    "Qwen2DecoderLayer",  # Qwen2 / Qwen2.5 text, Qwen2-Audio's and LLaVA-OneVision's LLM
-    "Qwen2VLDecoderLayer",
-    "Qwen2_5_VLDecoderLayer",
-    "Qwen2_5OmniDecoderLayer",  # the Qwen2.5-Omni thinker
-    "Qwen3VLTextDecoderLayer",  # + q_norm / k_norm on each head
-}
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -79,15 +71,15 @@ class LeanDecoder:
 
     @staticmethod
     def supports(language_model: nn.Module) -> tuple[bool, str]:
-        """(True, "") if every layer is one of LEAN_LAYERS with SiLU MLP, plain embedding and no
-        sliding window; else (False, why)."""
+        """(True, "") if the decoder's parts are where the step reads them, with SiLU MLPs, a plain
+        embedding, nn.Linear projections and no sliding window; else (False, why). Whether its
+        layers' forward is the step's sequence is the template's word (`Template.lean_decode`)."""
         layers = getattr(language_model, "layers", None)
         if layers is None or not all(hasattr(language_model, a) for a in ("embed_tokens", "norm", "rotary_emb")):
-            return False, f"{type(language_model).__name__} is not a Qwen-style decoder"
-        # FSDP2's fully_shard swaps a block's class for a subclass named FSDP<class>; its forward is the block's
-        names = {type(layer).__name__.removeprefix("FSDP") for layer in layers}
-        if not names <= LEAN_LAYERS:
-            return False, f"decoder layers {sorted(names - LEAN_LAYERS)} have no lean decode step"
+            return False, f"{type(language_model).__name__} has no embed_tokens / layers / norm / rotary_emb"
+        parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+        if not all(hasattr(layer, part) for layer in layers for part in parts):
+            return False, f"decoder layers lack one of {', '.join(parts)}"
         config = language_model.config
         if getattr(config, "hidden_act", "silu") != "silu":
             return False, f"hidden_act {config.hidden_act!r} (the lean step implements SiLU)"

@@ -12,27 +12,26 @@ This backend runs both once per prompt:
 
 The decoder step is `LeanDecoder.step` (rollout/lean_decode.py: the layers' operations run
 straight on their weights, rotary tables computed once per rollout, each prompt's K/V held once
-and attended by its G rows in one SDPA call) for the Qwen-style decoders, transformers' text
-decoder with a ready mask for the others (Gemma3).
+and attended by its G rows in one SDPA call) where the template declares `lean_decode` (the
+Qwen-style decoders), transformers' text decoder with a ready mask for the others (Gemma3).
 
 The loop does nothing else: no logits processors, no re-padding, no processor calls, no
 per-step host sync (finished rows are tracked on device; `finished.all()` is read every
 `check_every` steps). The K/V buffer is allocated once for P + max_new_tokens positions, so a
 step writes one column instead of concatenating the whole cache as DynamicCache does.
 
-Every template family runs here (mmgrpo.grpo.shared_prefix.SHARED_PREFIX_FAMILIES): the prefill
-calls the family's core with the prompt's media and positions ([3, B, P] mRoPE for the Qwen-VL
-families and the Qwen2.5-Omni thinker, [B, P] 1-D RoPE for Qwen2, Qwen2-Audio, LLaVA-OneVision
-and Gemma3), the decode steps call its text decoder. Qwen2-Audio's clips stay in their prompt's
+Every template that declares `shared_prefix` runs here (all eight built-in families): the
+prefill calls the family's backbone with the prompt's media and the template's positions
+([3, B, P] mRoPE for the Qwen-VL families and the Qwen2.5-Omni thinker, [B, P] 1-D RoPE for
+Qwen2, Qwen2-Audio, LLaVA-OneVision and Gemma3), the decode steps call its text decoder. Qwen2-Audio's clips stay in their prompt's
 row (no `repeat_rows` needed, unlike HFRollout). Gemma3's sliding-window layers get their own
 per-step mask (see `_step_masks`).
 
-Sampling follows transformers' order: placeholder ids suppressed, then temperature, top-k,
-top-p, then one draw per row by inverse CDF (`sample_from`); greedy takes the argmax after
-suppression. Greedy outputs equal HF generate's token for token (tests/test_shared_prefix.py).
+Sampling is rollout/sampling.py's (transformers' order). Greedy outputs equal HF generate's
+token for token (tests/test_shared_prefix.py).
 
-    backend = SharedPrefixRollout(model, eos_token_ids=[...], pad_token_id=..., suppress_token_ids=[...])
-    rollout = backend.generate(prompt_batch, SamplingParams(num_generations=8, max_new_tokens=256))
+    engine = SharedPrefixRollout(model, template)
+    rollout = engine.generate(prompts, SamplingParams(num_generations=8, max_new_tokens=256))
 
 Use it only where `supports_shared_prefix(model, template)` says so (other attention kinds,
 reentrant checkpointing ...); elsewhere use HFRollout.
@@ -40,12 +39,17 @@ reentrant checkpointing ...); elsewhere use HFRollout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mmgrpo.grpo.shared_prefix import _recording_cache, find_core, prompt_positions
+from mmgrpo.forward.policy import plain_call
+from mmgrpo.forward.shared_prefix import model_parts, recording_cache
 from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
 from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
+from mmgrpo.rollout.sampling import pick_tokens
 
 
 class _BufferLayer(DynamicLayer):
@@ -75,47 +79,6 @@ class _BufferLayer(DynamicLayer):
         return self.length
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, as transformers' warpers do (at least one token kept).
-
-    >>> logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    >>> filter_logits(logits, 1.0, 2, 1.0).isinf().tolist()
-    [[False, False, True, True]]
-    >>> filter_logits(logits, 1.0, 0, 0.5).isinf().tolist()
-    [[False, True, True, True]]
-    """
-    if temperature != 1.0:
-        logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        remove = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p  # [N, V]
-        remove[:, -1] = False
-        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
-    return logits
-
-
-def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row drawn from probs [N, V] by inverting the CDF: one uniform per row.
-
-    torch.multinomial draws V random numbers per row on CPU (33 ms per step for 8 rows of a
-    152K vocabulary); this is cumsum + binary search (1.4 ms). A zero-probability token is never
-    drawn: it needs cdf[i - 1] <= u < cdf[i] with cdf[i] == cdf[i - 1].
-
-    >>> torch.manual_seed(0) and None
-    >>> draws = sample_from(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4))
-    >>> [round(n / 20000, 1) for n in torch.bincount(draws, minlength=4).tolist()]
-    [0.1, 0.0, 0.6, 0.3]
-    """
-    cdf = probs.cumsum(-1)  # [N, V]
-    total = cdf[:, -1:]
-    # u in [0, total): strictly below the last cdf value even after rounding
-    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
-
-
 class SharedPrefixRollout:
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
 
@@ -128,37 +91,47 @@ class SharedPrefixRollout:
     def __init__(
         self,
         model,
+        template,
         *,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        suppress_token_ids: list[int],
+        call: Callable = plain_call,
+        scope: Callable[[], AbstractContextManager] = nullcontext,
+        prepare: Callable[[dict], dict] | None = None,
         check_every: int = 8,
         lean: bool = True,
+        eos_token_ids: list[int] | None = None,
+        suppress_token_ids: list[int] | None = None,
     ):
-        self.model = model
-        self.core, self.family = find_core(model)
-        self.decoder = self.family.text_decoder(self.core)  # runs the decode steps
-        self.lm_head = model.get_output_embeddings()
-        self.eos_token_ids = list(eos_token_ids)
-        self.pad_token_id = pad_token_id
-        self.suppress_token_ids = list(suppress_token_ids)
+        """model, template: the policy's HF model and its family's template (component paths,
+        positions, eos and suppressed ids). call / scope / prepare: how a sharding strategy runs a
+        rollout (through its wrapper; inside a context that gathers the weights once; a batch
+        hook such as `align_media`); plain in one process. eos_token_ids, suppress_token_ids:
+        instead of the template's (e.g. a benchmark that forces every completion to full length)."""
+        self.model, self.template = model, template
+        self.core, self.decoder = model_parts(model, template)  # the decode steps run the decoder
+        self.lm_head = model.get_submodule(template.components["lm_head"])
+        self.eos_token_ids = list(template.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.pad_token_id = template.completion_pad_id
+        self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
+        self.call, self.scope, self.prepare = call, scope, prepare
         self.check_every = check_every
-        self.lean = LeanDecoder(self.decoder) if lean and LeanDecoder.supports(self.decoder)[0] else None
+        self.lean = LeanDecoder(self.decoder) if lean and lean_applies(model, template) else None
+        self.weight_version = 0
 
-    @staticmethod
-    def lean_applies(model) -> bool:
-        """True if the decode steps of `model` would run as lean steps: after the prefill they call
-        no module, so on a sharded model whose weights are gathered for the whole rollout a rank
-        can stop when its own rows finish (no collective inside the loop)."""
-        try:
-            core, family = find_core(model)
-        except ValueError:  # not a family the shared prefix knows
-            return False
-        return LeanDecoder.supports(family.text_decoder(core))[0]
+    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
+        """B encoded prompts -> B x G completions, with the sampler's log-probs."""
+        batch = self.template.collate(prompts)
+        if self.prepare is not None:
+            batch = self.prepare(batch)
+        device = next(self.model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with self.scope():
+            rollout, logps = self.call(self.sample, batch, sampling)
+        rollout.logps, rollout.weight_version = logps, self.weight_version
+        return rollout
 
-    def generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:
-        """prompt_batch: a left-padded collated batch of B prompts -> B x G completions."""
-        return self.sample(prompt_batch, params)[0]
+    def update_weights(self, named_tensors, version: int) -> None:
+        """The rollout samples from the policy's own module: nothing to load, only the version."""
+        self.weight_version = version
 
     @torch.no_grad()
     def sample(self, prompt_batch: dict, params: SamplingParams) -> tuple[Rollout, torch.Tensor]:
@@ -187,8 +160,8 @@ class SharedPrefixRollout:
 
         # 1. prefill, once per prompt
         # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
-        positions, next_position = prompt_positions(core, self.family, prompt_batch)
-        recorded = _recording_cache(len(self.decoder.layers))
+        positions, next_position = self.template.prompt_positions(core, prompt_batch)
+        recorded = recording_cache(len(self.decoder.layers))
         prompt_kwargs = {k: v for k, v in prompt_batch.items() if k != "position_ids"}
         hidden = core(
             **prompt_kwargs, position_ids=positions, past_key_values=recorded, use_cache=True
@@ -207,7 +180,7 @@ class SharedPrefixRollout:
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [N]
         for step in range(max_new):
-            token = self._pick(logits, suppress, params)  # [N]
+            token = pick_tokens(logits, suppress, params)  # [N]
             token = torch.where(finished, self.pad_token_id, token)
             tokens[:, step] = token
             scaled = logits / temperature if temperature != 1.0 else logits
@@ -300,130 +273,16 @@ class SharedPrefixRollout:
 
         return lambda length: {"full_attention": full(length), "sliding_attention": sliding(length)}
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        if suppress.numel():
-            logits = logits.index_fill(1, suppress, float("-inf"))
-        if params.greedy:
-            return logits.argmax(-1)
-        logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
-        return sample_from(logits.softmax(-1))
 
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark: python -m mmgrpo.rollout.shared_prefix [--family qwen2-vl] [--image_size 448] ...
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Time HF generate vs this backend (rollout), and the naive vs shared log-prob forward +
-    backward, on a tiny random model, alternating A/B runs; prints the median ratios."""
-    import argparse
-    import os
-    import statistics
-    import time
-
-    import numpy as np
-    from PIL import Image
-
-    from mmgrpo.data.schema import LoadedSample
-    from mmgrpo.grpo.logprobs import completion_logprobs
-    from mmgrpo.grpo.shared_prefix import shared_prefix_hidden
-    from mmgrpo.models import load_model, load_processor
-    from mmgrpo.rollout.hf import HFRollout
-    from mmgrpo.templates import get_template
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--family", default="qwen2-vl", help="tiny model family (tiny:<family>)")
-    parser.add_argument("--model", default=None, help="a checkpoint folder instead of the tiny model")
-    parser.add_argument(
-        "--image_size", type=int, default=448, help="square image side; max_pixels is set to fit it"
-    )
-    parser.add_argument("--num_prompts", type=int, default=1)
-    parser.add_argument("--num_generations", type=int, default=8)
-    parser.add_argument("--max_new_tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5, help="A/B pairs per measurement")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(args.threads)
-
-    path = args.model or f"tiny:{args.family}"
-    model, processor = load_model(path), load_processor(path)
-    template = get_template(args.family, processor, max_pixels=args.image_size**2)
-    pixels = np.random.RandomState(0).randint(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
-    takes_images = "image" in template.modalities  # else a text prompt (Qwen2, Qwen2-Audio)
-    question = ("<image>" if takes_images else "") + "How many red circles?"
-    samples = [
-        LoadedSample(
-            id=f"bench/{i}",
-            messages=[{"role": "user", "content": question}],
-            images=[Image.fromarray(pixels)] if takes_images else [],
-        )
-        for i in range(args.num_prompts)
-    ]
-    batch = template.collate([template.encode_prompt(s) for s in samples])
-    tokenizer = template.tokenizer
-    eos = sorted({tokenizer.eos_token_id, *getattr(template, "stop_token_ids", ())} - {None})
-    kwargs = dict(
-        eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id, suppress_token_ids=template.suppress_token_ids
-    )
-    params = SamplingParams(num_generations=args.num_generations, max_new_tokens=args.max_new_tokens)
-    backends = {"hf": HFRollout(model, **kwargs), "shared": SharedPrefixRollout(model, **kwargs)}
-    image_tokens = int((batch["input_ids"] == template.media["image"].token_id).sum()) if takes_images else 0
-    print(
-        f"{path}: {args.num_prompts} prompt(s) of {batch['input_ids'].shape[1]} tokens "
-        f"({image_tokens // args.num_prompts} image tokens each), "
-        f"G={args.num_generations}, {args.max_new_tokens} new tokens, {args.threads} thread(s)"
-    )
-
-    def timed(fn) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        fn()
-        return time.perf_counter() - wall, time.process_time() - cpu
-
-    def compare(name: str, runs: dict) -> None:
-        for fn in runs.values():  # warm-up
-            fn()
-        times = {k: [] for k in runs}
-        for _ in range(args.repeats):
-            for key, fn in runs.items():  # A B A B ...
-                times[key].append(timed(fn))
-        (a, ta), (b, tb) = times.items()
-        wall = {k: statistics.median(t[0] for t in v) for k, v in times.items()}
-        cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items()}
-        ratios = [x[0] / y[0] for x, y in zip(ta, tb)]
-        print(
-            f"{name}: {a} {wall[a]:.3f} s (cpu {cpu[a]:.3f}), {b} {wall[b]:.3f} s (cpu {cpu[b]:.3f}); "
-            f"speedup {statistics.median(ratios):.2f}x (pairs {min(ratios):.2f}-{max(ratios):.2f})"
-        )
-
-    rollout = backends["shared"].generate(batch, params)
-    compare("rollout", {k: (lambda b=b: b.generate(batch, params)) for k, b in backends.items()})
-
-    completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
-    lm_head = model.get_output_embeddings()
-    backbone = model.get_submodule(template.components["backbone"])
-
-    def logprob_step(shared: bool) -> None:
-        model.zero_grad(set_to_none=True)
-        if shared:
-            hidden = shared_prefix_hidden(
-                backbone, batch, completion_ids, completion_mask, args.num_generations
-            )
-        else:
-            inputs = template.forward_inputs(batch, completion_ids, completion_mask, model=model)
-            prompt_len = batch["input_ids"].shape[1]
-            hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
-        logps, _ = completion_logprobs(hidden, lm_head.weight, completion_ids)
-        (logps * completion_mask).sum().backward()
-
-    model.train()
-    compare(
-        "log-prob forward+backward",
-        {"naive": lambda: logprob_step(False), "shared": lambda: logprob_step(True)},
-    )
-
-
-if __name__ == "__main__":
-    main()
+def lean_applies(model, template) -> bool:
+    """True if the rollout's decode steps run as lean steps: the template declares its decoder
+    layers lean-compatible and the loaded layers are plain (nn.Linear projections, SiLU, no
+    sliding window). After the prefill they call no module, so on a sharded model whose weights
+    are gathered for the whole rollout a rank can stop when its own rows finish."""
+    if not template.lean_decode:
+        return False
+    try:
+        _, decoder = model_parts(model, template)
+    except AttributeError:
+        return False
+    return LeanDecoder.supports(decoder)[0]
