@@ -45,17 +45,18 @@ def hang_on_rank_1(completions, **columns) -> list[float]:
 
 
 class FixedRollout:
-    """Completions that depend only on the prompt's tokens: runs compare without sampling noise."""
+    """A rollout engine whose completions depend only on the prompt's tokens: runs compare
+    without sampling noise."""
 
-    def __init__(self, eos_token_id: int, pad_token_id: int, max_new_tokens: int):
-        self.eos, self.pad, self.max_new_tokens = eos_token_id, pad_token_id, max_new_tokens
+    def __init__(self, template, max_new_tokens: int):
+        self.eos, self.pad, self.max_new_tokens = template.eos_token_ids[0], template.completion_pad_id, max_new_tokens
 
-    def generate(self, prompt_batch, params):
+    def generate(self, prompts, params):
         from mmgrpo.rollout.base import Rollout, completion_mask_from_ids
 
         rows = []
-        for ids, mask in zip(prompt_batch["input_ids"], prompt_batch["attention_mask"]):
-            seed = sum((i + 1) * int(t) for i, t in enumerate(ids[mask.bool()].tolist())) % 2**31
+        for prompt in prompts:
+            seed = sum((i + 1) * int(t) for i, t in enumerate(prompt.prompt_ids.tolist())) % 2**31
             generator = torch.Generator().manual_seed(seed)
             for _ in range(params.num_generations):
                 length = int(torch.randint(2, self.max_new_tokens + 1, (1,), generator=generator))
@@ -67,6 +68,19 @@ class FixedRollout:
         completion_ids = torch.stack(rows)  # [B * G, T]
         completion_mask, truncated = completion_mask_from_ids(completion_ids, [self.eos])
         return Rollout(completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated)
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        pass
+
+
+def rollout_hooks(run) -> dict:
+    """How the run's strategy executes a rollout (an engine built by hand takes the same)."""
+    hooks = {"prepare": lambda batch: run.strategy.align_media(batch, run.template)}
+    if run.strategy.name == "fsdp2":
+        hooks.update(call=run.strategy.wrapper, scope=run.strategy.blocks_gathered)
+    elif run.strategy.name == "zero3":
+        hooks.update(scope=run.strategy.all_gathered)
+    return hooks
 
 
 def config(parallel: str, world_size: int, out: Path, *extra: str):
@@ -120,20 +134,16 @@ def text_prompts(template, count: int) -> list:
 
 
 def prepared_run(cfg, fixed_completions: bool):
-    """build_run + optimizer as engine.train does, without its loop."""
-    from functools import partial
+    """build_run as engine.train does (with fixed completions if asked), without its loop."""
+    import dataclasses
 
     from mmgrpo.engine import seed_everything
     from mmgrpo.setup import build_run
 
-    cfg.validate()
     run = build_run(cfg)
     seed_everything(cfg.seed)
-    run.optimizer = run.strategy.wrap(run.policy, partial(torch.optim.AdamW, lr=cfg.optim.learning_rate))
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
     if fixed_completions:
-        run.policy.rollout_backend = FixedRollout(run.policy.eos_token_ids[0], run.policy.pad_token_id,
-                                                  cfg.rollout.max_completion_length)
+        run = dataclasses.replace(run, rollout=FixedRollout(run.template, cfg.rollout.max_completion_length))
     return run
 
 
@@ -204,10 +214,11 @@ def main() -> None:
 
     start = time.perf_counter()  # the sharded model after its step: log-probs, then one HF folder
     from mmgrpo.engine import grpo_step
+    from mmgrpo.rollout.base import SamplingParams
 
-    batch = run.policy.forward_batch([enc for _, enc in image_prompts(run.template, 2, offset=7)], [1, 1])
-    completion = FixedRollout(run.policy.eos_token_ids[0], run.policy.pad_token_id, 6).generate(
-        batch.prompts, type("P", (), {"num_generations": 1})())
+    encoded = [enc for _, enc in image_prompts(run.template, 2, offset=7)]
+    batch = run.policy.forward_batch(encoded, [1, 1])
+    completion = FixedRollout(run.template, 6).generate(encoded, SamplingParams(num_generations=1, max_new_tokens=6))
     with torch.no_grad():
         logps, _ = run.policy.completion_logprobs(batch, completion.completion_ids, completion.completion_mask)
     run.save(out / "checkpoint")
@@ -217,17 +228,16 @@ def main() -> None:
     timings["save"] = time.perf_counter() - start
 
     start = time.perf_counter()  # text-only prompts on rank 0, images on rank 1, real sampling
+    import dataclasses
+
     from mmgrpo.rollout.hf import HFRollout
 
     # Rank 0 stops after one token (every token ends it), rank 1 samples 6: generate's forward
     # steps must stay in step across ranks while every block is gathered per step.
-    eos = list(range(1500)) if rank == 0 else run.policy.eos_token_ids
-    backend = HFRollout(run.policy.model, eos_token_ids=eos, pad_token_id=run.policy.pad_token_id,
-                        suppress_token_ids=run.template.suppress_token_ids)
-    backend.generate_kwargs["synced_gpus"] = True
-    run.policy.rollout_backend = backend
+    eos = list(range(1500)) if rank == 0 else run.template.eos_token_ids
+    engine = HFRollout(run.policy.model, run.template, synced=True, eos_token_ids=eos, **rollout_hooks(run))
     prompts = text_prompts(run.template, PER_RANK_PROMPTS) if rank == 0 else image_prompts(run.template, PER_RANK_PROMPTS)
-    metrics, _ = grpo_step(run, prompts, step=2)
+    metrics, _ = grpo_step(dataclasses.replace(run, rollout=engine), prompts, step=2)
     if rank == 0:
         (out / "mixed.json").write_text(json.dumps({"loss": metrics["loss"], "reward/text": metrics.get("reward/text"),
                                                     "reward/image": metrics.get("reward/image"),
@@ -235,28 +245,19 @@ def main() -> None:
     timings["mixed"] = time.perf_counter() - start
 
     start = time.perf_counter()  # the shared-prefix rollout on the sharded model, weights gathered once
-    from mmgrpo.rollout.base import SamplingParams
     from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
 
     # Rank 0 stops after one token, rank 1 samples 8: its lean decode steps call no module, so
     # rank 0 may leave the loop early. Log-probs of the sampled tokens, as the decode loop computed
     # them from the gathered weights, must equal the sharded log-prob forward's.
-    backend = SharedPrefixRollout(run.policy.model, eos_token_ids=eos, pad_token_id=run.policy.pad_token_id,
-                                  suppress_token_ids=run.template.suppress_token_ids)
-    gathered = run.strategy.blocks_gathered if parallel == "fsdp2" else run.strategy.all_gathered
-
-    def sample(batch, params):
-        with gathered():
-            return backend.sample(batch, params)
-
+    engine = SharedPrefixRollout(run.policy.model, run.template, eos_token_ids=eos, **rollout_hooks(run))
     encoded = [enc for _, enc in prompts]
-    prompt_batch = run.strategy.align_media(run.template.collate(encoded), run.template)
-    rollout, sampled = run.policy.rollout_call(sample, prompt_batch, SamplingParams(num_generations=G, max_new_tokens=8))
+    rollout = engine.generate(encoded, SamplingParams(num_generations=G, max_new_tokens=8))
     forward = run.strategy.align_media(run.policy.forward_batch(encoded, [G] * len(encoded)), run.template)
     with torch.no_grad():
         recomputed, _ = run.policy.completion_logprobs(forward, rollout.completion_ids, rollout.completion_mask)
-    report = {"lean": backend.lean is not None, "length": int(rollout.completion_mask.sum(1).max()),
-              "max_diff": float((recomputed - sampled).abs().max())}
+    report = {"lean": engine.lean is not None, "length": int(rollout.completion_mask.sum(1).max()),
+              "max_diff": float((recomputed - rollout.logps).abs().max())}
     (out / f"shared_rollout_rank{rank}.json").write_text(json.dumps(report))
     timings["shared_rollout"] = time.perf_counter() - start
 

@@ -82,7 +82,7 @@ def test_deepspeed_json_autos_are_filled(tmp_path):
     cfg = TrainConfig.from_args(["--deepspeed", str(path), "--per_device_train_batch_size", "4", "--num_generations", "4",
                                  "--gradient_accumulation_steps", "2", "--bf16", "--offload_optimizer"])
     cfg.validate()
-    assert cfg.dist.parallel == "zero3"
+    assert cfg.dist.strategy == "zero3"
     config = deepspeed_config(cfg, world_size=2, hidden_size=128)
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 2
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
@@ -95,10 +95,10 @@ def test_deepspeed_json_autos_are_filled(tmp_path):
 
 
 def test_blank_image_changes_no_logprob_and_no_completion(tiny_qwen2_vl_path):
+    from mmgrpo.forward.policy import ForwardBatch, Policy
     from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.parallel.base import add_dummy_medium
-    from mmgrpo.policy import ForwardBatch, Policy
-    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.parallel.media import add_dummy_medium
+    from mmgrpo.rollout import HFRollout, SamplingParams
     from mmgrpo.templates import get_template
 
     sys.path.insert(0, str(WORKER.parent))
@@ -106,14 +106,16 @@ def test_blank_image_changes_no_logprob_and_no_completion(tiny_qwen2_vl_path):
 
     template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
     policy = Policy(load_model(tiny_qwen2_vl_path), template, shared_prefix=False)
-    batch = template.collate([enc for _, enc in dist_worker.text_prompts(template, 2)])
+    prompts = [enc for _, enc in dist_worker.text_prompts(template, 2)]
+    batch = template.collate(prompts)
     with_blank = add_dummy_medium(batch, template, "image")
     assert with_blank["pixel_values"].shape[0] > 0 and with_blank["input_ids"].shape[1] > batch["input_ids"].shape[1]
 
     calls = []
     handle = policy.model.model.visual.register_forward_hook(lambda *args: calls.append(1))
     params = SamplingParams(num_generations=2, max_new_tokens=6, greedy=True)
-    plain, blank = policy.generate(batch, params), policy.generate(with_blank, params)
+    plain = HFRollout(policy.model, template).generate(prompts, params)
+    blank = HFRollout(policy.model, template, prepare=lambda b: add_dummy_medium(b, template, "image")).generate(prompts, params)
     assert torch.equal(plain.completion_ids, blank.completion_ids)
     assert len(calls) == 1  # the tower ran for the blank image only
 
@@ -195,8 +197,8 @@ def test_two_ranks_match_one_process(parallel, one_process, one_process_batch_sc
     assert max(r["max_diff"] for r in shared) < 1e-5, shared
 
     # the consolidated checkpoint loads with from_pretrained and gives the sharded model's log-probs
+    from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.policy import Policy
     from mmgrpo.templates import get_template
 
     saved = torch.load(tmp_path / "logps.pt", weights_only=False)

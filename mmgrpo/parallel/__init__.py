@@ -1,9 +1,38 @@
 """Training beyond one process: `--parallel none | fsdp2 | zero3` (docs/distributed.md).
 
-`build_strategy(cfg)` opens the process group and returns the strategy the engine calls; see
-mmgrpo/parallel/base.py for the interface.
+`build_strategy(cfg)` opens the process group and returns the strategy the training step calls;
+see mmgrpo/parallel/base.py for the interface.
+
+    base.py      the Strategy interface, its collectives, Prepared, the Wrapper module
+    single.py    one process          fsdp2.py   PyTorch FSDP2          zero3.py   DeepSpeed ZeRO-3
+    launch.py    process group, device, precision, per-rank errors
+    checks.py    flag combinations, before any model loads
+    media.py     the blank medium that keeps ranks' tower calls equal
 """
 
-from mmgrpo.parallel.base import NullLogger, Strategy, build_strategy, rank_errors, validate_parallel
+from mmgrpo.parallel.base import Prepared, Strategy
+from mmgrpo.parallel.checks import validate_parallel
+from mmgrpo.parallel.launch import configure_precision, init_process_group, pick_device, rank_errors
 
-__all__ = ["NullLogger", "Strategy", "build_strategy", "rank_errors", "validate_parallel"]
+__all__ = ["Prepared", "Strategy", "build_strategy", "rank_errors", "validate_parallel"]
+
+
+def build_strategy(cfg) -> Strategy:
+    """The strategy the flags name (`cfg.dist.strategy`; one process for a config without `dist`,
+    such as SFT's), with the process group up and the device chosen."""
+    name = cfg.dist.strategy if hasattr(cfg, "dist") else "none"
+    rank, world_size, local_rank, created = init_process_group(getattr(getattr(cfg, 'dist', None), 'ddp_timeout', 1800), sharded=name != "none")
+    device = pick_device(local_rank)
+    kwargs = dict(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=created,
+                  bf16=configure_precision(device, cfg.bf16))
+    if name == "fsdp2":
+        from mmgrpo.parallel.fsdp2 import FSDP2
+
+        return FSDP2(cfg, **kwargs)
+    if name == "zero3":
+        from mmgrpo.parallel.zero3 import ZeRO3
+
+        return ZeRO3(cfg, **kwargs)
+    from mmgrpo.parallel.single import SingleProcess
+
+    return SingleProcess(cfg, **kwargs)

@@ -8,7 +8,7 @@ the rest (embeddings, final norm, LM head, patch embedding, merger). With --bf16
 weights are bfloat16 and gradients are reduced in float32 (MixedPrecisionPolicy); the sharded
 master weights and AdamW states stay float32. Gradients are averaged over ranks.
 
-Log-prob forwards and rollouts run inside the root's forward (`policy.call`), so the root's
+Log-prob forwards and rollouts run inside the root's forward (`Prepared.call`), so the root's
 weights are gathered for the whole call. During a rollout the blocks stay gathered from their
 first decoding step to the end (--gather_for_generation; off: every step gathers every block,
 and synced_gpus keeps the ranks stepping together).
@@ -16,7 +16,7 @@ and synced_gpus keeps the ranks stepping together).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -29,7 +29,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from mmgrpo.parallel.base import Strategy, Wrapper, gather_for_rollouts, hf_state_dict, sync_rollouts
+from mmgrpo.forward.policy import plain_call
+from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
 
 
 def shard(model: torch.nn.Module, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> Wrapper:
@@ -50,20 +51,21 @@ class FSDP2(Strategy):
     def load_device(self) -> torch.device:
         return torch.device("cpu")  # fully_shard moves each rank's shards to its device
 
-    def wrap(self, policy, make_optimizer):
-        if self.cfg.bf16:
+    def prepare(self, model, ref_model, make_optimizer) -> Prepared:
+        if self.bf16:
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp_policy = MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if self.cfg.dist.offload_param else OffloadPolicy()
-        sync_rollouts(policy, self.world_size, self.cfg.dist.gather_for_generation)
-        self.wrapper = shard(policy.model, mp_policy, offload)
-        policy.call = policy.rollout_call = self.wrapper
-        if self.cfg.dist.gather_for_generation:
-            gather_for_rollouts(policy, self.blocks_gathered)
-        if policy.ref_model is not None:
-            policy.ref_call = shard(policy.ref_model, mp_policy, OffloadPolicy())
-        return make_optimizer(policy.trainable_parameters())  # built on the shards (DTensors)
+        self.wrapper = shard(model, mp_policy, offload)
+        ref_call = shard(ref_model, mp_policy, OffloadPolicy()) if ref_model is not None else plain_call
+        return Prepared(
+            optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]),  # on the shards (DTensors)
+            call=self.wrapper,
+            ref_call=ref_call,
+            rollout_call=self.wrapper,
+            rollout_scope=self.blocks_gathered if self.cfg.dist.gather_for_generation else nullcontext,
+        )
 
     @contextmanager
     def blocks_gathered(self):
@@ -90,7 +92,7 @@ class FSDP2(Strategy):
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_state_dict(self, policy, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(self.wrapper, options=options)  # rank 0 gets it all, the others {}
         return hf_state_dict(state) if self.is_main else {}

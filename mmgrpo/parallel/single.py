@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from mmgrpo.parallel.base import Strategy
+from mmgrpo.parallel.base import Prepared, Strategy
 
 
 class SingleProcess(Strategy):
     name = "none"
 
-    def wrap(self, policy, make_optimizer):
-        return make_optimizer(policy.trainable_parameters())
+    def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer) -> Prepared:
+        return Prepared(optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -23,7 +24,7 @@ class SingleProcess(Strategy):
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def full_state_dict(self, policy, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         if trainable_only:
-            return {name: p.detach().cpu() for name, p in policy.model.named_parameters() if p.requires_grad}
-        return {key: value.detach().cpu() for key, value in policy.model.state_dict().items()}
+            return {name: p.detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()}

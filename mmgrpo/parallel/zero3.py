@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import copy
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.parallel.base import Strategy, Wrapper, gather_for_rollouts, hf_state_dict, sync_rollouts
+from mmgrpo.forward.policy import plain_call
+from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
 
 # zero_optimization values HF's integration derives from the hidden size when a JSON says "auto"
 AUTO_FROM_HIDDEN = {
@@ -48,8 +49,10 @@ def _is_set(value) -> bool:
     return value is not None and value != "auto"
 
 
-def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None) -> dict:
+def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None, bf16: bool | None = None) -> dict:
     """The DeepSpeed config for this run: --deepspeed's JSON (if a path) with the flags filled in.
+
+    bf16: whether bf16 is on (default --bf16; the strategy passes what the device allows).
 
     >>> from mmgrpo.config import TrainConfig
     >>> cfg = TrainConfig.from_args(["--per_device_train_batch_size", "4", "--num_generations", "4", "--bf16"])
@@ -58,6 +61,7 @@ def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None) -> di
     (8, {'enabled': True}, 3)
     """
     spec = cfg.dist.deepspeed
+    bf16 = cfg.bf16 if bf16 is None else bf16
     user = {} if spec in (None, "zero3") else _load_json(spec)
     source = f"--deepspeed {spec}"
     micro, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
@@ -70,8 +74,8 @@ def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None) -> di
     for key, (value, flag) in ours.items():
         if _is_set(user.get(key)) and float(user[key]) != float(value):
             raise ConfigError(f"{source} sets {key} {user[key]} but {flag} gives {value}: set it to \"auto\" or change the flag.")
-    if _is_set(user.get("bf16", {}).get("enabled")) and bool(user["bf16"]["enabled"]) != cfg.bf16:
-        raise ConfigError(f"{source} sets bf16.enabled {user['bf16']['enabled']} but --bf16 is {cfg.bf16}: make them agree (or \"auto\").")
+    if _is_set(user.get("bf16", {}).get("enabled")) and bool(user["bf16"]["enabled"]) != bf16:
+        raise ConfigError(f"{source} sets bf16.enabled {user['bf16']['enabled']} but --bf16 is {bf16}: make them agree (or \"auto\").")
     if user.get("fp16", {}).get("enabled") is True:
         raise ConfigError(f"{source} enables fp16: mmgrpo trains in float32 or bfloat16 (--bf16); set fp16.enabled to false.")
     zero = user.get("zero_optimization", {})
@@ -83,7 +87,7 @@ def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None) -> di
 
     config = copy.deepcopy(user)
     config.update({key: value for key, (value, _) in ours.items()})
-    config["bf16"] = {**config.get("bf16", {}), "enabled": cfg.bf16}
+    config["bf16"] = {**config.get("bf16", {}), "enabled": bf16}
     config.pop("fp16", None)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = 3
@@ -123,26 +127,28 @@ class ZeRO3(Strategy):
     def load_device(self) -> torch.device:
         return torch.device("cpu")  # deepspeed.initialize moves each rank's partition to its device
 
-    def wrap(self, policy, make_optimizer):
+    def prepare(self, model, ref_model, make_optimizer) -> Prepared:
         import deepspeed
 
-        sync_rollouts(policy, self.world_size, self.cfg.dist.gather_for_generation)
-        hidden_size = getattr(policy.model.config.get_text_config(), "hidden_size", None)
-        config = deepspeed_config(self.cfg, self.world_size, hidden_size)
+        hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
+        config = deepspeed_config(self.cfg, self.world_size, hidden_size, bf16=self.bf16)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, optimizer, _, _ = deepspeed.initialize(
-            model=Wrapper(policy.model), model_parameters=policy.trainable_parameters(), optimizer=make_optimizer, config=config
+            model=Wrapper(model), model_parameters=trainable, optimizer=make_optimizer, config=config
         )
-        policy.call = self.engine  # the engine's forward also gathers weights read outside their module (the LM head)
-        # Rollouts call the module itself: each submodule gathers its weights (or all are gathered at once).
-        if self.cfg.dist.gather_for_generation:
-            gather_for_rollouts(policy, self.all_gathered)
-        if policy.ref_model is not None:
+        ref_call = plain_call
+        if ref_model is not None:
             ref_config = {k: v for k, v in config.items() if k not in ("gradient_clipping", "zero_force_ds_cpu_optimizer")}
             ref_config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
-            ref_engine, *_ = deepspeed.initialize(model=Wrapper(policy.ref_model), config=ref_config)
-            ref_engine.eval()
-            policy.ref_call = ref_engine
-        return optimizer.optimizer  # the torch AdamW inside (LR schedulers want a torch Optimizer)
+            ref_call, *_ = deepspeed.initialize(model=Wrapper(ref_model), config=ref_config)
+            ref_call.eval()
+        return Prepared(
+            optimizer=optimizer.optimizer,  # the torch AdamW inside (LR schedulers want a torch Optimizer)
+            call=self.engine,  # the engine's forward also gathers weights read outside their module (the LM head)
+            ref_call=ref_call,
+            # Rollouts call the module itself: each submodule gathers its weights (or all are gathered at once).
+            rollout_scope=self.all_gathered if self.cfg.dist.gather_for_generation else nullcontext,
+        )
 
     @contextmanager
     def all_gathered(self):
@@ -166,7 +172,7 @@ class ZeRO3(Strategy):
     def zero_grad(self, optimizer) -> None:
         self.engine.optimizer.zero_grad(set_to_none=True)
 
-    def full_state_dict(self, policy, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
