@@ -14,6 +14,7 @@ import torch
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo import (
+    LossConfig,
     completion_logprobs,
     get_advantage,
     group_advantages,
@@ -100,8 +101,9 @@ ADV = torch.tensor([1.0, -1.0])
 # Sum over the 5 real tokens: -2.7 + 2 = -0.7
 
 
-def _loss(loss_type, **kwargs):
-    return policy_loss(OLD + DELTA, OLD, None, ADV, MASK, loss_type=loss_type, epsilon=0.2, **kwargs)[0]
+def _loss(loss_type, num_items_in_batch=None, **kwargs):
+    config = LossConfig(loss_type=loss_type, epsilon=0.2, **kwargs)
+    return policy_loss(OLD + DELTA, OLD, None, ADV, MASK, config, num_items_in_batch=num_items_in_batch)[0]
 
 
 def test_loss_grpo():
@@ -131,7 +133,7 @@ def test_loss_cispo_value_and_gradient():
     #   row 1: -1 * (-1) * (-2) = -2 | -2
     # sum = -1.439985, token mean over 5 tokens = -0.287997
     logps = (OLD + DELTA).requires_grad_()
-    loss, metrics = policy_loss(logps, OLD, None, ADV, MASK, loss_type="cispo", epsilon=0.2)
+    loss, metrics = policy_loss(logps, OLD, None, ADV, MASK, LossConfig(loss_type="cispo", epsilon=0.2))
     assert float(loss.detach()) == pytest.approx(-0.287997, abs=1e-6)
     loss.backward()
     # d loss / d logp = -w * A / 5: every token keeps a gradient, even the clipped one
@@ -147,7 +149,7 @@ def test_loss_gspo_sequence_level():
     # token losses: row 0 -0.908560 x3, row 1 +1 x2; grpo: (-0.908560 + 1) / 2 = 0.045720
     logps = (OLD + DELTA).requires_grad_()
     loss, _ = policy_loss(
-        logps, OLD, None, ADV, MASK, loss_type="grpo", epsilon=0.2, importance_sampling_level="sequence"
+        logps, OLD, None, ADV, MASK, LossConfig(loss_type="grpo", epsilon=0.2, importance_sampling_level="sequence")
     )
     assert float(loss.detach()) == pytest.approx(0.045720, abs=1e-6)
     loss.backward()
@@ -160,7 +162,7 @@ def test_loss_gspo_sequence_level():
 def test_on_policy_when_old_logps_is_none():
     # ratio 1 everywhere: loss = -A per token; grpo = (-1 + 1) / 2 = 0; gradient -A / (N * len)
     logps = (OLD + DELTA).requires_grad_()
-    loss, metrics = policy_loss(logps, None, None, ADV, MASK, loss_type="grpo")
+    loss, metrics = policy_loss(logps, None, None, ADV, MASK, LossConfig(loss_type="grpo"))
     assert float(loss.detach()) == 0.0
     assert float(metrics["ratio_mean"]) == 1.0
     loss.backward()
@@ -175,7 +177,7 @@ def _single_token(ratio, advantage, **kwargs):
     """Loss and d loss / d logp for one token with the given ratio (old logp 0)."""
     logps = torch.tensor([[LN(ratio)]], requires_grad=True)
     loss, metrics = policy_loss(
-        logps, torch.zeros(1, 1), None, torch.tensor([advantage]), torch.ones(1, 1), **kwargs
+        logps, torch.zeros(1, 1), None, torch.tensor([advantage]), torch.ones(1, 1), LossConfig(**kwargs)
     )
     loss.backward()
     return float(loss.detach()), float(logps.grad), metrics
@@ -229,7 +231,7 @@ def test_kl_k3_value():
     logps = torch.tensor([[LN(0.5), LN(0.25)]])
     ref = torch.tensor([[LN(0.25), LN(0.5)]])
     loss, metrics = policy_loss(
-        logps, None, ref, torch.zeros(1), torch.ones(1, 2), loss_type="grpo", beta=0.1
+        logps, None, ref, torch.zeros(1), torch.ones(1, 2), LossConfig(loss_type="grpo", beta=0.1)
     )
     assert float(metrics["kl"]) == pytest.approx(0.25, abs=1e-6)
     assert float(loss) == pytest.approx(0.025, abs=1e-7)
@@ -239,21 +241,21 @@ def test_kl_gradient():
     # d k3 / d logp = -e^d + 1 with d = ref - logp: token 0 -> 0.5, token 1 -> -1; x beta / 2 tokens
     logps = torch.tensor([[LN(0.5), LN(0.25)]], requires_grad=True)
     ref = torch.tensor([[LN(0.25), LN(0.5)]])
-    loss, _ = policy_loss(logps, None, ref, torch.zeros(1), torch.ones(1, 2), loss_type="grpo", beta=0.1)
+    loss, _ = policy_loss(logps, None, ref, torch.zeros(1), torch.ones(1, 2), LossConfig(loss_type="grpo", beta=0.1))
     loss.backward()
     torch.testing.assert_close(logps.grad, torch.tensor([[0.025, -0.05]]))
 
 
 def test_beta_zero_needs_no_reference():
-    loss, metrics = policy_loss(OLD + DELTA, OLD, None, ADV, MASK, beta=0.0)
+    loss, metrics = policy_loss(OLD + DELTA, OLD, None, ADV, MASK, LossConfig(beta=0.0))
     assert float(loss) == pytest.approx(0.05, abs=1e-6) and float(metrics["kl"]) == 0.0
     with pytest.raises(ValueError, match="ref_logps"):
-        policy_loss(OLD + DELTA, OLD, None, ADV, MASK, beta=0.04)
+        policy_loss(OLD + DELTA, OLD, None, ADV, MASK, LossConfig(beta=0.04))
 
 
 def test_beta_zero_with_reference_only_logs_kl():
     logps = (OLD + DELTA).requires_grad_()
-    loss, metrics = policy_loss(logps, OLD, OLD, ADV, MASK, loss_type="grpo", epsilon=0.2, beta=0.0)
+    loss, metrics = policy_loss(logps, OLD, OLD, ADV, MASK, LossConfig(loss_type="grpo", epsilon=0.2, beta=0.0))
     assert float(loss.detach()) == pytest.approx(0.05, abs=1e-6)
     assert float(metrics["kl"]) > 0
 
@@ -263,7 +265,7 @@ def test_padding_values_never_reach_the_loss():
     logps[1, 2] = -float("inf")  # a padding slot holding garbage
     logps.requires_grad_()
     ref = OLD.clone()
-    loss, metrics = policy_loss(logps, OLD, ref, ADV, MASK, loss_type="dapo", beta=0.04)
+    loss, metrics = policy_loss(logps, OLD, ref, ADV, MASK, LossConfig(loss_type="dapo", beta=0.04))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logps.grad).all()
     assert all(torch.isfinite(value) for value in metrics.values())
@@ -287,16 +289,16 @@ def _random_batch(seed, num_rows=4, num_tokens=6):
 def test_micro_batches_sum_to_the_full_batch(loss_type):
     # rows 0-1 and rows 2-3 as two micro-batches of one optimizer step (8 and 9 tokens)
     logps, old, ref, advantages, mask = _random_batch(0)
-    kwargs = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, max_completion_length=6)
+    config = LossConfig(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, max_completion_length=6)
     full_logps = logps.clone().requires_grad_()
-    full, _ = policy_loss(full_logps, old, ref, advantages, mask, **kwargs)
+    full, _ = policy_loss(full_logps, old, ref, advantages, mask, config)
     full.backward()
 
     micro_logps = logps.clone().requires_grad_()
     step_totals = dict(num_items_in_batch=int(mask.sum()), num_sequences_in_batch=4)
     summed = sum(
         policy_loss(
-            micro_logps[rows], old[rows], ref[rows], advantages[rows], mask[rows], **kwargs, **step_totals
+            micro_logps[rows], old[rows], ref[rows], advantages[rows], mask[rows], config, **step_totals
         )[0]
         for rows in (slice(0, 2), slice(2, 4))
     )
@@ -307,13 +309,13 @@ def test_micro_batches_sum_to_the_full_batch(loss_type):
 
 def test_bnpo_micro_batches_average():
     logps, old, ref, advantages, mask = _random_batch(1)
-    kwargs = dict(loss_type="bnpo", beta=0.04)
+    config = LossConfig(loss_type="bnpo", beta=0.04)
     halves = [
-        policy_loss(logps[r], old[r], ref[r], advantages[r], mask[r], **kwargs)[0]
+        policy_loss(logps[r], old[r], ref[r], advantages[r], mask[r], config)[0]
         for r in (slice(0, 2), slice(2, 4))
     ]
     summed = sum(
-        policy_loss(logps[r], old[r], ref[r], advantages[r], mask[r], num_sequences_in_batch=4, **kwargs)[0]
+        policy_loss(logps[r], old[r], ref[r], advantages[r], mask[r], config, num_sequences_in_batch=4)[0]
         for r in (slice(0, 2), slice(2, 4))
     )
     torch.testing.assert_close(summed, (halves[0] + halves[1]) / 2)
@@ -321,9 +323,9 @@ def test_bnpo_micro_batches_average():
 
 def test_loss_registry():
     with pytest.raises(ConfigError, match="dapo"):
-        policy_loss(OLD, None, None, ADV, MASK, loss_type="nope")
+        policy_loss(OLD, None, None, ADV, MASK, LossConfig(loss_type="nope"))
     with pytest.raises(ConfigError, match="importance_sampling_level"):
-        policy_loss(OLD, None, None, ADV, MASK, importance_sampling_level="group")
+        policy_loss(OLD, None, None, ADV, MASK, LossConfig(importance_sampling_level="group"))
     with pytest.raises(ValueError, match="already registered"):
         register_loss("grpo")(lambda *args, **kwargs: None)
 
@@ -462,3 +464,18 @@ def test_chunked_logprobs_peak_memory():
     # Measured: ~93 MiB = the [V, H] weight gradient (37 MiB) + a few 16 x V fp32 blocks (9 MiB
     # each) + malloc slack. The naive path measures ~860 MiB (logits, log_softmax, gradients).
     assert extra_peak < full_logits_bytes / 2, f"extra peak {extra_peak / 2**20:.0f} MiB"
+
+
+def test_rloo_hand_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])  # two groups of 4
+    adv, stats = get_advantage("rloo")(rewards, 4, "none")
+    # r_i - mean of the other three: 1 - 0 = 1, 0 - 1/3; the second group is all equal: 0
+    assert adv.tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0, 0.0])
+    assert float(stats["frac_reward_zero_std"]) == 0.5
+    # scaled by the group std (0.5 here), as grpo is: G / (G - 1) times grpo's advantages
+    scaled, _ = get_advantage("rloo")(rewards, 4, "group")
+    grpo, _ = get_advantage("grpo")(rewards, 4, "group")
+    torch.testing.assert_close(scaled, grpo * 4 / 3)
+    assert scaled[0] == pytest.approx(1.0 / (0.5 + 1e-4))
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'nope'.*rloo"):
+        get_advantage("nope")

@@ -12,7 +12,7 @@ import torch
 
 from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
-from mmgrpo.grpo.losses import policy_loss
+from mmgrpo.grpo import LossConfig, policy_loss
 
 
 def test_parse():
@@ -46,7 +46,7 @@ def test_a_zero_weight_zeroes_the_gradient_of_its_rows():
     mask = torch.ones(len(advantages), T)
     for loss_type in ("grpo", "dapo", "dr_grpo"):
         logps.grad = None
-        loss, _ = policy_loss(logps, logps.detach(), None, advantages, mask, loss_type=loss_type, max_completion_length=T)
+        loss, _ = policy_loss(logps, logps.detach(), None, advantages, mask, LossConfig(loss_type=loss_type, max_completion_length=T))
         loss.backward()
         image_rows = torch.tensor([modalities[i // G] == "image" for i in range(len(advantages))])
         assert torch.all(logps.grad[image_rows] == 0)

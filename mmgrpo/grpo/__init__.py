@@ -3,11 +3,12 @@
 Pure tensor functions with no model, engine or config inside; docs/algorithm.md has the maths.
 """
 
-from mmgrpo.grpo.advantages import get_advantage, group_advantages, register_advantage
+from mmgrpo.grpo.advantages import get_advantage, group_advantages, register_advantage, rloo_advantages
 from mmgrpo.grpo.logprobs import completion_logprobs, naive_completion_logprobs
-from mmgrpo.grpo.losses import loss_types, policy_loss, register_loss
+from mmgrpo.grpo.losses import LossConfig, loss_types, policy_loss, register_loss
 
 __all__ = [
+    "LossConfig",
     "completion_logprobs",
     "get_advantage",
     "group_advantages",
@@ -16,4 +17,5 @@ __all__ = [
     "policy_loss",
     "register_advantage",
     "register_loss",
+    "rloo_advantages",
 ]

@@ -18,8 +18,16 @@ TRL and ms-swift, so reward curves and advantages can be compared with theirs ru
     >>> round(float(stats["reward_std"]), 4), float(stats["frac_reward_zero_std"])
     (0.5, 0.0)
 
-Estimators are registered by name (``register_advantage``) so RLOO or REINFORCE++ can be
-added beside "grpo" without touching the engine: ``get_advantage(name)(rewards, G, scale)``.
+RLOO (``--advantage_estimator rloo``) compares each completion with the mean of its G - 1
+siblings instead: ``A_i = r_i - (sum(r) - r_i) / (G - 1) = G / (G - 1) * (r_i - mean(r))``, then
+the same scaling.
+
+    >>> adv, _ = rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), num_generations=4, scale_rewards="none")
+    >>> [round(a, 3) for a in adv.tolist()]
+    [1.0, -0.333, -0.333, -0.333]
+
+Estimators are registered by name (``register_advantage``) and the training step calls the one
+``--advantage_estimator`` names: ``get_advantage(name)(rewards, G, scale_rewards, batch_std=...)``.
 """
 
 from collections.abc import Callable
@@ -86,6 +94,25 @@ def group_advantages(
     Under data parallelism pass the rewards of this rank (groups never straddle ranks), and for
     "batch" the global std as `batch_std`, so the result equals one process on the whole batch.
     """
+    grouped, group_std = _grouped(rewards, num_generations, scale_rewards)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [num_prompts, G]
+    return _scaled(advantages, rewards, group_std, scale_rewards, batch_std)
+
+
+@register_advantage("rloo")
+def rloo_advantages(
+    rewards: Tensor, num_generations: int, scale_rewards: str = "group", batch_std: Tensor | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """RLOO advantages: reward minus the mean of the group's other G - 1 rewards, then scaled as
+    `group_advantages` scales (arguments and returns as there)."""
+    grouped, group_std = _grouped(rewards, num_generations, scale_rewards)
+    G = num_generations
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (G - 1)  # [num_prompts, G]
+    return _scaled(grouped - others_mean, rewards, group_std, scale_rewards, batch_std)
+
+
+def _grouped(rewards: Tensor, num_generations: int, scale_rewards: str) -> tuple[Tensor, Tensor]:
+    """Checked rewards as [num_prompts, G] float32 and each group's unbiased std [num_prompts, 1]."""
     if scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"--scale_rewards {scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
     if num_generations < 2:
@@ -99,19 +126,21 @@ def group_advantages(
         # an unscorable completion must be resolved by the engine (a number, or dropped with its
         # group): a NaN here would silently poison its group's mean and std
         raise ValueError("rewards contain NaN; the engine must resolve reward functions' None first")
-    rewards = rewards.detach().float()
-    grouped = rewards.view(-1, num_generations)  # [num_prompts, G]
-    group_mean = grouped.mean(dim=1, keepdim=True)  # [num_prompts, 1]
-    group_std = grouped.std(dim=1, keepdim=True)  # [num_prompts, 1], unbiased (G - 1)
-    advantages = grouped - group_mean  # [num_prompts, G]
+    grouped = rewards.detach().float().view(-1, num_generations)  # [num_prompts, G]
+    return grouped, grouped.std(dim=1, keepdim=True)  # unbiased (G - 1)
+
+
+def _scaled(
+    advantages: Tensor, rewards: Tensor, group_std: Tensor, scale_rewards: str, batch_std: Tensor | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Divide [num_prompts, G] advantages as scale_rewards says; flatten; the logging stats."""
     if scale_rewards == "group":
         advantages = advantages / (group_std + STD_EPS)
     elif scale_rewards == "batch":
-        advantages = advantages / ((rewards.std() if batch_std is None else batch_std) + STD_EPS)
-
+        advantages = advantages / ((rewards.float().std() if batch_std is None else batch_std) + STD_EPS)
     zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
     stats = {
-        "reward_mean": rewards.mean(),
+        "reward_mean": rewards.float().mean(),
         "reward_std": group_std.mean(),
         "frac_reward_zero_std": zero_std.float().mean(),
     }

@@ -19,7 +19,7 @@ the global totals divided by the world size. Left as None, each is the micro-bat
 
     >>> import torch
     >>> logps = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
-    >>> loss, metrics = policy_loss(logps, None, None, torch.tensor([2.0]), torch.ones(1, 3), beta=0.0)
+    >>> loss, metrics = policy_loss(logps, None, None, torch.tensor([2.0]), torch.ones(1, 3), LossConfig(beta=0.0))
     >>> float(loss)  # on-policy: ratio 1, loss = -A
     -2.0
 """
@@ -157,26 +157,37 @@ def _masked_mean(values: Tensor, completion_mask: Tensor) -> Tensor:
     return ((values * completion_mask).sum() / completion_mask.sum().clamp(min=1)).detach()
 
 
+@dataclass(frozen=True)
+class LossConfig:
+    """How a run's loss is computed (its --loss_type, --epsilon, ... flags); one per run.
+
+    The defaults here are plain GRPO (DeepSeekMath); the training defaults (dapo, beta 0.04,
+    epsilon_high 0.28) live in ``mmgrpo/config.py``, see docs/algorithm.md.
+    """
+
+    loss_type: str = "grpo"  # a registered loss type, see ``loss_types()``
+    # clip range [1 - epsilon, 1 + epsilon_high]; epsilon_high None means epsilon (symmetric).
+    # For cispo only the upper bound 1 + epsilon_high is used.
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0  # weight of the k3 KL penalty to the reference model; 0 disables it
+    max_completion_length: int | None = None  # the constant denominator of dr_grpo
+    # "token" (GRPO) or "sequence" (GSPO: one ratio per completion, the geometric mean of its token ratios)
+    importance_sampling_level: str = "token"
+
+
 def policy_loss(
     logps: Tensor,
     old_logps: Tensor | None,
     ref_logps: Tensor | None,
     advantages: Tensor,
     completion_mask: Tensor,
+    config: LossConfig = LossConfig(),
     *,
-    loss_type: str = "grpo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    beta: float = 0.0,
-    max_completion_length: int | None = None,
-    importance_sampling_level: str = "token",
     num_items_in_batch: int | float | Tensor | None = None,
     num_sequences_in_batch: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss of one (micro-)batch of N completions padded to T tokens.
-
-    The defaults here are plain GRPO (DeepSeekMath); the training defaults (dapo, beta 0.04,
-    epsilon_high 0.28) live in ``mmgrpo/config.py``, see docs/algorithm.md.
+    """The loss of one (micro-)batch of N completions padded to T tokens, as `config` says.
 
     Args:
         logps: [N, T] log-probs of the completion tokens under the policy being trained (grad).
@@ -188,13 +199,7 @@ def policy_loss(
         advantages: [N] one per completion (or [N, T] per token).
         completion_mask: [N, T] 1 for a completion token that counts, 0 for padding (and for
             tokens after EOS, or whole truncated completions if the engine masks them).
-        loss_type: a registered loss type, see ``loss_types()``.
-        epsilon, epsilon_high: clip range [1 - epsilon, 1 + epsilon_high]; epsilon_high None
-            means epsilon (symmetric). For cispo only the upper bound 1 + epsilon_high is used.
-        beta: weight of the k3 KL penalty to the reference model; 0 disables it.
-        max_completion_length: the constant denominator of dr_grpo.
-        importance_sampling_level: "token" (GRPO) or "sequence" (GSPO: one ratio per
-            completion, the geometric mean of its token ratios).
+        config: the loss type, clip range, KL weight ... (`LossConfig`).
         num_items_in_batch, num_sequences_in_batch: completion tokens and completions in the
             whole optimizer step, for gradient accumulation (see the module docstring).
 
@@ -204,6 +209,8 @@ def policy_loss(
             ``ratio_mean``, ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``
             (fraction of tokens whose gradient clipping removed: low, high, either).
     """
+    loss_type, beta, epsilon = config.loss_type, config.beta, config.epsilon
+    importance_sampling_level = config.importance_sampling_level
     if loss_type not in _LOSSES:
         raise ConfigError(f"--loss_type {loss_type!r} is not one of {loss_types()}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -219,7 +226,7 @@ def policy_loss(
         )
     if advantages.shape[0] != logps.shape[0]:
         raise ValueError(f"advantages {tuple(advantages.shape)} do not match logps {tuple(logps.shape)}")
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    epsilon_high = epsilon if config.epsilon_high is None else config.epsilon_high
     loss_spec = _LOSSES[loss_type]
 
     counts = completion_mask.bool()  # [N, T]
@@ -253,7 +260,7 @@ def policy_loss(
     loss = loss_spec.aggregate(
         per_token_loss,
         mask,
-        max_completion_length=max_completion_length,
+        max_completion_length=config.max_completion_length,
         num_items_in_batch=num_items_in_batch,
         num_sequences_in_batch=num_sequences_in_batch,
     )
