@@ -52,7 +52,7 @@ def cmd_sft(argv):
     from mmgrpo.config import SFTConfig, build_parser, config_from_namespace
     from mmgrpo.sft import sft
 
-    parser = build_parser(SFTConfig, prog="mmgrpo sft", description="Supervised warm start: cross-entropy on the answer tokens.")
+    parser = build_parser(SFTConfig, prog="mmgrpo sft")
     out = sft(config_from_namespace(SFTConfig, parser.parse_args(argv)))
     print(f"SFT model written to {out}")
 

@@ -26,11 +26,12 @@ from pathlib import Path
 import yaml
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.models.tiny import DEFAULT_MODEL, TINY_PREFIX
 
 
 @dataclass
 class ModelConfig:
-    model: str = "tiny:qwen2-vl"
+    model: str = DEFAULT_MODEL
     """Model folder, hub id, or `tiny:<family>` for a tiny random checkpoint built offline."""
     model_type: str | None = None
     """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). Inferred from `tiny:<family>` models."""
@@ -110,7 +111,7 @@ class AlgoConfig:
     reward_errors: str = "raise"
     """What a raising reward does: `raise` stops with the sample named; `none` skips that sample."""
     loss_type: str = "dapo"
-    """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md)."""
+    """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md), or a loss registered with `register_loss`."""
     beta: float = 0.04
     """KL coefficient to the reference model (k3 estimator). 0 loads no reference model."""
     epsilon: float = 0.2
@@ -124,9 +125,14 @@ class AlgoConfig:
     importance_sampling_level: str = "token"
     """`token` (GRPO) or `sequence` (GSPO)."""
     advantage_estimator: str = "grpo"
-    """Registered advantage estimator."""
+    """How rewards become advantages: `grpo` (reward minus the group mean) or `rloo` (minus the mean of the
+    other G - 1), then scaled per --scale_rewards; or an estimator registered with `register_advantage`."""
     modality_weights: list[str] = field(default_factory=list)
     """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
+    prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
+    each rollout batch is one optimizer update. 0: micro-batches of per_device_train_batch_size rows."""
 
 
 @dataclass
@@ -152,10 +158,6 @@ class OptimConfig:
     """Completions per micro-batch (as in TRL: must be a multiple of num_generations... per step)."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer update. A rollout batch is batch_size x accumulation completions."""
-    max_tokens_per_microbatch: int = 0
-    """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
-    prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
-    each rollout batch is one optimizer update. 0: micro-batches of per_device_train_batch_size rows."""
 
 
 @dataclass
@@ -193,16 +195,16 @@ class DistConfig:
     gather_for_generation: bool = True
     """FSDP2 / ZeRO-3 rollouts gather the full weights once per rollout (fast); false: every decoding step gathers (less memory)."""
 
+    @property
+    def strategy(self) -> str:
+        """The strategy these flags name: --deepspeed means zero3."""
+        return "zero3" if self.deepspeed else (self.parallel or "none")
+
 
 @dataclass
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
+class RunOptions:
+    """Options every command that trains has (GRPO and SFT): where the run goes, how long, how it is logged."""
+
     output_dir: str = "runs/latest"
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
     max_steps: int = 100
@@ -213,23 +215,19 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     logging_steps: int = 1
     """Print and log every N steps."""
-    log_completions: int = 4
-    """Prompts per step written to completions.jsonl (all G completions of each)."""
     report_to: str = "tensorboard"
     """`tensorboard` (event files in the run folder, beside metrics.jsonl) or `none` (metrics.jsonl only)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     bf16: bool = False
     """bfloat16 autocast (fp32 master weights). Use on GPUs that support it."""
-    max_nonfinite_steps: int = 5
-    """Stop after this many steps with a NaN/inf loss (each one is skipped with a warning)."""
     torch_threads: int | None = None
     """torch intra-op threads (CPU). Default: torch's choice."""
 
     # ---- loading ---------------------------------------------------------------------------
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> TrainConfig:
+    def from_args(cls, argv: list[str] | None = None):
         """Defaults <- `--config` YAML <- command-line flags."""
         parser = build_parser(cls)
         ns = parser.parse_args(argv)
@@ -238,18 +236,45 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+@dataclass
+class TrainConfig(RunOptions):
+    """GRPO training: every option of `mmgrpo train`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log_completions: int = 4
+    """Prompts per step written to completions.jsonl (all G completions of each)."""
+    max_nonfinite_steps: int = 5
+    """Stop after this many steps with a NaN/inf loss (each one is skipped with a warning)."""
+
     def validate(self) -> None:
-        """Contradictions that would fail later are errors now, before any model loads."""
+        """Contradictions that would fail later are errors now, before any model loads. Checks only."""
         validate(self)
 
 
 @dataclass
-class SFTConfig(TrainConfig):
-    """Supervised warm start on the dataset's reference answers (cross-entropy on answer tokens)."""
+class SFTConfig(RunOptions):
+    """Supervised warm start: cross-entropy on the dataset's reference answers (one process)."""
 
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-3, per_device_train_batch_size=32))
     max_steps: int = 200
-    """Optimizer steps of supervised training."""
+    """Optimizer steps of supervised training (each: per_device_train_batch_size x gradient_accumulation_steps samples). -1: by epochs."""
+
+    def validate(self) -> None:
+        """Contradictions that would fail later are errors now, before any model loads. Checks only."""
+        from mmgrpo.parallel.launch import env_world_size
+
+        validate_common(self)
+        if env_world_size() > 1:
+            raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
 
 
 # ---- dataclass <-> argparse / YAML ---------------------------------------------------------
@@ -375,40 +400,57 @@ def config_from_namespace(cls, ns: argparse.Namespace):
     for dotted, value in vars(ns).items():
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)
-    if cfg.model.model_type is None and cfg.model.model.startswith("tiny:"):
-        cfg.model.model_type = cfg.model.model.split(":", 1)[1]
+    if cfg.model.model_type is None and cfg.model.model.startswith(TINY_PREFIX):
+        cfg.model.model_type = cfg.model.model.removeprefix(TINY_PREFIX)
     return cfg
 
 
+def validate_common(cfg: RunOptions) -> None:
+    """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
+    if cfg.model.model_type is None:
+        raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
+    choices = {
+        "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
+        "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
+        "report_to": (cfg.report_to, ("tensorboard", "none")),
+    }
+    check_choices(choices)
+    if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
+        raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
+
+
+def check_choices(choices: dict[str, tuple[str, tuple[str, ...]]]) -> None:
+    for flag, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(allowed)}.")
+
+
 def validate(cfg: TrainConfig) -> None:
+    """GRPO's checks (`TrainConfig.validate`). Every name a registry resolves (loss type, advantage
+    estimator) is looked up now, so a plugin's registered name works and a typo fails at start-up."""
+    from mmgrpo.grpo import get_advantage, loss_types
     from mmgrpo.parallel import validate_parallel
 
+    validate_common(cfg)
     validate_parallel(cfg)  # --parallel, --deepspeed JSON, world size, LoRA options
     g = cfg.rollout.num_generations
     batch = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
-    if g < 2 and not isinstance(cfg, SFTConfig):
+    if g < 2:
         raise ConfigError(f"--num_generations {g}: GRPO needs at least 2 completions per prompt to compare.")
-    if not isinstance(cfg, SFTConfig) and batch % g:
+    if batch % g:
         raise ConfigError(
             f"--per_device_train_batch_size {cfg.optim.per_device_train_batch_size} x --gradient_accumulation_steps "
             f"{cfg.optim.gradient_accumulation_steps} = {batch} completions per step is not divisible by "
             f"--num_generations {g}: each prompt's {g} completions must stay in one step."
         )
-    if cfg.model.model_type is None:
-        raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
-    choices = {
-        "loss_type": (cfg.algo.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")),
+    check_choices({
+        "loss_type": (cfg.algo.loss_type, tuple(loss_types())),
         "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
         "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
-        "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
-        "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
-        "report_to": (cfg.report_to, ("tensorboard", "none")),
         "backend": (cfg.rollout.backend, ("hf",)),
-    }
-    for flag, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(allowed)}.")
+    })
+    get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
     if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
         raise ConfigError(
             f"--reward_weights has {len(cfg.algo.reward_weights)} values for {len(cfg.algo.reward_funcs)} --reward_funcs: give one weight per function."
@@ -418,9 +460,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.algo.num_iterations < 1:
         raise ConfigError("--num_iterations must be at least 1.")
     parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
-    if cfg.optim.max_tokens_per_microbatch < 0:
+    if cfg.algo.max_tokens_per_microbatch < 0:
         raise ConfigError("--max_tokens_per_microbatch must be >= 0 (0: fixed micro-batches).")
-    if cfg.optim.max_tokens_per_microbatch and (cfg.dist.parallel != "none" or cfg.dist.deepspeed):
+    if cfg.algo.max_tokens_per_microbatch and cfg.dist.strategy != "none":
         raise ConfigError(
             "--max_tokens_per_microbatch is single-process for now: under torchrun each rank would pack its rows "
             "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
@@ -428,8 +470,6 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
-    if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
-        raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
     if cfg.eval.eval_dataset is None and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):

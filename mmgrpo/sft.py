@@ -5,7 +5,9 @@
 The target of a sample is its `reference_response` column (the dataset's assistant turn) or,
 failing that, `<answer>{solution}</answer>`, boxes written in the model's own convention.
 The loss is the mean negative log-prob of the target tokens (EOS included), computed by the
-same chunked log-prob path as GRPO's.
+same chunked log-prob path as GRPO's. SFT is composed of the pieces GRPO uses (the template and
+model loading, the prompt stream, the optimizer and its schedule, one-process strategy); it has
+its own options (`SFTConfig`: `mmgrpo sft --help` lists only those).
 """
 
 from __future__ import annotations
@@ -16,10 +18,22 @@ from pathlib import Path
 import torch
 
 from mmgrpo.config import SFTConfig
-from mmgrpo.engine import autocast, lr_lambda, make_adamw, seed_everything
+from mmgrpo.data.registry import mix_datasets
+from mmgrpo.engine import autocast, seed_everything
 from mmgrpo.errors import DataError
+from mmgrpo.forward.policy import Policy
+from mmgrpo.models.loading import load_template
+from mmgrpo.optim import make_optimizer, make_scheduler
+from mmgrpo.parallel import build_strategy
 from mmgrpo.runlog import RunLogger, progress_bar
-from mmgrpo.setup import build_run
+from mmgrpo.setup import (
+    check_modalities,
+    load_trainable_model,
+    prompt_stream,
+    save_checkpoint,
+    template_options,
+    total_steps,
+)
 
 
 def sft_target(sample, encoded, template) -> str:
@@ -52,38 +66,49 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
 
 
 def sft(cfg: SFTConfig) -> Path:
-    if cfg.model.model_type is None:
-        cfg.validate()  # names the missing --model_type
-    cfg.algo.beta = 0.0  # no reference model for SFT
-    cfg.algo.reward_funcs = cfg.algo.reward_funcs or ["format"]  # unused, but the run builder checks them
-    run = build_run(cfg)
+    """Supervised training as configured (one process); returns the final HF folder."""
+    cfg.validate()
+    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
+    path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
+    check_modalities(dataset, template)
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    strategy = build_strategy(cfg)
+    model, peft_model = load_trainable_model(cfg, path, template, strategy, cfg.seed)
+    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg)
-    optimizer = make_adamw(cfg)(run.policy.trainable_parameters())
-    total = run.total_steps(cfg.optim.per_device_train_batch_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total))
-    batches = run.prompt_batches(cfg.optim.per_device_train_batch_size)
-    eos = run.policy.eos_token_ids[0]
+    optimizer = make_optimizer(cfg.optim)(policy.trainable_parameters())
+    batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
+    total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
+    scheduler = make_scheduler(cfg.optim, optimizer, total)
+    batches = prompt_stream(cfg, dataset, template, batch_size, strategy)
+    eos = template.eos_token_ids[0]
     with progress_bar(total, "SFT") as bar:
         for step in range(1, total + 1):
-            prompts = next(batches)
-            targets = [sft_target(sample, enc, run.template) for sample, enc in prompts]
-            ids, mask = (t.to(run.device) for t in encode_targets(targets, run.template.tokenizer, eos))
-            with autocast(cfg, run.device):
-                batch = run.policy.forward_batch([enc for _, enc in prompts], [1] * len(prompts))
-                logps, _ = run.policy.completion_logprobs(batch, ids, mask)
-                loss = -(logps * mask).sum() / mask.sum()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.trainable_parameters(), cfg.optim.max_grad_norm or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            micro = []  # (forward batch, target ids, mask) of each accumulated batch
+            for _ in range(accumulation):
+                prompts = next(batches)
+                targets = [sft_target(sample, enc, template) for sample, enc in prompts]
+                ids, mask = (t.to(strategy.device) for t in encode_targets(targets, template.tokenizer, eos))
+                micro.append((policy.forward_batch([enc for _, enc in prompts], [1] * len(prompts)), ids, mask))
+            step_tokens = sum(mask.sum() for _, _, mask in micro)  # the loss is the mean over the step's target tokens
+            step_loss = 0.0
+            for batch, ids, mask in micro:
+                with autocast(strategy.bf16, strategy.device):
+                    logps, _ = policy.completion_logprobs(batch, ids, mask)
+                    loss = -(logps * mask).sum() / step_tokens
+                loss.backward()
+                step_loss += loss.item()
+            grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
+            learning_rate = scheduler.get_last_lr()[0]
             scheduler.step()
-            metrics = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0]}
+            metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate}
             logger.log_step(metrics, print_it=step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0)
             bar.advance({"reward": -metrics["loss"], "time/step": float("nan")})
             if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
-                run.save(out / f"checkpoint-{step}")
-    run.save(out / "final")
+                save_checkpoint(out / f"checkpoint-{step}", model, peft_model, processor, template, strategy)
+    save_checkpoint(out / "final", model, peft_model, processor, template, strategy)
     logger.close()
     return out / "final"
