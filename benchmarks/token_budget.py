@@ -17,6 +17,7 @@ CPU seconds. (That both give the same loss and gradients is tests/test_batching.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -38,6 +39,19 @@ def long_tail_lengths(num_prompts: int, group: int, seed: int = 0) -> list[int]:
     return [rng.randint(150, 256) if p % 4 == 1 else rng.randint(16, 64) for p in range(num_prompts) for _ in range(group)]
 
 
+class FixedEngine:
+    """A rollout engine that returns the same completions every time (the forwards are measured)."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def generate(self, prompts, sampling):
+        return self.rollout
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
@@ -57,13 +71,14 @@ def main(argv: list[str] | None = None) -> None:
         "--output_dir", out,
     ])
     run = build_run(cfg)
-    run.optimizer = run.strategy.wrap(run.policy, lambda params: torch.optim.SGD(params, lr=0.0))
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
-
+    optimizer = torch.optim.SGD(run.policy.trainable_parameters(), lr=0.0)
     ids = torch.randint(100, 600, (B * G, T), generator=torch.Generator().manual_seed(0))  # [N, T]
     mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()  # [N, T]
-    rollout = Rollout(ids.masked_fill(mask == 0, run.policy.pad_token_id), mask, torch.tensor(lengths) == T)
-    run.policy.generate = lambda prompt_batch, params: rollout
+    rollout = Rollout(ids.masked_fill(mask == 0, run.template.completion_pad_id), mask, torch.tensor(lengths) == T)
+    run = dataclasses.replace(
+        run, rollout=FixedEngine(rollout), optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+    )
     encoder = PromptEncoder(run.template, 4096)
     prompts = []
     for i in range(B):
@@ -76,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict]] = {"fixed": [], "budget": []}
     for _ in range(args.repeats):
         for name in results:
-            cfg.optim.max_tokens_per_microbatch = budget if name == "budget" else 0
+            cfg.algo.max_tokens_per_microbatch = budget if name == "budget" else 0
             cpu = time.process_time()
             metrics, _ = grpo_step(run, prompts, step=1)
             metrics["cpu"] = time.process_time() - cpu

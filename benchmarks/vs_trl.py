@@ -47,6 +47,7 @@ attention ignored). MFU = model FLOPs / (seconds per step x one core's fp32 torc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -260,8 +261,9 @@ def run_mmgrpo(spec: dict) -> dict:
 
     def build_run_fixed_length(cfg):
         run = build_run(cfg)
-        backend = run.policy.rollout_backend
-        backend.suppress_token_ids = sorted(set(backend.suppress_token_ids) | set(spec["suppress_ids"]))
+        # the same engine, with EOS never sampled: every completion is exactly max_completion_length
+        suppress = sorted(set(run.template.suppress_token_ids) | set(spec["suppress_ids"]))
+        run = dataclasses.replace(run, rollout=type(run.rollout)(run.model, run.template, suppress_token_ids=suppress))
         facts.update(model_shape(run.model))
         clock.restart()  # as TRL's clock, which starts at trainer.train(): models loaded, optimizer not yet made
         return run

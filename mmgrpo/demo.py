@@ -45,13 +45,13 @@ def parse_args(argv):
 
 def evaluate_all(model_path: str, out: Path, limit: int | None) -> dict[str, dict]:
     from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.eval.run import evaluate, load_policy
+    from mmgrpo.eval.run import evaluate, load_for_eval
 
-    policy, template = load_policy(model_path, "qwen2-vl")
+    engine, template = load_for_eval(model_path, None)  # the model type the checkpoint recorded
     results = {}
     for name, _, _ in TASKS:
         dataset = resolve_dataset(f"{name}:test")
-        results[name] = evaluate(policy, template, dataset, out / name, metrics=dataset.reward_funcs,
+        results[name] = evaluate(engine, template, dataset, out / name, metrics=dataset.reward_funcs,
                                  model_name=model_path, max_new_tokens=40, limit=limit)
     return results
 
@@ -61,21 +61,22 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.engine import train
     from mmgrpo.eval.compare import compare, write_compare
     from mmgrpo.eval.report import write_report
-    from mmgrpo.models.tiny import build_tiny
+    from mmgrpo.models.tiny import resolve_model_path
     from mmgrpo.sft import sft
 
     args = parse_args(argv)
     out = Path(args.output_dir)
     start = time.perf_counter()
     common = ["--output_dir", "", "--seed", str(args.seed)]
-
-    console.rule("1/6 build tiny:qwen2-vl")
-    console.print(f"checkpoint: {build_tiny('qwen2-vl')}")
-
-    console.rule("2/6 SFT warm start")
     common[1] = str(out / "sft")
     sft_argv = ["--config", args.sft_config, *common] + (["--max_steps", str(args.sft_steps)] if args.sft_steps else [])
-    sft_model = sft(SFTConfig.from_args(sft_argv))
+    sft_cfg = SFTConfig.from_args(sft_argv)
+
+    console.rule(f"1/6 build {sft_cfg.model.model}")
+    console.print(f"checkpoint: {resolve_model_path(sft_cfg.model.model)}")
+
+    console.rule("2/6 SFT warm start")
+    sft_model = sft(sft_cfg)
 
     console.rule("3/6 evaluate the SFT start")
     before = evaluate_all(str(sft_model), out / "eval_sft", args.eval_limit)

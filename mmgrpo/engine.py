@@ -3,13 +3,15 @@
     mmgrpo train --model tiny:qwen2-vl --dataset shapes-color \\
         --reward_funcs vqa_accuracy format --num_generations 4 --max_steps 3 --output_dir runs/try
 
-One step (`grpo_step`):
+One step (`grpo_step`), each phase under a named timer logged as time/<phase>:
     rollout   B prompts -> B x G completions (the G of a prompt stay contiguous)
     reward    every reward function on every completion, weighted sum
+    plan      the log-prob forwards' micro-batches, their prompts collated once
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
-    adv       group-relative advantages
+    adv       advantages by --advantage_estimator, modality weights
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
-    log       metrics.jsonl, TensorBoard, completions.jsonl; each phase's seconds under time/<phase>
+The loop (`train`) adds data (waiting for the next prompts), eval, save, and time/other: the
+rest of the step's wall time, so the time/* values add up to time/step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import random
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +28,12 @@ import torch
 
 from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
-from mmgrpo.eval.in_training import TrainingEval
-from mmgrpo.grpo.advantages import group_advantages
+from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
-from mmgrpo.grpo.losses import policy_loss
-from mmgrpo.parallel import NullLogger
+from mmgrpo.grpo.losses import LossConfig, policy_loss
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.runlog import RunLogger, progress_bar
-from mmgrpo.setup import build_run
+from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
+from mmgrpo.setup import Run, TrainState, build_run
 
 
 class Timers:
@@ -46,8 +45,10 @@ class Timers:
     @contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
-        yield
-        self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
+        try:
+            yield
+        finally:
+            self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 def seed_everything(seed: int) -> None:
@@ -56,46 +57,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_adamw(cfg: TrainConfig):
-    """`params -> AdamW` as the optim flags say. Fused (default): one kernel updates every tensor
-    in place, on CPU and CUDA; the update is the same as the for-loop's to float rounding."""
-    return partial(
-        torch.optim.AdamW, lr=cfg.optim.learning_rate, weight_decay=cfg.optim.weight_decay,
-        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), fused=cfg.optim.optim == "adamw_torch_fused" or None,
+def autocast(bf16: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def loss_config(cfg: TrainConfig) -> LossConfig:
+    return LossConfig(
+        loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, beta=cfg.algo.beta,
+        max_completion_length=cfg.rollout.max_completion_length,
+        importance_sampling_level=cfg.algo.importance_sampling_level,
     )
 
 
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    warmup = int(cfg.optim.warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if cfg.optim.lr_scheduler_type == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to 10% of peak
-
-    return factor
-
-
-def autocast(cfg: TrainConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else nullcontext()
-
-
-def plan_micro_batches(cfg: TrainConfig, policy, encoded: list, completion_mask: torch.Tensor):
+def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, completion_mask: torch.Tensor):
     """The log-prob forwards' micro-batches (mmgrpo/grpo/batching.py) and their padding fraction."""
     prompt_lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
     completion_lengths = completion_mask.sum(1).tolist()
-    G, budget = cfg.rollout.num_generations, cfg.optim.max_tokens_per_microbatch
+    G, budget = cfg.rollout.num_generations, cfg.algo.max_tokens_per_microbatch
     if budget:
-        micro = pack_micro_batches(prompt_lengths, completion_lengths, G, budget, shared_prefix=policy.shared_prefix)
+        micro = pack_micro_batches(prompt_lengths, completion_lengths, G, budget, shared_prefix=shared_prefix)
     else:
         micro = fixed_micro_batches(completion_lengths, G, cfg.optim.per_device_train_batch_size)
-    return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=policy.shared_prefix)
+    return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=shared_prefix)
 
 
-def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
+def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     """One GRPO step on B prompts. Returns (metrics, completion records for the log)."""
     cfg, policy, template = run.cfg, run.policy, run.template
     G = cfg.rollout.num_generations
@@ -105,52 +91,44 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
     with timers("rollout"):
-        prompt_batch = run.strategy.align_media(template.collate(encoded), template)  # equal vision-tower calls on all ranks
-        params = SamplingParams(
+        sampling = SamplingParams(
             num_generations=G,
             max_new_tokens=cfg.rollout.max_completion_length,
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             top_k=cfg.rollout.top_k,
         )
-        with autocast(cfg, run.device):
-            rollout = policy.generate(prompt_batch, params)
+        with autocast(run.bf16, run.device):
+            rollout = run.rollout.generate(encoded, sampling)
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
-        completions = policy.decode(rollout)
+        completions = template.decode(completion_ids, completion_mask)
 
     with timers("reward"):
         columns = reward_columns(samples, encoded, template, G)
         per_func, rewards = run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
 
-    loss_mask = completion_mask.clone()
-    if cfg.rollout.mask_truncated_completions:
-        loss_mask[rollout.truncated] = 0
-    micro, padding = plan_micro_batches(cfg, policy, encoded, completion_mask)
-    # each micro-batch's prompts, collated once for the old, ref and update forwards
-    row_batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts) for mb in micro]
-    row_batches = [run.strategy.align_media(b, template) for b in row_batches]
+    with timers("plan"):
+        loss_mask = completion_mask.clone()
+        if cfg.rollout.mask_truncated_completions:
+            loss_mask[rollout.truncated] = 0
+        micro, padding = plan_micro_batches(cfg, policy.shared_prefix, encoded, completion_mask)
+        # each micro-batch's prompts, collated once for the old, ref and update forwards
+        batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts) for mb in micro]
+        batches = [run.strategy.align_media(b, template) for b in batches]  # equal vision-tower calls on all ranks
 
-    old_logps = None
+    old_logps = ref_logps = None
     if cfg.algo.num_iterations > 1:
-        with timers("old"), torch.no_grad(), autocast(cfg, run.device):
-            old_logps = scatter_rows([
-                policy.completion_logprobs(b, mb.take(completion_ids), mb.take(completion_mask), temperature=cfg.rollout.temperature)[0]
-                for b, mb in zip(row_batches, micro)
-            ], micro, completion_ids.shape)
-    ref_logps = None
+        with timers("old"):
+            old_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask)
     if cfg.algo.beta > 0:
-        with timers("ref"), torch.no_grad(), autocast(cfg, run.device):
-            ref_logps = scatter_rows([
-                policy.completion_logprobs(
-                    b, mb.take(completion_ids), mb.take(completion_mask), temperature=cfg.rollout.temperature, reference=True
-                )[0]
-                for b, mb in zip(row_batches, micro)
-            ], micro, completion_ids.shape)
+        with timers("ref"):
+            ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
 
     with timers("adv"):
         rewards_known = torch.nan_to_num(rewards, nan=0.0)
         batch_std = run.strategy.std_across_ranks(rewards_known) if cfg.algo.scale_rewards == "batch" else None
-        advantages, adv_stats = group_advantages(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
+        estimator = get_advantage(cfg.algo.advantage_estimator)
+        advantages, adv_stats = estimator(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
         advantages = advantages.to(completion_ids.device)
         if cfg.algo.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
             weights = parse_modality_weights(cfg.algo.modality_weights)
@@ -160,7 +138,7 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
     with timers("update"):
-        loss_metrics = update_policy(run, row_batches, micro, completion_ids, completion_mask, loss_mask,
+        loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps)
 
     lengths = completion_mask.sum(1).float()
@@ -185,24 +163,39 @@ def grpo_step(run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         rows = torch.tensor([m == modality for m in modalities])
         metrics[f"reward/{modality}"] = float(rewards[rows].nanmean())
     metrics.update(timers.seconds)
-    metrics["time/step"] = sum(timers.seconds.values())
-    metrics["samples_per_s"] = num_rows / metrics["time/step"]
-    metrics["memory/peak_gb"] = run.strategy.peak_memory_gb()
     metrics = run.strategy.all_reduce_metrics(metrics)  # means over ranks (max of *_max and memory, sum of *_per_s)
-
     records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
     return metrics, records
 
 
-def update_policy(run, row_batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
-    """num_iterations passes of gradient-accumulated updates over the rollout batch."""
-    cfg, policy = run.cfg, run.policy
+def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:
+    """Log-probs [N, T] of every completion, without gradients: under the policy as it sampled
+    them (the ratio's denominator when num_iterations > 1) or under the reference (the KL term)."""
+    policy, temperature = run.policy, run.cfg.rollout.temperature
+    with torch.no_grad(), autocast(run.bf16, run.device):
+        per_batch = [
+            policy.completion_logprobs(
+                batch, mb.take(completion_ids), mb.take(completion_mask), temperature=temperature, reference=reference
+            )[0]
+            for batch, mb in zip(batches, micro)
+        ]
+    return scatter_rows(per_batch, micro, completion_ids.shape)
+
+
+def update_policy(run: Run, batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
+    """num_iterations passes of gradient-accumulated updates over the rollout batch.
+
+    A non-finite loss skips the step on every rank (`skipped` 1 in the metrics; the loop counts
+    them); the learning-rate schedule advances either way, so it stays in step with the steps.
+    """
+    cfg, policy, strategy = run.cfg, run.policy, run.strategy
+    config = loss_config(cfg)
     # Packed under a token budget, the micro-batches of a rollout batch vary in number: all of them
     # accumulate into one update (without a budget, accumulation steps x batch size is the rollout batch too).
-    accumulation = len(micro) if cfg.optim.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
+    accumulation = len(micro) if cfg.algo.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
     total_tokens = loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
     token_weighted: dict[str, float] = {}  # metrics averaged over tokens of the whole step
-    update_losses = []
+    update_losses, grad_norm, skipped = [], float("nan"), False
     for _ in range(cfg.algo.num_iterations):
         for start in range(0, len(micro), accumulation):
             group = range(start, min(start + accumulation, len(micro)))
@@ -210,42 +203,42 @@ def update_policy(run, row_batches, micro, completion_ids, completion_mask, loss
             # so the micro-batch losses (and gradients) add up to those of one big batch.
             update_tokens = sum(micro[i].take(loss_mask).sum() for i in group).clamp(min=1)
             # Ranks average their gradients: normalise by the global count / world size.
-            update_tokens = run.strategy.mean_across_ranks(update_tokens)
+            update_tokens = strategy.mean_across_ranks(update_tokens)
             update_sequences = sum(len(micro[i]) for i in group)
             update_loss = 0.0
             for i in group:
                 mb = micro[i]
-                with autocast(cfg, run.device):
+                with autocast(run.bf16, run.device):
                     logps, entropy = policy.completion_logprobs(
-                        row_batches[i], mb.take(completion_ids), mb.take(completion_mask),
+                        batches[i], mb.take(completion_ids), mb.take(completion_mask),
                         temperature=cfg.rollout.temperature, compute_entropy=True,
                     )
                     loss, metrics = policy_loss(
                         logps, None if old_logps is None else mb.take(old_logps), None if ref_logps is None else mb.take(ref_logps),
-                        mb.take(advantages), mb.take(loss_mask),
-                        loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high,
-                        beta=cfg.algo.beta, max_completion_length=cfg.rollout.max_completion_length,
-                        importance_sampling_level=cfg.algo.importance_sampling_level,
+                        mb.take(advantages), mb.take(loss_mask), config,
                         num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
                     )
-                if run.strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
-                    run.nonfinite_steps += 1
-                    warnings.warn(f"non-finite loss ({loss.item()}) at step {run.step}: update skipped "
-                                  f"({run.nonfinite_steps}/{cfg.max_nonfinite_steps} allowed)", stacklevel=1)
-                    run.strategy.zero_grad(run.optimizer)
-                    return {"loss": float("nan"), "nonfinite_steps": run.nonfinite_steps}
-                run.strategy.backward(loss)
+                if strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
+                    warnings.warn(f"non-finite loss ({loss.item()}): update skipped", stacklevel=1)
+                    strategy.zero_grad(run.optimizer)
+                    skipped = True
+                    break
+                strategy.backward(loss)
                 update_loss += loss.item()
                 tokens = mb.take(loss_mask).bool()
                 metrics["entropy"] = entropy[tokens].mean() if tokens.any() else 0.0
                 share = float(tokens.sum() / total_tokens)
                 for key, value in metrics.items():
                     token_weighted[key] = token_weighted.get(key, 0.0) + float(value) * share
-            grad_norm = run.strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
+            if skipped:
+                break
+            grad_norm = strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             update_losses.append(update_loss)
+        if skipped:
+            break
     run.scheduler.step()
-    return {**token_weighted, "loss": sum(update_losses) / len(update_losses), "grad_norm": float(grad_norm),
-            "nonfinite_steps": run.nonfinite_steps}
+    loss = float("nan") if skipped else sum(update_losses) / len(update_losses)
+    return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
 
 
 def reward_columns(samples, encoded, template, G: int) -> dict[str, list]:
@@ -283,34 +276,50 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
 
 def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
-    cfg.validate()
-    evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
-    run = build_run(cfg)  # rewards and data checked before any model loads
+    run = build_run(cfg)  # flags, rewards and data checked before any model loads
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
-    prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
-    total_steps = run.total_steps(prompts_per_step)
-    run.optimizer = run.strategy.wrap(run.policy, make_adamw(cfg))  # FSDP2 / ZeRO-3 shard the model, then the optimizer
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lr_lambda(cfg, total_steps))
-    batches = run.prompt_batches(prompts_per_step)
-    with progress_bar(total_steps, "GRPO", show=run.strategy.is_main) as bar:
-        for step in range(1, total_steps + 1):
-            run.step = step
+    state = TrainState()
+    batches = run.prompt_batches()
+    with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main) as bar:
+        for step in range(1, run.total_steps + 1):
+            started = time.perf_counter()
+            state.step = step
             torch.manual_seed(cfg.seed * 100_003 + step + 1_000_003 * run.strategy.rank)  # reproducible per step and rank
-            metrics, records = grpo_step(run, next(batches), step)
-            metrics.update(evaluator.maybe_evaluate(run, step, final=step == total_steps))  # eval/<metric>
+            loop = Timers()
+            with loop("data"):
+                prompts = next(batches)
+            metrics, records = grpo_step(run, prompts, step)
+            state.nonfinite_steps += metrics["skipped"]
+            metrics["nonfinite_steps"] = state.nonfinite_steps
+            final = step == run.total_steps
+            with loop("eval"):
+                metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
+            with loop("save"):
+                if final or (cfg.save_steps and step % cfg.save_steps == 0):
+                    run.save(out / f"checkpoint-{step}")
+            finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
             logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
             bar.advance(metrics)
-            if run.nonfinite_steps >= cfg.max_nonfinite_steps:
+            if state.nonfinite_steps >= cfg.max_nonfinite_steps:
                 raise ConfigError(
-                    f"{run.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
+                    f"{state.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
                     "use fp32, or raise --max_nonfinite_steps."
                 )
-            if cfg.save_steps and step % cfg.save_steps == 0 and step != total_steps:
-                run.save(out / f"checkpoint-{step}")
-    run.save(out / f"checkpoint-{total_steps}")
     logger.close()
     run.strategy.close()
     return out
 
+
+def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float) -> None:
+    """Add the loop's phases, time/step (the step's wall time), time/other (what no phase timer
+    covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's."""
+    extra = dict(loop_seconds)
+    named = sum(value for key, value in {**metrics, **extra}.items() if key.startswith("time/"))
+    extra["time/step"] = wall_seconds
+    extra["time/other"] = max(0.0, wall_seconds - named)
+    num_rows = run.prompts_per_step * run.cfg.rollout.num_generations
+    extra["samples_per_s"] = num_rows / max(wall_seconds - extra.get("time/eval", 0.0), 1e-9)
+    extra["memory/peak_gb"] = run.strategy.peak_memory_gb()
+    metrics.update(run.strategy.all_reduce_metrics(extra))

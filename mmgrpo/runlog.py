@@ -69,6 +69,16 @@ class RunLogger:
             self.tb.close()
 
 
+class NullLogger:
+    """The run logger of ranks other than 0: metrics are reduced over ranks and rank 0 writes them."""
+
+    def log_step(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _Bar:
     def __init__(self, progress: Progress, task):
         self.progress, self.task = progress, task

@@ -1,31 +1,38 @@
-"""Everything a run needs before its first step, built in the order that fails fastest.
+"""Everything a GRPO run is built from, decided once, in the order that fails fastest.
 
-Rewards and datasets are resolved first (a typo in `--reward_funcs` or `--dataset` is an error
-in a second, before any model loads); then the model, template, policy, reference model and
-the prompt loader.
+    run = build_run(cfg)      # -> Run: data, rewards, template, model, reference, strategy,
+                              #    policy, rollout engine, optimizer, schedule, evaluator
+
+Rewards and datasets resolve first (a typo in `--reward_funcs` or `--dataset` is an error in a
+second, before any model loads); then the template (plugins, model type, processor), the checks
+that need only a weightless model, the model, its reference, the strategy's sharding and
+optimizer, and the policy and rollout engine built on those. Nothing in a `Run` is replaced
+afterwards; what changes while training is in `TrainState`.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.pipeline import cycle, make_prompt_loader
+from mmgrpo.data.pipeline import cycle, make_prompt_loader, media_options
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.lora import apply_train_type, check_trainable, model_skeleton, save_pretrained
-from mmgrpo.models.loading import load_model, load_processor
-from mmgrpo.models.tiny import resolve_model_path
-from mmgrpo.parallel import build_strategy
-from mmgrpo.policy import Policy
+from mmgrpo.eval.in_training import TrainingEval
+from mmgrpo.forward.policy import Policy
+from mmgrpo.lora import apply_train_type, check_trainable, save_pretrained
+from mmgrpo.models.loading import RUN_INFO_FILE, load_model, load_template, model_skeleton
+from mmgrpo.optim import make_optimizer, make_scheduler
+from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
-from mmgrpo.templates import get_template, load_template_plugin
+from mmgrpo.rollout import RolloutEngine, build_rollout_engine
+from mmgrpo.runlog import console
 
 
 def dataset_of(sample_id: str) -> str:
@@ -103,57 +110,88 @@ class PromptEncoder:
         return encoded
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
+    """What a GRPO run is built from (`build_run`); nothing here is replaced while training."""
+
     cfg: TrainConfig
     dataset: object
     rewards: RewardSet
-    model: torch.nn.Module
     processor: object
     template: object
-    policy: Policy
-    ref_model: torch.nn.Module | None
-    device: torch.device
-    step: int = 0
-    nonfinite_steps: int = 0
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: object = None
-    strategy: object = None  # mmgrpo.parallel.Strategy: one process, FSDP2 or ZeRO-3
-    peft_model: object = None  # LoRA: the PeftModel around `model` (it saves the adapter)
-    _loader: object = field(default=None, repr=False)
+    model: torch.nn.Module  # the HF model (LoRA: with its adapters injected)
+    peft_model: object  # LoRA: the PeftModel around `model` (it saves the adapter); else None
+    strategy: Strategy  # one process, FSDP2 or ZeRO-3
+    policy: Policy  # log-probs under the policy and its reference
+    rollout: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    evaluator: TrainingEval
+    prompts_per_step: int
+    total_steps: int
 
-    def total_steps(self, prompts_per_step: int) -> int:
-        if self.cfg.max_steps > 0:
-            return self.cfg.max_steps
-        rows_per_rank = len(self.dataset) // self.strategy.world_size  # each rank reads its own share
-        return max(1, math.floor(rows_per_rank * self.cfg.num_train_epochs / prompts_per_step))
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
 
-    def prompt_batches(self, prompts_per_step: int):
+    @property
+    def bf16(self) -> bool:
+        """--bf16 where the device supports it."""
+        return self.strategy.bf16
+
+    def prompt_batches(self):
         """An endless stream of lists of (Sample, PromptInputs), reshuffled each epoch."""
-        loader = make_prompt_loader(
-            self.dataset,
-            batch_size=prompts_per_step,
-            encode_fn=PromptEncoder(self.template, self.cfg.data.max_prompt_length),
-            seed=self.cfg.seed,
-            num_workers=self.cfg.data.dataloader_num_workers,
-            media_kwargs=self.media_options(),
-            rank=self.strategy.rank,
-            world_size=self.strategy.world_size,
-        )
-        return cycle(loader)
+        return prompt_stream(self.cfg, self.dataset, self.template, self.prompts_per_step, self.strategy)
 
     def media_options(self) -> dict:
-        model = self.cfg.model
-        return media_options(self.template, model.video_fps, model.video_nframes, model.use_audio_in_video)
+        return media_options(self.template, self.cfg.model)
 
     def save(self, path: Path) -> None:
         """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
-        # full weights gathered from the shards (LoRA: the adapters only)
-        state_dict = self.strategy.full_state_dict(self.policy, trainable_only=self.peft_model is not None)
-        if self.strategy.is_main:
-            save_pretrained(self.model, self.peft_model, path, state_dict)
-            self.processor.save_pretrained(path)
-        self.strategy.barrier()
+        save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
+
+
+@dataclass
+class TrainState:
+    """What changes while a run trains."""
+
+    step: int = 0  # optimizer steps taken
+    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss
+
+
+def prompt_stream(cfg, dataset, template, batch_size: int, strategy: Strategy):
+    """Batches of (Sample, PromptInputs) forever, reshuffled each epoch, each rank its own share."""
+    loader = make_prompt_loader(
+        dataset,
+        batch_size=batch_size,
+        encode_fn=PromptEncoder(template, cfg.data.max_prompt_length),
+        seed=cfg.seed,
+        num_workers=cfg.data.dataloader_num_workers,
+        media_kwargs=media_options(template, cfg.model),
+        rank=strategy.rank,
+        world_size=strategy.world_size,
+    )
+    return cycle(loader)
+
+
+def total_steps(cfg, dataset_rows: int, prompts_per_step: int, world_size: int) -> int:
+    """--max_steps, or the steps of --num_train_epochs over this rank's share of the prompts."""
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    rows_per_rank = dataset_rows // world_size  # each rank reads its own share
+    return max(1, math.floor(rows_per_rank * cfg.num_train_epochs / prompts_per_step))
+
+
+def save_checkpoint(path: Path, model, peft_model, processor, template, strategy: Strategy) -> None:
+    """An HF folder that from_pretrained loads (LoRA: the adapter) with the processor and the model
+    type (`mmgrpo.json`, so `mmgrpo eval` needs no --model_type). Every rank calls it; rank 0 writes."""
+    # full weights gathered from the shards (LoRA: the adapters only)
+    state_dict = strategy.full_state_dict(model, trainable_only=peft_model is not None)
+    if strategy.is_main:
+        save_pretrained(model, peft_model, path, state_dict)
+        processor.save_pretrained(path)
+        (Path(path) / RUN_INFO_FILE).write_text(json.dumps({"model_type": template.name}) + "\n")
+    strategy.barrier()
 
 
 def check_modalities(dataset, template) -> None:
@@ -176,29 +214,6 @@ def check_modalities(dataset, template) -> None:
                 )
 
 
-def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None) -> None:
-    """Write --min_pixels/--max_pixels into the image processor, so checkpoints (and `mmgrpo eval`
-    of them) resize images exactly as training did."""
-    image_processor = getattr(processor, "image_processor", None)
-    size = getattr(image_processor, "size", None)
-    if not isinstance(size, dict) or "shortest_edge" not in size:
-        return  # a family without pixel budgets (the template rejects the flags itself)
-    image_processor.size = {
-        **size,
-        "shortest_edge": min_pixels or size["shortest_edge"],
-        "longest_edge": max_pixels or size["longest_edge"],
-    }
-
-
-def media_options(template, video_fps, video_nframes, use_audio_in_video: bool) -> dict:
-    """`Sample.load_media` options for training and evaluation alike: video frame sampling and,
-    with use_audio_in_video, each video's sound track at the audio tower's rate."""
-    options = {"fps": video_fps, "nframes": video_nframes}
-    if use_audio_in_video:
-        options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
-    return options
-
-
 def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) -> torch.nn.Module:
     """The frozen copy of the starting weights that the KL term compares with, in the compute dtype.
 
@@ -213,41 +228,55 @@ def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) ->
     return ref_model.to(torch.bfloat16) if bf16 else ref_model
 
 
-def build_run(cfg: TrainConfig) -> Run:
-    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
-    rewards = build_rewards(cfg, dataset)
-    for spec in cfg.model.template_plugin:  # registers templates for --model_type; a bad file fails before any model loads
-        load_template_plugin(spec)
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
-    strategy = build_strategy(cfg)  # flags checked, process group up (torchrun), device picked
-    device = strategy.device
-    path = resolve_model_path(cfg.model.model)
-    processor = load_processor(path)
-    keep_pixel_limits(processor, cfg.model.min_pixels, cfg.model.max_pixels)
-    template = get_template(
-        cfg.model.model_type, processor, max_pixels=cfg.model.max_pixels, min_pixels=cfg.model.min_pixels,
-        video_fps=cfg.model.video_fps, video_nframes=cfg.model.video_nframes,
-        **({"use_audio_in_video": True} if cfg.model.use_audio_in_video else {}),  # qwen2.5-omni's option
+def template_options(model_cfg) -> dict:
+    """The template options the model flags give (`load_template`'s keywords)."""
+    return dict(
+        template_plugin=model_cfg.template_plugin, min_pixels=model_cfg.min_pixels, max_pixels=model_cfg.max_pixels,
+        video_fps=model_cfg.video_fps, video_nframes=model_cfg.video_nframes,
+        **({"use_audio_in_video": True} if model_cfg.use_audio_in_video else {}),  # qwen2.5-omni's option
     )
-    check_modalities(dataset, template)  # audio for a vision-only family: an error before loading
-    check_trainable(cfg.model, model_skeleton(path), template.components)  # LoRA targets, --freeze_*: before loading
-    model = load_model(path).to(strategy.load_device)
+
+
+def load_trainable_model(cfg, path: str, template, strategy: Strategy, seed: int):
+    """The model to train (train mode, checkpointing, frozen parts or LoRA) on the strategy's load
+    device, with its LoRA wrapper (or None). LoRA targets and --freeze_* are checked on a
+    weightless skeleton first, so a typo fails before the weights load."""
+    check_trainable(cfg.model, model_skeleton(path, template), template.components)
+    model = load_model(path, template=template).to(strategy.load_device)
     model.train()
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model, peft_model = apply_train_type(model, template.components, cfg.model, seed=cfg.seed)
+    return apply_train_type(model, template.components, cfg.model, seed=seed)
+
+
+def build_run(cfg: TrainConfig) -> Run:
+    cfg.validate()
+    evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
+    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
+    rewards = build_rewards(cfg, dataset)
+    path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
+    check_modalities(dataset, template)  # audio for a vision-only family: an error before loading
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    strategy = build_strategy(cfg)  # process group up (torchrun), device and precision picked
+    model, peft_model = load_trainable_model(cfg, path, template, strategy, cfg.seed)
     ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
     if cfg.algo.beta > 0 and cfg.model.train_type == "full":
-        ref_model = reference_copy(model, bf16=cfg.bf16, share_frozen=cfg.dist.parallel == "none")
-    # Sharded models (FSDP2 / ZeRO-3) gather weights inside each layer call, so every rank must make
-    # the same calls. Their log-prob forwards share the prefix (always two forwards per call). Their
-    # rollouts share it where the weights are gathered once for the whole rollout and the decode steps
-    # are lean (no module call after the prefill, so a rank may stop early); else HF generate, synced.
-    sharded = cfg.dist.parallel != "none"
-    shared_rollout = not sharded or (cfg.dist.gather_for_generation and SharedPrefixRollout.lean_applies(model))
-    policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix, shared_rollout=shared_rollout)
-    policy.ref_model = ref_model
-    policy.disable_adapters = peft_model.disable_adapter if peft_model is not None else None
-    return Run(cfg, dataset, rewards, model, processor, template, policy, ref_model, device,
-               strategy=strategy, peft_model=peft_model)
+        ref_model = reference_copy(model, bf16=strategy.bf16, share_frozen=not strategy.sharded)
+    prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
+    steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.world_size)
+    prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim))  # FSDP2 / ZeRO-3 shard, then the optimizer
+    policy = Policy(
+        model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
+        ref_model=ref_model, ref_call=prepared.ref_call,
+        disable_adapters=peft_model.disable_adapter if peft_model is not None else None,
+    )
+    if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
+        console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
+    rollout = build_rollout_engine(policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation)
+    return Run(
+        cfg=cfg, dataset=dataset, rewards=rewards, processor=processor, template=template, model=model,
+        peft_model=peft_model, strategy=strategy, policy=policy, rollout=rollout, optimizer=prepared.optimizer,
+        scheduler=make_scheduler(cfg.optim, prepared.optimizer, steps), evaluator=evaluator,
+        prompts_per_step=prompts_per_step, total_steps=steps,
+    )

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -97,7 +98,20 @@ class GradRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-def fixed_rollout(policy, num_tokens: int = 12):
+class FixedEngine:
+    """A rollout engine that returns the same completions every time."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def generate(self, prompts, sampling):
+        return self.rollout
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        pass
+
+
+def fixed_rollout(template, num_tokens: int = 12):
     """Completions of the lengths in LENGTHS: random ordinary tokens, EOS last unless full."""
     from mmgrpo.rollout.base import Rollout
 
@@ -108,8 +122,8 @@ def fixed_rollout(policy, num_tokens: int = 12):
     truncated = lengths == num_tokens
     for row, length in enumerate(LENGTHS):
         if length < num_tokens:
-            ids[row, length - 1] = policy.eos_token_ids[0]
-    ids = ids.masked_fill(mask == 0, policy.pad_token_id)
+            ids[row, length - 1] = template.eos_token_ids[0]
+    ids = ids.masked_fill(mask == 0, template.completion_pad_id)
     return Rollout(completion_ids=ids, completion_mask=mask, truncated=truncated)
 
 
@@ -150,15 +164,16 @@ def test_step_with_a_budget_matches_fixed_micro_batches(
         "--shared_prefix", str(shared_prefix).lower(), "--output_dir", str(tmp_path / "run"),
     ])
     run = build_run(cfg)
-    run.optimizer = run.strategy.wrap(run.policy, GradRecorder)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
-    rollout = fixed_rollout(run.policy)
-    run.policy.generate = lambda prompt_batch, params: rollout
+    optimizer = GradRecorder(run.policy.trainable_parameters())
+    run = dataclasses.replace(
+        run, rollout=FixedEngine(fixed_rollout(run.template)), optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+    )
     prompts = image_prompts(run.template, 3)
     assert run.policy.shared_prefix == shared_prefix
 
     fixed, _ = grpo_step(run, prompts, step=1)
-    cfg.optim.max_tokens_per_microbatch = budget
+    cfg.algo.max_tokens_per_microbatch = budget
     packed, _ = grpo_step(run, prompts, step=2)
 
     # fixed: rows 0-5 (prompt 0 and half of prompt 1, padded to 12) and rows 6-11

@@ -134,3 +134,88 @@ def test_a_prompt_over_max_prompt_length_names_the_sample(tmp_path, capsys):
     err = run_cli(["train", *FAST, "--reward_funcs", "vqa_accuracy", "--max_prompt_length", "10", "--max_steps", "1",
                    "--output_dir", str(tmp_path)], capsys)
     assert "shapes-color/train/" in err and "--max_prompt_length 10" in err
+
+
+def test_advantage_estimator_rloo_is_what_the_step_uses(tmp_path):
+    """--advantage_estimator rloo: each completion's advantage is its reward minus the mean of its
+    G - 1 siblings' (here without scaling), as completions.jsonl records them."""
+    plugin = tmp_path / "digits.py"
+    plugin.write_text(DIGITS_REWARD)
+    advantages = {}
+    for estimator in ("grpo", "rloo"):
+        out = tmp_path / estimator
+        train(TrainConfig.from_args([*FAST, "--reward_funcs", f"{plugin}:digits", "--max_steps", "1", "--beta", "0",
+                                     "--advantage_estimator", estimator, "--scale_rewards", "none",
+                                     "--output_dir", str(out)]))
+        records = read_jsonl(out / "completions.jsonl")
+        advantages[estimator] = [(r["reward"], r["advantage"]) for r in records]
+    for estimator, expected in (("grpo", lambda r, i: r[i] - sum(r) / len(r)),
+                                ("rloo", lambda r, i: r[i] - (sum(r) - r[i]) / (len(r) - 1))):
+        for rewards, got in advantages[estimator]:
+            assert got == pytest.approx([expected(rewards, i) for i in range(len(rewards))], abs=1e-6)
+    assert any(max(map(abs, a)) > 0 for _, a in advantages["rloo"])  # not all-equal groups
+
+
+def test_unregistered_names_are_start_up_errors_and_registered_ones_work(tmp_path, capsys):
+    from mmgrpo.grpo import losses
+    from mmgrpo.grpo.losses import register_loss
+
+    err = run_cli(["train", *FAST, "--advantage_estimator", "nope", "--output_dir", str(tmp_path)], capsys)
+    assert "nope" in err and "rloo" in err
+    err = run_cli(["train", *FAST, "--loss_type", "nope", "--output_dir", str(tmp_path)], capsys)
+    assert "--loss_type 'nope'" in err and "dapo" in err
+    register_loss("token_sum_for_test")(lambda per_token_loss, mask, **_: (per_token_loss * mask).sum())
+    try:  # a loss a plugin registers can be chosen
+        TrainConfig.from_args([*FAST, "--loss_type", "token_sum_for_test"]).validate()
+    finally:
+        del losses._LOSSES["token_sum_for_test"]
+
+
+def test_every_second_of_a_step_has_a_phase(tmp_path):
+    plugin = tmp_path / "digits.py"
+    plugin.write_text(DIGITS_REWARD)
+    out = train(TrainConfig.from_args([*FAST, "--reward_funcs", f"{plugin}:digits", "--max_steps", "3",
+                                       "--save_steps", "2", "--output_dir", str(tmp_path / "run")]))
+    for metrics in read_jsonl(out / "metrics.jsonl"):
+        phases = {k: v for k, v in metrics.items() if k.startswith("time/") and k != "time/step"}
+        assert {"time/data", "time/rollout", "time/reward", "time/plan", "time/ref", "time/adv", "time/update",
+                "time/save", "time/other"} <= phases.keys()
+        assert sum(phases.values()) == pytest.approx(metrics["time/step"], rel=1e-6)
+        assert phases["time/other"] < 0.1 * metrics["time/step"] + 0.02, phases
+
+
+def test_a_skipped_step_still_advances_the_schedule(tmp_path):
+    """A NaN loss skips the update (counted) but the learning-rate schedule moves on with the steps."""
+    plugin = tmp_path / "nan.py"
+    plugin.write_text("def nan_on_first(completions, **columns):\n"
+                      "    import math\n    return [float(i) for i in range(len(completions))]\n")
+    from mmgrpo.grpo import advantages as advantages_module
+
+    estimator = advantages_module._ADVANTAGES["grpo"]
+    calls = []
+
+    def nan_first_step(rewards, *args, **kwargs):
+        adv, stats = estimator(rewards, *args, **kwargs)
+        calls.append(1)
+        return (adv * float("nan"), stats) if len(calls) == 1 else (adv, stats)
+
+    advantages_module._ADVANTAGES["grpo"] = nan_first_step
+    try:
+        out = train(TrainConfig.from_args([*FAST, "--reward_funcs", f"{plugin}:nan_on_first", "--max_steps", "3",
+                                           "--lr_scheduler_type", "cosine", "--learning_rate", "1e-3",
+                                           "--output_dir", str(tmp_path / "run")]))
+    finally:
+        advantages_module._ADVANTAGES["grpo"] = estimator
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["skipped"] for m in metrics] == [1, 0, 0] and metrics[-1]["nonfinite_steps"] == 1
+    rates = [m["learning_rate"] for m in metrics]
+    assert rates[0] > rates[1] > rates[2]  # step 2 uses the rate of step 2, not of step 1
+
+
+def test_sft_help_lists_only_what_sft_uses(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["sft", "--help"])
+    text = capsys.readouterr().out
+    assert "--learning_rate" in text and "--per_device_train_batch_size" in text and "--max_pixels" in text
+    for grpo_only in ("--beta", "--num_generations", "--reward_funcs", "--eval_dataset", "--parallel"):
+        assert grpo_only not in text, grpo_only

@@ -39,13 +39,13 @@ def eval_dir(tmp_path_factory, tiny_qwen2_vl_path):
 
 def _count_generated(monkeypatch) -> list[str]:
     """Patch the eval's generator to record the ids it generates for."""
-    seen, generate = [], eval_run.PolicyGenerator.__call__
+    seen, generate = [], eval_run.EngineGenerator.__call__
 
     def counting(self, samples, num_samples):
         seen.extend(sample.id for sample in samples)
         return generate(self, samples, num_samples)
 
-    monkeypatch.setattr(eval_run.PolicyGenerator, "__call__", counting)
+    monkeypatch.setattr(eval_run.EngineGenerator, "__call__", counting)
     return seen
 
 

@@ -34,9 +34,11 @@ def lora_run(tmp_path_factory):
     for name, param in run.model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: make the adapters do something
             param.data = torch.randn(param.shape, generator=generator) * 0.05
-    batch = run.policy.forward_batch([enc for _, enc in dist_worker.image_prompts(run.template, 2)], [1, 1])
-    completion = dist_worker.FixedRollout(run.policy.eos_token_ids[0], run.policy.pad_token_id, 6).generate(
-        batch.prompts, type("Params", (), {"num_generations": 1})())
+    from mmgrpo.rollout.base import SamplingParams
+
+    encoded = [enc for _, enc in dist_worker.image_prompts(run.template, 2)]
+    batch = run.policy.forward_batch(encoded, [1, 1])
+    completion = dist_worker.FixedRollout(run.template, 6).generate(encoded, SamplingParams(num_generations=1, max_new_tokens=6))
     return run, batch, completion
 
 
@@ -78,7 +80,8 @@ def test_reference_shares_frozen_weights(tmp_path):
 
 def test_freeze_flags_in_full_training(tiny_qwen2_vl_path):
     from mmgrpo.config import TrainConfig
-    from mmgrpo.lora import freeze, model_skeleton
+    from mmgrpo.lora import freeze
+    from mmgrpo.models.loading import model_skeleton
     from mmgrpo.templates.qwen2_vl import Qwen2VLTemplate
 
     components = Qwen2VLTemplate.components
@@ -110,16 +113,15 @@ def test_bad_training_choices_fail_before_the_model_loads(tmp_path, monkeypatch,
     monkeypatch.setattr(mmgrpo.setup, "load_model", no_loading)
     cfg = dist_worker.config("none", 1, tmp_path, *flags)
     with pytest.raises(ConfigError, match=match):
-        cfg.validate()
         mmgrpo.setup.build_run(cfg)
 
 
 def test_reference_is_the_base_model_with_adapters_off(lora_run, tiny_qwen2_vl_path):
+    from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model
-    from mmgrpo.policy import Policy
 
     run, batch, completion = lora_run
-    assert run.ref_model is None  # no second copy of the weights
+    assert run.policy.ref_model is None  # no second copy of the weights
     base = Policy(load_model(tiny_qwen2_vl_path), run.template, shared_prefix=False)
     base_logps = logprobs(base, batch, completion)
     torch.testing.assert_close(logprobs(run.policy, batch, completion, reference=True), base_logps, atol=1e-6, rtol=0)
@@ -128,8 +130,8 @@ def test_reference_is_the_base_model_with_adapters_off(lora_run, tiny_qwen2_vl_p
 
 def test_export_merge_lora_loads_and_matches(lora_run, tmp_path):
     from mmgrpo.cli import main
+    from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model
-    from mmgrpo.policy import Policy
 
     run, batch, completion = lora_run
     run.save(tmp_path / "checkpoint-1")

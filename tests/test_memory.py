@@ -42,8 +42,8 @@ def measure(mode: str, model_path: str) -> dict:
     import torch
 
     from mmgrpo.data.schema import normalize_row
+    from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.policy import Policy
     from mmgrpo.setup import PromptEncoder
     from mmgrpo.templates import get_template
 

@@ -79,8 +79,7 @@ def test_audio_prompts_are_repeated_by_the_template_not_by_generate():
 
     from mmgrpo.data.schema import LoadedSample
     from mmgrpo.models import load_model, load_processor
-    from mmgrpo.policy import Policy
-    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout import HFRollout, SamplingParams
     from mmgrpo.templates import get_template
 
     torch.manual_seed(0)
@@ -93,16 +92,9 @@ def test_audio_prompts_are_repeated_by_the_template_not_by_generate():
         LoadedSample("b", [{"role": "user", "content": "<audio>Hi?"}], audios=clips[2:]),
     ]
     prompts = [template.encode_prompt(sample) for sample in samples]
-    policy = Policy(model, template, shared_prefix=False)
-    sampled = policy.generate(
-        template.collate(prompts), SamplingParams(num_generations=2, max_new_tokens=6, top_k=1)
-    )
-    alone = [
-        policy.generate(
-            template.collate([p]), SamplingParams(num_generations=1, max_new_tokens=6, greedy=True)
-        )
-        for p in prompts
-    ]
+    engine = HFRollout(model, template)
+    sampled = engine.generate(prompts, SamplingParams(num_generations=2, max_new_tokens=6, top_k=1))
+    alone = [engine.generate([p], SamplingParams(num_generations=1, max_new_tokens=6, greedy=True)) for p in prompts]
     expected = torch.cat([rollout.completion_ids.repeat(2, 1) for rollout in alone])  # [4, T]
     assert torch.equal(sampled.completion_ids, expected)
 

@@ -198,3 +198,13 @@ def _as_list(batch: list) -> list:
 def _init_worker(worker_id: int) -> None:
     # Workers decode and run processors; one thread each keeps them from fighting the trainer.
     torch.set_num_threads(1)
+
+
+def media_options(template, model_cfg) -> dict:
+    """`Sample.load_media` options for training and evaluation alike: video frame sampling and,
+    with use_audio_in_video, each video's sound track at the audio tower's rate.
+    model_cfg: anything with video_fps, video_nframes and use_audio_in_video (a ModelConfig)."""
+    options = {"fps": model_cfg.video_fps, "nframes": model_cfg.video_nframes}
+    if model_cfg.use_audio_in_video:
+        options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
+    return options

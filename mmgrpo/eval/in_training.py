@@ -4,7 +4,7 @@
         --eval_dataset shapes-color:test --eval_steps 50 --eval_limit 200 \\
         --metric_for_best_model vqa_accuracy --output_dir runs/x
 
-Each evaluation is `mmgrpo eval` run on the training run's own policy and template: greedy, one
+Each evaluation is `mmgrpo eval` run on the training run's own rollout engine and template: greedy, one
 completion per sample, up to --max_completion_length tokens, the model in eval mode meanwhile
 (then back in train mode). It writes
 
@@ -14,10 +14,10 @@ completion per sample, up to --max_completion_length tokens, the model in eval m
     output_dir/checkpoint-best/     the weights at the best evaluation so far by
                                     --metric_for_best_model, with best.json {"step", "metric", "value" ...}
 
-The engine makes one call before its loop and one per step:
+The run builds one before any model loads (the eval dataset and metrics resolve then), and the
+loop makes one call per step:
 
-    evaluator = TrainingEval(cfg)   # the eval dataset and metrics resolve before any model loads
-    metrics.update(evaluator.maybe_evaluate(run, step, final=step == total_steps))
+    metrics.update(run.evaluator.maybe_evaluate(run, step, final=step == run.total_steps))
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ class TrainingEval:
         was_training = run.model.training
         run.model.eval()
         try:
-            with torch.autocast(run.device.type, dtype=torch.bfloat16) if self.cfg.bf16 else nullcontext():
+            with torch.autocast(run.device.type, dtype=torch.bfloat16) if run.bf16 else nullcontext():
                 result = evaluate(
-                    run.policy,
+                    run.rollout,
                     run.template,
                     self.dataset,
                     out,

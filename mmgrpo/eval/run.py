@@ -21,11 +21,12 @@ from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.runlog import console, progress_bar
 
 
-class PolicyGenerator:
-    """generate_fn for `run_eval`: a batch of Samples -> k completions each (+ box mappers)."""
+class EngineGenerator:
+    """generate_fn for `run_eval`: a batch of Samples -> k completions each (+ box mappers), through
+    a rollout engine (mmgrpo/rollout/)."""
 
-    def __init__(self, policy, template, *, max_new_tokens: int, temperature: float = 1.0, media_kwargs=None, bar=None):
-        self.policy, self.template = policy, template
+    def __init__(self, engine, template, *, max_new_tokens: int, temperature: float = 1.0, media_kwargs=None, bar=None):
+        self.engine, self.template = engine, template
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.media_kwargs = media_kwargs or {}
         self.bar = bar
@@ -37,22 +38,22 @@ class PolicyGenerator:
             num_generations=num_samples, max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, greedy=num_samples == 1,
         )
-        rollout = self.policy.generate(self.template.collate(encoded), params)
-        texts = self.policy.decode(rollout)
+        rollout = self.engine.generate(encoded, params)
+        texts = self.template.decode(rollout.completion_ids, rollout.completion_mask)
         completions = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(samples))]
         if self.bar is not None:
             self.bar.advance({"reward": float("nan"), "time/step": float("nan")}, amount=len(samples))
         return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
 
 
-def evaluate(policy, template, dataset, output_dir, *, metrics: list[str], model_name: str, num_samples: int = 1,
+def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model_name: str, num_samples: int = 1,
              max_new_tokens: int = 64, temperature: float = 1.0, batch_size: int = 32, resume: bool = False,
              limit: int | None = None, media_kwargs=None, show_progress: bool = True) -> dict:
-    """Score `policy` on every sample of `dataset` (a DatasetView); writes eval.json and returns it."""
+    """Score the rollout engine's model on every sample of `dataset` (a DatasetView); writes eval.json and returns it."""
     count = len(dataset) if limit is None else min(limit, len(dataset))
     samples = (dataset[i] for i in range(count))
     with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress) as bar:
-        generate = PolicyGenerator(policy, template, max_new_tokens=max_new_tokens, temperature=temperature,
+        generate = EngineGenerator(engine, template, max_new_tokens=max_new_tokens, temperature=temperature,
                                    media_kwargs=media_kwargs, bar=bar)
         return run_eval(
             samples, generate, output_dir, model=model_name, dataset=getattr(dataset, "name", str(dataset)),
@@ -61,34 +62,26 @@ def evaluate(policy, template, dataset, output_dir, *, metrics: list[str], model
         )
 
 
-def load_policy(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
-                **template_options):
-    """The policy and template of a model folder (or tiny:<family>), for evaluation.
+def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
+                  **template_options):
+    """(rollout engine, template) of a model folder (or tiny:<family>), for evaluation: the same
+    load sequence as training (`load_template`), the engine `build_rollout_engine` picks.
     template_options: family options such as Qwen2.5-Omni's use_audio_in_video, video_fps, video_nframes."""
-    from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.models.tiny import resolve_model_path
-    from mmgrpo.policy import Policy
-    from mmgrpo.templates import get_template, load_template_plugin
+    from mmgrpo.forward.policy import Policy
+    from mmgrpo.models.loading import load_model, load_template
+    from mmgrpo.rollout import build_rollout_engine
 
-    for spec in template_plugin:  # templates defined outside the package (docs/custom_template.md)
-        load_template_plugin(spec)
-
-    if model_type is None and model_path.startswith("tiny:"):
-        model_type = model_path.split(":", 1)[1]
-    if model_type is None:
-        from mmgrpo.errors import ConfigError
-
-        raise ConfigError(f"--model_type is required for --model {model_path} (e.g. --model_type qwen2-vl).")
-    path = resolve_model_path(model_path)
-    template = get_template(model_type, load_processor(path), max_pixels=max_pixels, min_pixels=min_pixels, **template_options)
-    model = load_model(path).eval()
-    return Policy(model, template), template
+    path, _, template = load_template(model_path, model_type, template_plugin=template_plugin,
+                                      min_pixels=min_pixels, max_pixels=max_pixels, **template_options)
+    model = load_model(path, template=template).eval()
+    return build_rollout_engine(Policy(model, template)), template
 
 
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgrpo eval", description="Evaluate a model on a dataset split: eval.json + eval.md.")
     p.add_argument("--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>.")
-    p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family>.")
+    p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family> and "
+                   "for checkpoints mmgrpo saved.")
     p.add_argument("--template_plugin", nargs="*", default=[],
                    help="Python files or modules that register templates (docs/custom_template.md).")
     p.add_argument("--dataset", required=True, help="NAME[:split] (default split: test) or a data file.")
@@ -111,20 +104,20 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> dict:
+    from mmgrpo.data.pipeline import media_options
     from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.setup import media_options
 
     args = eval_parser().parse_args(argv)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
     metrics = args.metrics or dataset.reward_funcs
     video = {"video_fps": args.video_fps, "video_nframes": args.video_nframes}
-    policy, template = load_policy(
+    engine, template = load_for_eval(
         args.model, args.model_type, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
         template_plugin=args.template_plugin, **video, **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
     )
-    media_kwargs = media_options(template, args.video_fps, args.video_nframes, args.use_audio_in_video)
+    media_kwargs = media_options(template, args)
     result = evaluate(
-        policy, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
+        engine, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
         num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,
         batch_size=args.batch_size, resume=args.resume, limit=args.limit, media_kwargs=media_kwargs,
     )

@@ -243,18 +243,16 @@ def question_text(messages: list[dict]) -> str:
     return ""
 
 
-def load_for_attention(model_path: str, model_type: str, *, max_pixels=None, dtype=torch.float32):
-    """(model, template): the language model with eager attention (it returns its weights)."""
-    from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.models.tiny import resolve_model_path
-    from mmgrpo.templates import get_template
+def load_for_attention(model_path: str, model_type: str | None, *, max_pixels=None, dtype=torch.float32):
+    """(model, template): the language model with eager attention (it returns its weights), loaded
+    in the same sequence as training (`load_template`)."""
+    from mmgrpo.models.loading import load_model, load_template
 
-    path = resolve_model_path(model_path)
-    template = get_template(model_type, load_processor(path), max_pixels=max_pixels)
+    path, _, template = load_template(model_path, model_type, max_pixels=max_pixels)
     try:  # eager only where the weights are read; the vision tower keeps the default
-        model = load_model(path, dtype=dtype, attn_implementation={"text_config": "eager"})
+        model = load_model(path, dtype=dtype, template=template, attn_implementation={"text_config": "eager"})
     except (ValueError, TypeError, KeyError):
-        model = load_model(path, dtype=dtype, attn_implementation="eager")
+        model = load_model(path, dtype=dtype, template=template, attn_implementation="eager")
     return model, template
 
 
@@ -288,14 +286,10 @@ def attention_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> Path:
     from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.policy import Policy
-    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout import HFRollout, SamplingParams
     from mmgrpo.runlog import console
 
     args = attention_parser().parse_args(argv)
-    model_type = args.model_type or (args.model.split(":", 1)[1] if args.model.startswith("tiny:") else None)
-    if model_type is None:
-        raise ConfigError(f"--model_type is required for --model {args.model} (e.g. --model_type qwen2-vl).")
     if args.layers not in ("all", "last") and not args.layers.lstrip("-").isdigit():
         raise ConfigError(f"--layers {args.layers!r}: give all, last or a layer index")
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
@@ -306,14 +300,15 @@ def main(argv: list[str]) -> Path:
         raise ConfigError(f"sample {sample.id} has no image or video: nothing to draw attention on")
 
     model, template = load_for_attention(
-        args.model, model_type, max_pixels=args.max_pixels, dtype=getattr(torch, args.dtype)
+        args.model, args.model_type, max_pixels=args.max_pixels, dtype=getattr(torch, args.dtype)
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     prompt = template.encode_prompt(sample.load_media(fps=args.video_fps))
     batch = {key: value.to(device) for key, value in template.collate([prompt]).items()}
-    rollout = Policy(model, template).generate(
-        batch, SamplingParams(num_generations=1, max_new_tokens=args.max_new_tokens, greedy=True)
+    # generate: eager attention, which the shared-prefix rollout does not take
+    rollout = HFRollout(model, template).generate(
+        [prompt], SamplingParams(num_generations=1, max_new_tokens=args.max_new_tokens, greedy=True)
     )
     completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [1, T]
     answer = template.tokenizer.decode(completion_ids[0][completion_mask[0].bool()], skip_special_tokens=True)

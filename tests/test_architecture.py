@@ -1,0 +1,120 @@
+"""The layout rules of docs/architecture.md, checked on the source.
+
+- no import cycles between mmgrpo's modules (imports inside functions count too: a lazy import
+  hides a cycle, it does not remove it);
+- no module outside `mmgrpo/templates/` and the tiny-model builders names a model family or a
+  model class in its code: what the fast paths, loading and LoRA need to know about a family,
+  its template declares.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mmgrpo"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path, known: set[str]) -> set[str]:
+    """mmgrpo modules a file imports, anywhere in it (a package import counts as its __init__)."""
+    found = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {name: imported(path, set(mods)) - {name} for name, path in mods.items()}
+    # a package's __init__ importing its own submodules is how a package re-exports: not a cycle
+    # unless a submodule imports the package back for something it defines itself.
+    cycles = []
+    for name, deps in graph.items():
+        for dep in deps:
+            if name in graph.get(dep, ()) and name < dep:
+                parent = dep.startswith(name + ".") or name.startswith(dep + ".")
+                if not parent:
+                    cycles.append((name, dep))
+    # longer cycles: depth-first search for a path back to the start
+    def reaches(start, target, seen):
+        for dep in graph.get(start, ()):
+            if dep == target:
+                return [start, dep]
+            if dep not in seen and not dep.startswith(target + ".") and not target.startswith(dep + "."):
+                seen.add(dep)
+                path = reaches(dep, target, seen)
+                if path:
+                    return [start, *path]
+        return None
+
+    long_cycles = []
+    for name in graph:
+        if "." in name and not name.endswith("__init__"):
+            path = reaches(name, name, set())
+            if path and not any(a.startswith(b + ".") or b.startswith(a + ".") for a, b in zip(path, path[1:])):
+                long_cycles.append(" -> ".join(path))
+    assert not cycles, f"import cycles: {cycles}"
+    assert not long_cycles, "import cycles:\n" + "\n".join(sorted(set(long_cycles)))
+
+
+FAMILY = re.compile(r"qwen|gemma|llava|omni|whisper", re.IGNORECASE)
+ALLOWED = ("mmgrpo/templates/", "mmgrpo/models/tiny")
+
+
+def code_strings_and_names(path: Path):
+    """(line, text) of every identifier and string constant that is not a docstring."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.alias):
+            yield getattr(node, "lineno", 0), node.name
+
+
+def test_family_knowledge_stays_in_templates():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = str(path.relative_to(PACKAGE.parent))
+        if relative.startswith(ALLOWED):
+            continue
+        for line, text in code_strings_and_names(path):
+            # user-facing text (an f-string's pieces, an error message) may mention a family as an
+            # example; a short string or identifier naming one is code that branches on a family
+            if FAMILY.search(text) and len(text) < 40 and " " not in text:
+                offenders.append(f"{relative}:{line}: {text!r}")
+    assert not offenders, "family names outside mmgrpo/templates/:\n" + "\n".join(offenders)
