@@ -100,6 +100,10 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length from the loss (DAPO)."""
+    async_generate: bool = False
+    """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
+    rollout engine samples from its own copy of the weights, one optimizer step old; see
+    --vllm_importance_sampling_correction."""
 
 
 @dataclass
@@ -127,6 +131,14 @@ class AlgoConfig:
     advantage_estimator: str = "grpo"
     """How rewards become advantages: `grpo` (reward minus the group mean) or `rloo` (minus the mean of the
     other G - 1), then scaled per --scale_rewards; or an estimator registered with `register_advantage`."""
+    vllm_importance_sampling_correction: bool = True
+    """Where completions come from other weights than the policy's own module (vLLM, --async_generate): recompute
+    their log-probs with the policy and weight each token's loss by the trainer/sampler probability ratio (TRL's name)."""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    """token_truncate | token_mask | sequence_truncate | sequence_mask: per token or per completion; ratios above
+    --vllm_importance_sampling_cap are cut to it (truncate) or zeroed (mask)."""
+    vllm_importance_sampling_cap: float = 3.0
+    """Upper bound of the importance sampling ratio (TRL's name; its newer name is vllm_importance_sampling_clip_max)."""
     modality_weights: list[str] = field(default_factory=list)
     """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
     max_tokens_per_microbatch: int = 0
@@ -429,6 +441,7 @@ def validate(cfg: TrainConfig) -> None:
     """GRPO's checks (`TrainConfig.validate`). Every name a registry resolves (loss type, advantage
     estimator) is looked up now, so a plugin's registered name works and a typo fails at start-up."""
     from mmgrpo.grpo import get_advantage, loss_types
+    from mmgrpo.grpo.importance import IS_MODES
     from mmgrpo.parallel import validate_parallel
 
     validate_common(cfg)
@@ -448,8 +461,11 @@ def validate(cfg: TrainConfig) -> None:
         "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
         "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
+        "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "backend": (cfg.rollout.backend, ("hf",)),
     })
+    if not cfg.algo.vllm_importance_sampling_cap > 0:
+        raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
     if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
         raise ConfigError(

@@ -30,8 +30,11 @@ from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
+from mmgrpo.grpo.importance import sampling_importance_weights
 from mmgrpo.grpo.losses import LossConfig, policy_loss
-from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.lora import rollout_weights
+from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
 from mmgrpo.setup import Run, TrainState, build_run
 
@@ -81,8 +84,25 @@ def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, com
     return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=shared_prefix)
 
 
-def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
-    """One GRPO step on B prompts. Returns (metrics, completion records for the log)."""
+def step_seed(cfg: TrainConfig, step: int, rank: int) -> int:
+    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
+    return cfg.seed * 100_003 + step + 1_000_003 * rank
+
+
+def sampling_params(cfg: TrainConfig, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        num_generations=cfg.rollout.num_generations,
+        max_new_tokens=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        seed=seed,
+    )
+
+
+def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None) -> tuple[dict, list[dict]]:
+    """One GRPO step on B prompts (their completions: `rollout`, else generated now).
+    Returns (metrics, completion records for the log)."""
     cfg, policy, template = run.cfg, run.policy, run.template
     G = cfg.rollout.num_generations
     timers = Timers()
@@ -91,15 +111,9 @@ def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
     with timers("rollout"):
-        sampling = SamplingParams(
-            num_generations=G,
-            max_new_tokens=cfg.rollout.max_completion_length,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-        )
-        with autocast(run.bf16, run.device):
-            rollout = run.rollout.generate(encoded, sampling)
+        if rollout is None:
+            with autocast(run.bf16, run.device):
+                rollout = run.rollout.generate(encoded, sampling_params(cfg))
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
         completions = template.decode(completion_ids, completion_mask)
 
@@ -116,10 +130,21 @@ def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts) for mb in micro]
         batches = [run.strategy.align_media(b, template) for b in batches]  # equal vision-tower calls on all ranks
 
-    old_logps = ref_logps = None
-    if cfg.algo.num_iterations > 1:
+    # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
+    # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
+    correct = (getattr(run.rollout, "separate_weights", False) and rollout.logps is not None
+               and cfg.algo.vllm_importance_sampling_correction)
+    old_logps = ref_logps = is_weights = None
+    sampling_metrics = {}
+    if cfg.algo.num_iterations > 1 or correct:
         with timers("old"):
             old_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask)
+        if correct:
+            is_weights, stats = sampling_importance_weights(
+                old_logps, rollout.logps.to(old_logps.device), completion_mask, cfg.algo.vllm_importance_sampling_mode,
+                cap=cfg.algo.vllm_importance_sampling_cap,
+            )
+            sampling_metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
     if cfg.algo.beta > 0:
         with timers("ref"):
             ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
@@ -139,7 +164,7 @@ def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
     with timers("update"):
         loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
-                                     advantages, old_logps, ref_logps)
+                                     advantages, old_logps, ref_logps, is_weights)
 
     lengths = completion_mask.sum(1).float()
     metrics = {
@@ -153,6 +178,9 @@ def grpo_step(run: Run, prompts: list, step: int) -> tuple[dict, list[dict]]:
         "learning_rate": learning_rate,
         "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
         "micro_batches": len(micro),
+        # optimizer steps between the weights that sampled and the policy that trains on them
+        "rollout/staleness": (step - 1) - rollout.weight_version,
+        **sampling_metrics,
         **loss_metrics,
     }
     for name, values in zip(run.rewards.names, per_func):
@@ -182,7 +210,8 @@ def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_
     return scatter_rows(per_batch, micro, completion_ids.shape)
 
 
-def update_policy(run: Run, batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps) -> dict:
+def update_policy(run: Run, batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
+                  is_weights=None) -> dict:
     """num_iterations passes of gradient-accumulated updates over the rollout batch.
 
     A non-finite loss skips the step on every rank (`skipped` 1 in the metrics; the loop counts
@@ -217,6 +246,7 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                         logps, None if old_logps is None else mb.take(old_logps), None if ref_logps is None else mb.take(ref_logps),
                         mb.take(advantages), mb.take(loss_mask), config,
                         num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
+                        importance_weights=None if is_weights is None else mb.take(is_weights),
                     )
                 if strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
                     warnings.warn(f"non-finite loss ({loss.item()}): update skipped", stacklevel=1)
@@ -282,31 +312,49 @@ def train(cfg: TrainConfig) -> Path:
     logger = RunLogger(out, cfg) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
     state = TrainState()
     batches = run.prompt_batches()
-    with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main) as bar:
-        for step in range(1, run.total_steps + 1):
-            started = time.perf_counter()
-            state.step = step
-            torch.manual_seed(cfg.seed * 100_003 + step + 1_000_003 * run.strategy.rank)  # reproducible per step and rank
-            loop = Timers()
-            with loop("data"):
-                prompts = next(batches)
-            metrics, records = grpo_step(run, prompts, step)
-            state.nonfinite_steps += metrics["skipped"]
-            metrics["nonfinite_steps"] = state.nonfinite_steps
-            final = step == run.total_steps
-            with loop("eval"):
-                metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
-            with loop("save"):
-                if final or (cfg.save_steps and step % cfg.save_steps == 0):
-                    run.save(out / f"checkpoint-{step}")
-            finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
-            logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
-            bar.advance(metrics)
-            if state.nonfinite_steps >= cfg.max_nonfinite_steps:
-                raise ConfigError(
-                    f"{state.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
-                    "use fp32, or raise --max_nonfinite_steps."
-                )
+    pipeline = RolloutPipeline(
+        run.rollout, lambda: rollout_weights(run.model, run.peft_model, run.strategy), asynchronous=cfg.rollout.async_generate
+    )
+    try:
+        with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main) as bar:
+            for step in range(1, run.total_steps + 1):
+                started = time.perf_counter()
+                state.step = step
+                torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
+                loop = Timers()
+                if step == 1 or not cfg.rollout.async_generate:
+                    with loop("data"):
+                        prompts = next(batches)
+                    with loop("rollout"), autocast(run.bf16, run.device):
+                        pipeline.start(prompts, sampling_params(cfg, step_seed(cfg, step, run.strategy.rank)))
+                with loop("rollout"):
+                    prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
+                if cfg.rollout.async_generate and step < run.total_steps:
+                    with loop("data"):
+                        upcoming = next(batches)
+                    with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
+                        pipeline.start(upcoming, sampling_params(cfg, step_seed(cfg, step + 1, run.strategy.rank)))
+                metrics, records = grpo_step(run, prompts, step, rollout)
+                pipeline.policy_updated(step)
+                state.nonfinite_steps += metrics["skipped"]
+                metrics["nonfinite_steps"] = state.nonfinite_steps
+                final = step == run.total_steps
+                with loop("eval"):
+                    metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
+                with loop("save"):
+                    if final or (cfg.save_steps and step % cfg.save_steps == 0):
+                        run.save(out / f"checkpoint-{step}")
+                loop.seconds["time/weight_sync"] = pipeline.take_sync_seconds()
+                finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
+                logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
+                bar.advance(metrics)
+                if state.nonfinite_steps >= cfg.max_nonfinite_steps:
+                    raise ConfigError(
+                        f"{state.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
+                        "use fp32, or raise --max_nonfinite_steps."
+                    )
+    finally:
+        pipeline.close()
     logger.close()
     run.strategy.close()
     return out

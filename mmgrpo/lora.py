@@ -137,6 +137,26 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     return model, peft_model
 
 
+def rollout_weights(model: nn.Module, peft_model, strategy):
+    """(HF name, full tensor) of every weight that training changes, for a rollout engine that holds
+    its own copy (vLLM, an async copy): the trainable parameters in full training (frozen parts
+    never change and are not sent); with LoRA each adapted layer's merged weight
+    W + (alpha / r) * B @ A under its base name, the adapters themselves never. One tensor at a
+    time, gathered from the shards where the strategy shards (a collective on every rank)."""
+    if peft_model is None:
+        yield from strategy.full_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
+        return
+    for module_name, module in model.named_modules():
+        if not hasattr(module, "base_layer") or "default" not in getattr(module, "lora_A", {}):
+            continue
+        prefix = f"{module_name}."
+        names = [prefix + "base_layer.weight", prefix + "lora_A.default.weight", prefix + "lora_B.default.weight"]
+        tensors = dict(strategy.full_tensors(model, names))
+        weight = tensors[names[0]]
+        delta = tensors[names[2]].float() @ tensors[names[1]].float() * module.scaling["default"]
+        yield prefix + "weight", (weight.float() + delta).to(weight.dtype)
+
+
 def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter."""
     path = Path(path)

@@ -273,7 +273,10 @@ def build_run(cfg: TrainConfig) -> Run:
     )
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
-    rollout = build_rollout_engine(policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation)
+    rollout = build_rollout_engine(
+        policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
+        asynchronous=cfg.rollout.async_generate, peft_model=peft_model,
+    )
     return Run(
         cfg=cfg, dataset=dataset, rewards=rewards, processor=processor, template=template, model=model,
         peft_model=peft_model, strategy=strategy, policy=policy, rollout=rollout, optimizer=prepared.optimizer,

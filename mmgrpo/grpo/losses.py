@@ -186,6 +186,7 @@ def policy_loss(
     *,
     num_items_in_batch: int | float | Tensor | None = None,
     num_sequences_in_batch: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one (micro-)batch of N completions padded to T tokens, as `config` says.
 
@@ -202,6 +203,9 @@ def policy_loss(
         config: the loss type, clip range, KL weight ... (`LossConfig`).
         num_items_in_batch, num_sequences_in_batch: completion tokens and completions in the
             whole optimizer step, for gradient accumulation (see the module docstring).
+        importance_weights: [N, T] or [N, 1], no grad: each token's policy term is multiplied by it
+            (completions sampled by other weights than the policy's, mmgrpo/grpo/importance.py);
+            the KL term is not.
 
     Returns:
         loss: scalar with grad.
@@ -247,6 +251,8 @@ def policy_loss(
         ratio, logps, advantages, epsilon, epsilon_high
     )
     per_token_loss = per_token_loss.expand_as(logps)  # [N, T]
+    if importance_weights is not None:
+        per_token_loss = per_token_loss * importance_weights.detach().to(per_token_loss.dtype)
 
     kl = None
     if ref_logps is not None:

@@ -123,6 +123,14 @@ class Strategy:
         """Drop accumulated gradients without stepping (a skipped update)."""
         optimizer.zero_grad(set_to_none=True)
 
+    def full_tensors(self, model: nn.Module, names: list[str]):
+        """(HF name, full tensor) of each named parameter, one at a time, on every rank: what a
+        rollout engine with its own copy of the weights is sent. A collective where the weights are
+        sharded: every rank iterates to the end. Never more than one gathered tensor at a time."""
+        params = dict(model.named_parameters())
+        for name in names:
+            yield name, params[name].detach()
+
     def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """Full fp32 weights of the HF model on CPU keyed by HF names, on rank 0 ({} elsewhere).
 

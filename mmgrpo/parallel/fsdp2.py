@@ -92,6 +92,11 @@ class FSDP2(Strategy):
         optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def full_tensors(self, model, names: list[str]):
+        params = dict(self.wrapper.named_parameters())  # `model.<hf name>`: DTensor shards
+        for name in names:
+            yield name, params[f"model.{name}"].full_tensor().detach()  # an all-gather on every rank
+
     def full_state_dict(self, model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(self.wrapper, options=options)  # rank 0 gets it all, the others {}

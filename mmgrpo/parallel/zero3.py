@@ -172,6 +172,19 @@ class ZeRO3(Strategy):
     def zero_grad(self, optimizer) -> None:
         self.engine.optimizer.zero_grad(set_to_none=True)
 
+    def full_tensors(self, model, names: list[str]):
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = dict(self.engine.module.named_parameters())  # `model.<hf name>`
+        for name in names:
+            param = params[f"model.{name}"]
+            if param.requires_grad:
+                yield name, safe_get_full_fp32_param(param).detach()  # the fp32 master, gathered
+            else:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.data.detach().clone()
+
     def full_state_dict(self, model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param

@@ -14,6 +14,9 @@ A new engine implements `generate` and `update_weights` and gets a branch in
 
 from __future__ import annotations
 
+import copy
+
+from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams, completion_mask_from_ids
 from mmgrpo.rollout.hf import HFRollout
 from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
@@ -29,7 +32,10 @@ __all__ = [
 ]
 
 
-def build_rollout_engine(policy, strategy=None, prepared=None, *, gather_for_generation: bool = True) -> RolloutEngine:
+def build_rollout_engine(
+    policy, strategy=None, prepared=None, *, gather_for_generation: bool = True, asynchronous: bool = False,
+    peft_model=None,
+) -> RolloutEngine:
     """The rollout engine for `policy` (its model and template), decided once.
 
     strategy, prepared: how a sharded run executes its rollouts (None: one process, plain calls).
@@ -37,6 +43,8 @@ def build_rollout_engine(policy, strategy=None, prepared=None, *, gather_for_gen
     weights are gathered once for the whole rollout and the decode steps are lean (they call no
     module after the prefill, so a rank whose rows finish may stop: no collective in the loop).
     Elsewhere HF generate, in lockstep across sharded ranks (`synced_gpus`).
+    asynchronous: the engine samples from its own copy of the model (LoRA: with the adapters
+    merged), which `update_weights` refreshes, so rollouts can run while the policy trains.
     """
     model, template = policy.model, policy.template
     hooks = {}
@@ -45,6 +53,15 @@ def build_rollout_engine(policy, strategy=None, prepared=None, *, gather_for_gen
     if strategy is not None and strategy.world_size > 1:
         hooks["prepare"] = lambda batch: strategy.align_media(batch, template)  # equal tower calls on all ranks
     sharded = strategy is not None and strategy.sharded
+    if asynchronous:
+        if sharded:
+            raise ConfigError(
+                "--async_generate with --parallel fsdp2 / zero3 needs a rollout engine with its own weights "
+                "(--use_vllm); the in-process engines share the sharded model."
+            )
+        source = copy.deepcopy(peft_model).merge_and_unload() if peft_model is not None else copy.deepcopy(model)
+        model = source.eval().requires_grad_(False)
+        hooks = {"separate_weights": True}
     if policy.shared_prefix and (not sharded or (gather_for_generation and lean_applies(model, template))):
         return SharedPrefixRollout(model, template, **hooks)
     return HFRollout(model, template, synced=sharded and strategy.world_size > 1, **hooks)

@@ -30,6 +30,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    # Seeds this rollout's draws (its own generator where the engine has one, so a rollout in a
+    # background thread draws the same numbers as in step); None: the global generator as it is.
+    seed: int | None = None
 
 
 @dataclass
@@ -48,6 +51,11 @@ class Rollout:
 class RolloutEngine(Protocol):
     """The interface every rollout engine implements (see the module docstring)."""
 
+    # True where the engine samples from its own copy of the weights (vLLM; an in-process engine
+    # on a copy, for asynchronous rollouts): its samples may lag or differ numerically from the
+    # policy, so the step recomputes their log-probs and measures the mismatch.
+    separate_weights: bool
+    weight_version: int  # the version of the weights it samples from
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
         ...
@@ -55,6 +63,20 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Make the next `generate` sample from these weights, tagged `version`."""
         ...
+
+
+def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy each (name, tensor) into `model`'s parameter of that name, in place; returns how many.
+    An unknown name is an error (a rollout copy that silently skipped a weight would be stale)."""
+    params = dict(model.named_parameters())
+    count = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"the rollout model has no parameter {name!r}")
+            params[name].copy_(tensor)
+            count += 1
+    return count
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

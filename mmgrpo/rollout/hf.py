@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from mmgrpo.forward.policy import plain_call
-from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
+from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids, load_named_tensors
 
 
 class HFRollout:
@@ -34,6 +34,7 @@ class HFRollout:
         synced: bool = False,
         eos_token_ids: list[int] | None = None,
         suppress_token_ids: list[int] | None = None,
+        separate_weights: bool = False,
     ):
         """model, template: the policy's HF model and its family's template.
 
@@ -42,6 +43,8 @@ class HFRollout:
         synced: every rank runs as many decoding steps as the slowest (generate's `synced_gpus`),
         for sharded models that gather weights inside every step.
         eos_token_ids, suppress_token_ids: instead of the template's.
+        separate_weights: `model` is the engine's own copy (asynchronous rollouts): `update_weights`
+        copies the policy's weights into it.
         """
         self.model, self.template = model, template
         self.eos_token_ids = list(template.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -50,6 +53,7 @@ class HFRollout:
         self.call, self.scope, self.prepare = call, scope, prepare
         self.synced = synced
         self.weight_version = 0
+        self.separate_weights = separate_weights
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions (on the model's device)."""
@@ -64,7 +68,10 @@ class HFRollout:
         return rollout
 
     def update_weights(self, named_tensors, version: int) -> None:
-        """generate runs the policy's own module: nothing to load, only the version."""
+        """On the policy's own module: nothing to load, only the version. On a copy
+        (`separate_weights`): the tensors are copied into it."""
+        if self.separate_weights:
+            load_named_tensors(self.model, named_tensors)
         self.weight_version = version
 
     @torch.no_grad()
@@ -81,6 +88,8 @@ class HFRollout:
         if group > 1 and "input_features" in prompt_batch:
             prompt_batch = self.template.repeat_rows(prompt_batch, group)  # [B * G, L], each row with its own clips
             group = 1  # the G copies of a prompt are rows now: one sample each
+        if params.seed is not None:
+            torch.manual_seed(params.seed)  # generate draws from the global generator
         try:
             output = self.model.generate(
                 **prompt_batch,

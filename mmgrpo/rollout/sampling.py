@@ -34,7 +34,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
-def sample_from(probs: torch.Tensor) -> torch.Tensor:
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One index per row drawn from probs [N, V] by inverting the CDF: one uniform per row.
 
     torch.multinomial draws V random numbers per row on CPU (33 ms per step for 8 rows of a
@@ -49,15 +49,18 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)  # [N, V]
     total = cdf[:, -1:]
     # u in [0, total): strictly below the last cdf value even after rounding
-    u = torch.minimum(torch.rand_like(total) * total, torch.nextafter(total, torch.zeros_like(total)))
+    uniform = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator)
+    u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-def pick_tokens(logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def pick_tokens(
+    logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """The next token of each row: logits [N, V] with `suppress` ids never drawn -> [N]."""
     if suppress.numel():
         logits = logits.index_fill(1, suppress, float("-inf"))
     if params.greedy:
         return logits.argmax(-1)
     logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
-    return sample_from(logits.softmax(-1))
+    return sample_from(logits.softmax(-1), generator)

@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
-from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
+from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids, load_named_tensors
 from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
 from mmgrpo.rollout.sampling import pick_tokens
 
@@ -100,12 +100,15 @@ class SharedPrefixRollout:
         lean: bool = True,
         eos_token_ids: list[int] | None = None,
         suppress_token_ids: list[int] | None = None,
+        separate_weights: bool = False,
     ):
         """model, template: the policy's HF model and its family's template (component paths,
         positions, eos and suppressed ids). call / scope / prepare: how a sharding strategy runs a
         rollout (through its wrapper; inside a context that gathers the weights once; a batch
         hook such as `align_media`); plain in one process. eos_token_ids, suppress_token_ids:
-        instead of the template's (e.g. a benchmark that forces every completion to full length)."""
+        instead of the template's (e.g. a benchmark that forces every completion to full length).
+        separate_weights: `model` is the engine's own copy (asynchronous rollouts): `update_weights`
+        copies the policy's weights into it."""
         self.model, self.template = model, template
         self.core, self.decoder = model_parts(model, template)  # the decode steps run the decoder
         self.lm_head = model.get_submodule(template.components["lm_head"])
@@ -116,6 +119,7 @@ class SharedPrefixRollout:
         self.check_every = check_every
         self.lean = LeanDecoder(self.decoder) if lean and lean_applies(model, template) else None
         self.weight_version = 0
+        self.separate_weights = separate_weights
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions, with the sampler's log-probs."""
@@ -130,7 +134,10 @@ class SharedPrefixRollout:
         return rollout
 
     def update_weights(self, named_tensors, version: int) -> None:
-        """The rollout samples from the policy's own module: nothing to load, only the version."""
+        """On the policy's own module: nothing to load, only the version. On a copy
+        (`separate_weights`): the tensors are copied into it."""
+        if self.separate_weights:
+            load_named_tensors(self.model, named_tensors)
         self.weight_version = version
 
     @torch.no_grad()
@@ -174,13 +181,16 @@ class SharedPrefixRollout:
         del recorded
 
         # 3. decode
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
         eos = torch.tensor(self.eos_token_ids, device=device)
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)  # [N, T]
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [N]
         for step in range(max_new):
-            token = pick_tokens(logits, suppress, params)  # [N]
+            token = pick_tokens(logits, suppress, params, generator)  # [N]
             token = torch.where(finished, self.pad_token_id, token)
             tokens[:, step] = token
             scaled = logits / temperature if temperature != 1.0 else logits

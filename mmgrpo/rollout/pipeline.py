@@ -1,0 +1,97 @@
+"""When rollouts run: in step (synchronous) or one step ahead of training (asynchronous).
+
+    pipeline = RolloutPipeline(engine, weights, asynchronous=cfg.rollout.async_generate)
+    pipeline.start(prompts_1, sampling)              # step 1's rollout
+    for step in 1, 2, ...:
+        rollout = pipeline.result()                   # this step's completions
+        pipeline.start(prompts_next, sampling)        # async: the next rollout runs while this step trains
+        ... train on rollout: the policy's weights become version `step`
+
+Synchronous: `start` loads the policy's newest weights into the engine (where it holds its own
+copy) and generates there and then; every rollout samples from the weights the step trains.
+
+Asynchronous (one-step off-policy, ms-swift's `--async_generate`): `start` loads the newest
+weights (version t - 1 when step t's rollout was just taken) and generates the next batch in a
+background thread while step t trains; step t + 1 then trains on completions of version t - 1:
+exactly one step stale, and `Rollout.weight_version` says so. The engine must hold its own copy
+of the weights (vLLM, or an in-process engine on a copy of the model): training changes the
+policy's weights while the rollout runs. A weight update never overlaps a rollout: `start` runs
+after `result`.
+
+`weights` is a callable returning the lazy (HF name, tensor) iterable of the policy's current
+weights (`lora.rollout_weights`); it is iterated only by engines that hold their own copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mmgrpo.rollout.base import Rollout, SamplingParams
+
+
+class RolloutPipeline:
+    def __init__(self, engine, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, asynchronous: bool = False):
+        if asynchronous and not getattr(engine, "separate_weights", False):
+            raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
+        self.engine, self.weights, self.asynchronous = engine, weights, asynchronous
+        self.version = 0  # optimizer steps the policy's weights have taken
+        self.sync_seconds = 0.0  # spent loading weights into the engine since the last `take_sync_seconds`
+        self._thread: threading.Thread | None = None
+        self._result: Rollout | BaseException | None = None
+        self._prompts: list | None = None
+
+    def policy_updated(self, version: int) -> None:
+        """The policy's weights are now `version` (optimizer steps taken)."""
+        self.version = version
+
+    def start(self, prompts: list, sampling: SamplingParams) -> None:
+        """Begin the rollout of `prompts`, a step's (Sample, PromptInputs) pairs, on the policy's newest weights."""
+        if self._prompts is not None:
+            raise RuntimeError("the previous rollout was not taken")
+        self._sync_weights()
+        self._prompts = prompts
+        encoded = [enc for _, enc in prompts]
+        if not self.asynchronous:
+            self._result = self.engine.generate(encoded, sampling)
+            return
+        self._result = None
+        self._thread = threading.Thread(target=self._generate, args=(encoded, sampling), daemon=True)
+        self._thread.start()
+
+    def result(self) -> tuple[list, Rollout]:
+        """The prompts of the rollout begun last and its completions (waits for them)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        prompts, result = self._prompts, self._result
+        self._prompts = self._result = None
+        if isinstance(result, BaseException):
+            raise result
+        return prompts, result
+
+    def take_sync_seconds(self) -> float:
+        seconds, self.sync_seconds = self.sync_seconds, 0.0
+        return seconds
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _generate(self, encoded: list, sampling: SamplingParams) -> None:
+        try:
+            self._result = self.engine.generate(encoded, sampling)
+        except BaseException as error:  # raised in the training thread by `result`
+            self._result = error
+
+    def _sync_weights(self) -> None:
+        """Load the policy's newest weights into an engine that holds its own copy (once per version)."""
+        if getattr(self.engine, "weight_version", 0) == self.version:
+            return
+        start = time.perf_counter()
+        self.engine.update_weights(self.weights(), self.version)
+        self.sync_seconds += time.perf_counter() - start
