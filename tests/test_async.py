@@ -10,7 +10,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import grpo_step, sampling_params, train
