@@ -325,6 +325,8 @@ def train(cfg: TrainConfig) -> Path:
                 if step == 1 or not cfg.rollout.async_generate:
                     with loop("data"):
                         prompts = next(batches)
+                    with loop("weight_sync"):
+                        pipeline.sync_weights()  # an engine with its own weights gets the newest
                     with loop("rollout"), autocast(run.bf16, run.device):
                         pipeline.start(prompts, sampling_params(cfg, step_seed(cfg, step, run.strategy.rank)))
                 with loop("rollout"):
@@ -332,6 +334,8 @@ def train(cfg: TrainConfig) -> Path:
                 if cfg.rollout.async_generate and step < run.total_steps:
                     with loop("data"):
                         upcoming = next(batches)
+                    with loop("weight_sync"):
+                        pipeline.sync_weights()
                     with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
                         pipeline.start(upcoming, sampling_params(cfg, step_seed(cfg, step + 1, run.strategy.rank)))
                 metrics, records = grpo_step(run, prompts, step, rollout)
@@ -344,7 +348,10 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("save"):
                     if final or (cfg.save_steps and step % cfg.save_steps == 0):
                         run.save(out / f"checkpoint-{step}")
-                loop.seconds["time/weight_sync"] = pipeline.take_sync_seconds()
+                for phase in ("data", "weight_sync", "rollout", "eval", "save"):  # the same columns every step
+                    loop.seconds.setdefault(f"time/{phase}", 0.0)
+                # generating, overlapped with training when async (time/rollout is then the wait)
+                metrics["rollout/generate_s"] = pipeline.take_generate_seconds()
                 finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
@@ -363,7 +370,7 @@ def train(cfg: TrainConfig) -> Path:
 def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float) -> None:
     """Add the loop's phases, time/step (the step's wall time), time/other (what no phase timer
     covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's."""
-    extra = dict(loop_seconds)
+    extra = {key: value + metrics.get(key, 0.0) for key, value in loop_seconds.items()}  # e.g. rollout: wait + decode
     named = sum(value for key, value in {**metrics, **extra}.items() if key.startswith("time/"))
     extra["time/step"] = wall_seconds
     extra["time/other"] = max(0.0, wall_seconds - named)

@@ -48,6 +48,7 @@ def test_async_rollouts_are_exactly_one_step_stale(tmp_path):
         assert m["sampling/logp_diff_max"] > 0 and m["sampling/is_ratio_max"] > 0
         assert "time/old" in m  # log-probs recomputed by the policy
     assert all(m["time/weight_sync"] >= 0 for m in metrics)
+    assert metrics[1]["rollout/generate_s"] > 0  # the next rollout, generated while this step trained
 
 
 def _copy_engine(run):
@@ -68,6 +69,7 @@ def test_a_copy_synced_every_step_equals_the_policy_engine(tmp_path):
         batches = run.prompt_batches()
         losses[name] = []
         for step in (1, 2, 3):
+            pipeline.sync_weights()
             pipeline.start(next(batches), sampling_params(run.cfg, seed=step))
             prompts, rollout = pipeline.result()
             assert rollout.weight_version == step - 1
@@ -96,3 +98,15 @@ def test_a_skipped_sync_is_detected(tmp_path):
         gaps[synced], staleness[synced] = metrics["sampling/logp_diff_max"], metrics["rollout/staleness"]
     assert staleness == {True: 0, False: 2}
     assert gaps[True] < 1e-4 and gaps[False] > 1e-2, gaps
+
+
+def test_the_pipeline_never_samples_stale_weights_by_accident(tmp_path):
+    run = build_run(config(tmp_path))
+    run = dataclasses.replace(run, rollout=_copy_engine(run))
+    pipeline = RolloutPipeline(run.rollout, lambda: rollout_weights(run.model, None, run.strategy))
+    pipeline.policy_updated(1)  # a step was taken, the engine was not reloaded
+    with pytest.raises(RuntimeError, match="version 0.*policy's are 1.*sync_weights"):
+        pipeline.start(next(run.prompt_batches()), sampling_params(run.cfg))
+    pipeline.sync_weights()
+    pipeline.start(next(run.prompt_batches()), sampling_params(run.cfg))
+    assert pipeline.result()[1].weight_version == 1

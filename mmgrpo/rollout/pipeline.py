@@ -1,22 +1,25 @@
 """When rollouts run: in step (synchronous) or one step ahead of training (asynchronous).
 
     pipeline = RolloutPipeline(engine, weights, asynchronous=cfg.rollout.async_generate)
-    pipeline.start(prompts_1, sampling)              # step 1's rollout
+    pipeline.sync_weights(); pipeline.start(prompts_1, sampling)       # step 1's rollout
     for step in 1, 2, ...:
-        rollout = pipeline.result()                   # this step's completions
-        pipeline.start(prompts_next, sampling)        # async: the next rollout runs while this step trains
-        ... train on rollout: the policy's weights become version `step`
+        prompts, rollout = pipeline.result()                           # this step's completions
+        pipeline.sync_weights(); pipeline.start(prompts_next, sampling) # async: runs while this step trains
+        ... train on rollout
+        pipeline.policy_updated(step)                                  # the policy's weights are version `step`
 
-Synchronous: `start` loads the policy's newest weights into the engine (where it holds its own
-copy) and generates there and then; every rollout samples from the weights the step trains.
+`sync_weights` loads the policy's newest weights into an engine that holds its own copy (once
+per version; a no-op for an engine on the policy's own module), and `start` refuses to run on
+older weights: a rollout is never stale by accident.
 
-Asynchronous (one-step off-policy, ms-swift's `--async_generate`): `start` loads the newest
-weights (version t - 1 when step t's rollout was just taken) and generates the next batch in a
-background thread while step t trains; step t + 1 then trains on completions of version t - 1:
-exactly one step stale, and `Rollout.weight_version` says so. The engine must hold its own copy
-of the weights (vLLM, or an in-process engine on a copy of the model): training changes the
-policy's weights while the rollout runs. A weight update never overlaps a rollout: `start` runs
-after `result`.
+Synchronous: `start` generates there and then; every rollout samples from the weights the step
+trains. Asynchronous (one-step off-policy, ms-swift's `--async_generate`): after step t's
+rollout is taken, the newest weights (version t - 1) are loaded and the next batch is generated
+in a background thread while step t trains; step t + 1 then trains on completions of version
+t - 1: exactly one step stale, and `Rollout.weight_version` says so. The engine must hold its
+own copy of the weights (vLLM, or an in-process engine on a copy of the model): training
+changes the policy's weights while the rollout runs. A weight update never overlaps a rollout:
+it happens between `result` and `start`.
 
 `weights` is a callable returning the lazy (HF name, tensor) iterable of the policy's current
 weights (`lora.rollout_weights`); it is iterated only by engines that hold their own copy.
@@ -39,7 +42,7 @@ class RolloutPipeline:
             raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
         self.engine, self.weights, self.asynchronous = engine, weights, asynchronous
         self.version = 0  # optimizer steps the policy's weights have taken
-        self.sync_seconds = 0.0  # spent loading weights into the engine since the last `take_sync_seconds`
+        self.generate_seconds = 0.0  # in the engine's generate calls since `take_generate_seconds` (background when async)
         self._thread: threading.Thread | None = None
         self._result: Rollout | BaseException | None = None
         self._prompts: list | None = None
@@ -52,11 +55,18 @@ class RolloutPipeline:
         """Begin the rollout of `prompts`, a step's (Sample, PromptInputs) pairs, on the policy's newest weights."""
         if self._prompts is not None:
             raise RuntimeError("the previous rollout was not taken")
-        self._sync_weights()
+        if getattr(self.engine, "weight_version", 0) != self.version:
+            raise RuntimeError(
+                f"the rollout engine holds weights of version {self.engine.weight_version}, the policy's are "
+                f"{self.version}: call sync_weights() first"
+            )
         self._prompts = prompts
         encoded = [enc for _, enc in prompts]
         if not self.asynchronous:
-            self._result = self.engine.generate(encoded, sampling)
+            self._generate(encoded, sampling)
+            if isinstance(self._result, BaseException):
+                self._prompts, error, self._result = None, self._result, None
+                raise error
             return
         self._result = None
         self._thread = threading.Thread(target=self._generate, args=(encoded, sampling), daemon=True)
@@ -73,8 +83,9 @@ class RolloutPipeline:
             raise result
         return prompts, result
 
-    def take_sync_seconds(self) -> float:
-        seconds, self.sync_seconds = self.sync_seconds, 0.0
+    def take_generate_seconds(self) -> float:
+        """Seconds the engine spent generating since the last call."""
+        seconds, self.generate_seconds = self.generate_seconds, 0.0
         return seconds
 
     def close(self) -> None:
@@ -83,15 +94,16 @@ class RolloutPipeline:
             self._thread = None
 
     def _generate(self, encoded: list, sampling: SamplingParams) -> None:
+        start = time.perf_counter()
         try:
             self._result = self.engine.generate(encoded, sampling)
         except BaseException as error:  # raised in the training thread by `result`
             self._result = error
+        self.generate_seconds += time.perf_counter() - start
 
-    def _sync_weights(self) -> None:
-        """Load the policy's newest weights into an engine that holds its own copy (once per version)."""
-        if getattr(self.engine, "weight_version", 0) == self.version:
-            return
-        start = time.perf_counter()
-        self.engine.update_weights(self.weights(), self.version)
-        self.sync_seconds += time.perf_counter() - start
+    def sync_weights(self) -> None:
+        """Load the policy's newest weights into the engine (once per version). Not while a rollout runs."""
+        if self._thread is not None:
+            raise RuntimeError("weights cannot change while a rollout runs: take its result first")
+        if getattr(self.engine, "weight_version", 0) != self.version:
+            self.engine.update_weights(self.weights(), self.version)
