@@ -65,6 +65,16 @@ class RolloutEngine(Protocol):
         ...
 
 
+def collate_on_device(template, prompts: list, model: torch.nn.Module, prepare=None) -> dict:
+    """The in-process engines' batch: `template.collate(prompts)`, the strategy's `prepare` hook
+    (blank media for equal tower calls across ranks), tensors moved to the model's device."""
+    batch = template.collate(prompts)
+    if prepare is not None:
+        batch = prepare(batch)
+    device = next(model.parameters()).device
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Copy each (name, tensor) into `model`'s parameter of that name, in place; returns how many.
     An unknown name is an error (a rollout copy that silently skipped a weight would be stale)."""

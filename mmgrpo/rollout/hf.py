@@ -19,7 +19,13 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from mmgrpo.forward.policy import plain_call
-from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids, load_named_tensors
+from mmgrpo.rollout.base import (
+    Rollout,
+    SamplingParams,
+    collate_on_device,
+    completion_mask_from_ids,
+    load_named_tensors,
+)
 
 
 class HFRollout:
@@ -57,11 +63,7 @@ class HFRollout:
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions (on the model's device)."""
-        batch = self.template.collate(prompts)
-        if self.prepare is not None:
-            batch = self.prepare(batch)
-        device = next(self.model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = collate_on_device(self.template, prompts, self.model, self.prepare)
         with self.scope():
             rollout = self.call(self._generate, batch, sampling)
         rollout.weight_version = self.weight_version

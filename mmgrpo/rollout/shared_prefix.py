@@ -47,7 +47,13 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
-from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids, load_named_tensors
+from mmgrpo.rollout.base import (
+    Rollout,
+    SamplingParams,
+    collate_on_device,
+    completion_mask_from_ids,
+    load_named_tensors,
+)
 from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
 from mmgrpo.rollout.sampling import pick_tokens
 
@@ -123,11 +129,7 @@ class SharedPrefixRollout:
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions, with the sampler's log-probs."""
-        batch = self.template.collate(prompts)
-        if self.prepare is not None:
-            batch = self.prepare(batch)
-        device = next(self.model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = collate_on_device(self.template, prompts, self.model, self.prepare)
         with self.scope():
             rollout, logps = self.call(self.sample, batch, sampling)
         rollout.logps, rollout.weight_version = logps, self.weight_version
