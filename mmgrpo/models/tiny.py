@@ -621,7 +621,14 @@ def _dims(overrides: dict) -> dict:
         raise ConfigError(
             f"unknown tiny model override(s) {sorted(unknown)}; known: {', '.join(sorted(DEFAULT_DIMS))}"
         )
-    return {**DEFAULT_DIMS, **overrides}
+    dims = {**DEFAULT_DIMS, **overrides}
+    if "num_attention_heads" not in overrides:  # a wider model keeps head_dim (vLLM's CPU attention needs 32, 64, ...)
+        if dims["hidden_size"] % dims["head_dim"]:
+            raise ConfigError(f"tiny model: hidden_size {dims['hidden_size']} is not a multiple of head_dim {dims['head_dim']}")
+        dims["num_attention_heads"] = dims["hidden_size"] // dims["head_dim"]
+        if "num_key_value_heads" not in overrides:
+            dims["num_key_value_heads"] = max(1, dims["num_attention_heads"] // 2)
+    return dims
 
 
 def recipe_hash(family: str, **overrides) -> str:
