@@ -270,6 +270,11 @@ def main() -> None:
     timings["lora"] = time.perf_counter() - start
     if rank == 0:
         (out / "timings.json").write_text(json.dumps(timings))
+    # The first build_run opened the process group (each train() closes only a group it opened):
+    # close it before exit, or gloo's threads are still running when the process tears down.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
