@@ -86,8 +86,6 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
-    """Rollout engine: `hf` (transformers generate)."""
     num_generations: int = 8
     """G: completions sampled per prompt. Advantages are computed within each group of G."""
     max_completion_length: int = 256
@@ -104,6 +102,27 @@ class RolloutConfig:
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
     rollout engine samples from its own copy of the weights, one optimizer step old; see
     --vllm_importance_sampling_correction."""
+    # ---- vLLM (mmgrpo/rollout/vllm_*.py, docs/vllm.md) ----
+    use_vllm: bool = False
+    """Roll out with vLLM (TRL / ms-swift name): `pip install mmgrpo[vllm]` on GPUs. Off: the in-process engines."""
+    vllm_mode: str = "colocate"
+    """`colocate`: a vLLM engine in the training process (one per rank); `server`: a `mmgrpo rollout-server` elsewhere."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Colocate on GPUs: the share of GPU memory vLLM takes for its weights and KV cache."""
+    vllm_max_model_len: int | None = None
+    """Longest prompt + completion vLLM holds. None: --max_prompt_length + --max_completion_length."""
+    vllm_tensor_parallel_size: int = 1
+    """Colocate on GPUs: ranks that share one vLLM engine by tensor parallelism."""
+    vllm_enable_sleep_mode: bool = False
+    """Colocate on GPUs: vLLM releases its KV cache and moves its weights to host memory between rollouts."""
+    vllm_kv_cache_memory_bytes: int | None = None
+    """vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB; on GPUs it overrides --vllm_gpu_memory_utilization)."""
+    vllm_server_host: str = "127.0.0.1"
+    """Server mode: the host of `mmgrpo rollout-server`."""
+    vllm_server_port: int = 8000
+    """Server mode: its port."""
+    vllm_server_timeout: float = 240.0
+    """Server mode: seconds to wait for the server at start-up, and for any one request before failing."""
 
 
 @dataclass
@@ -462,7 +481,7 @@ def validate(cfg: TrainConfig) -> None:
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
         "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
-        "backend": (cfg.rollout.backend, ("hf",)),
+        "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
     })
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
@@ -484,6 +503,10 @@ def validate(cfg: TrainConfig) -> None:
             "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
             "--per_device_train_batch_size."
         )
+    if cfg.rollout.use_vllm:  # before any model loads: vLLM installed, flags that fit
+        from mmgrpo.rollout.vllm_engine import validate_vllm
+
+        validate_vllm(cfg)
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
     if cfg.eval.eval_dataset is None and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):

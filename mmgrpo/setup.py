@@ -276,6 +276,7 @@ def build_run(cfg: TrainConfig) -> Run:
     rollout = build_rollout_engine(
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
         asynchronous=cfg.rollout.async_generate, peft_model=peft_model,
+        vllm=(cfg, str(path)) if cfg.rollout.use_vllm else None,  # --use_vllm: vLLM loads `path` itself, then syncs
     )
     return Run(
         cfg=cfg, dataset=dataset, rewards=rewards, processor=processor, template=template, model=model,

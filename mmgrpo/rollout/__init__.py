@@ -7,6 +7,8 @@
     hf.py             transformers' generate, on any model
     shared_prefix.py  each prompt prefilled once for its G samples; lean decode steps (lean_decode.py)
     sampling.py       the logit filters and the sampler of the in-process engines
+    vllm_*.py         vLLM in the training process (vllm_colocate.py) or as a server (vllm_server.py,
+                      vllm_client.py), chosen by --use_vllm --vllm_mode (vllm_engine.py)
 
 A new engine implements `generate` and `update_weights` and gets a branch in
 `build_rollout_engine` (docs/architecture.md).
@@ -34,7 +36,7 @@ __all__ = [
 
 def build_rollout_engine(
     policy, strategy=None, prepared=None, *, gather_for_generation: bool = True, asynchronous: bool = False,
-    peft_model=None,
+    peft_model=None, vllm=None,
 ) -> RolloutEngine:
     """The rollout engine for `policy` (its model and template), decided once.
 
@@ -45,8 +47,14 @@ def build_rollout_engine(
     Elsewhere HF generate, in lockstep across sharded ranks (`synced_gpus`).
     asynchronous: the engine samples from its own copy of the model (LoRA: with the adapters
     merged), which `update_weights` refreshes, so rollouts can run while the policy trains.
+    vllm: (cfg, model_path) where --use_vllm: vLLM colocated or as a server (its own weights, always).
     """
     model, template = policy.model, policy.template
+    if vllm is not None:
+        from mmgrpo.rollout.vllm_engine import build_vllm_engine
+
+        cfg, model_path = vllm
+        return build_vllm_engine(cfg, model_path, template, strategy)
     hooks = {}
     if prepared is not None:
         hooks = dict(call=prepared.rollout_call, scope=prepared.rollout_scope)

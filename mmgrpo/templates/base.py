@@ -278,6 +278,17 @@ class Template:
                 types[prompt_ids == self.media[modality].token_id] = type_id
         return {self.token_type_key: types}
 
+    def rollout_processor_kwargs(self) -> dict:
+        """Keyword arguments for the family's HF processor that make an engine running it on
+        `prompt_text` and the raw media (vLLM's `mm_processor_kwargs`) expand and resize exactly as
+        `encode_prompt` does: each hook's `processor_kwargs`, and the batch flags."""
+        kwargs: dict[str, Any] = {}
+        for hook in self.media.values():
+            if hasattr(hook, "processor_kwargs"):
+                kwargs.update(hook.processor_kwargs())
+        kwargs.update(self.batch_flags([]))
+        return kwargs
+
     # ----------------------------------------------------------------------------------------
     # Batching
     # ----------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ sequence (like a HF processor's `replace_image_token`).
     hook.tokens_per_item(batch) -> list[int]       # `token_id` tokens each item of a batch occupies
     hook.patches_per_item(batch) -> list[int]      # rows each item owns in the `patch_keys` tensors
     hook.input_sizes(tensors) -> [(w, h), ...]     # images only: the resized model input of each image
+    hook.processor_kwargs() -> dict                # optional: the HF processor options that give `process`'s
+                                                   # result (a rollout engine such as vLLM runs the processor)
 
 `item_keys` are tensors with one entry per item along dim 0 (grids, audio features ...),
 `patch_keys` tensors whose dim 0 concatenates a variable number of rows per item (Qwen's
@@ -74,6 +76,10 @@ class QwenImages:
         self.patch_size = image_processor.patch_size
         self.merge_size = image_processor.merge_size
 
+    def processor_kwargs(self) -> dict:
+        """The HF processor options that resize as `process` does (for a rollout engine's processor)."""
+        return {"images_kwargs": {"size": dict(self.size)}}
+
     def process(self, images: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
         out = self.image_processor(images=images, size=self.size, return_tensors="pt")
         tensors = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
@@ -120,6 +126,10 @@ class QwenVideos:
         self.merge_size = video_processor.merge_size
         self.seconds_key = seconds_key
         self.item_keys = ("video_grid_thw",) + ((seconds_key,) if seconds_key else ())
+
+    def processor_kwargs(self) -> dict:
+        """The HF processor options that process frames as `process` does (already sampled: not again)."""
+        return {"videos_kwargs": {"size": dict(self.size), "do_sample_frames": False}}
 
     def process(self, videos: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
         out = self.video_processor(

