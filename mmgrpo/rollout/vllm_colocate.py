@@ -139,7 +139,8 @@ class VLLMColocateRollout:
         if self.sleep_mode:  # KV cache released, weights to host memory until the next update / rollout
             self.llm.sleep(level=1)
             self._asleep = True
-        return rollout_from_completions(completions_of(outputs), self.template, sampling.max_new_tokens,
+        copies = sampling.num_generations if sampling.greedy else 1
+        return rollout_from_completions(completions_of(outputs, copies), self.template, sampling.max_new_tokens,
                                         self.weight_version)
 
     def prompt_token_ids(self, prompts: list) -> list[list[int]]:

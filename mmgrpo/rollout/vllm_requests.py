@@ -128,12 +128,12 @@ def check_prompt_lengths(prompts: list, max_model_len: int, max_new_tokens: int)
 def sampling_options(sampling: SamplingParams, template, prompt_index: int = 0, suppress: bool = True) -> dict:
     """The vllm.SamplingParams keywords of one prompt's G samples (plain data: it crosses HTTP too).
 
-    n=G; greedy is temperature 0; the template's placeholder ids get logit bias -inf (never drawn)
+    n=G; greedy is temperature 0 and n=1 (vLLM refuses greedy copies: `completions_of` repeats it); the template's placeholder ids get logit bias -inf (never drawn)
     and its EOS ids stop a completion (kept in the output, as the training mask scores EOS).
     vLLM seeds the G samples of a request with seed, seed + 1, ...: each prompt gets its own block.
     """
     options = dict(
-        n=sampling.num_generations,
+        n=1 if sampling.greedy else sampling.num_generations,
         max_tokens=sampling.max_new_tokens,
         temperature=0.0 if sampling.greedy else sampling.temperature,
         top_p=1.0 if sampling.greedy else sampling.top_p,
@@ -165,11 +165,12 @@ def vllm_sampling(options: dict):
 # ---- outputs ------------------------------------------------------------------------------------
 
 
-def completions_of(outputs) -> list[dict]:
-    """vLLM RequestOutputs -> per completion {"ids", "logps"} (plain lists), the G of a prompt contiguous."""
+def completions_of(outputs, copies: int = 1) -> list[dict]:
+    """vLLM RequestOutputs -> per completion {"ids", "logps"} (plain lists), the G of a prompt contiguous;
+    each completion `copies` times (greedy: one completion stands for the G identical ones)."""
     rows = []
     for output in outputs:
-        for completion in output.outputs:
+        for completion in [c for c in output.outputs for _ in range(copies)]:
             ids = list(completion.token_ids)
             logps = [next(iter(step.values())).logprob if len(step) == 1 else step[token].logprob
                      for token, step in zip(ids, completion.logprobs or [])]
