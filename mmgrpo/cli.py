@@ -7,6 +7,7 @@
     mmgrpo report   runs/x
     mmgrpo export   --merge_lora --model runs/x/checkpoint-50 --output_dir runs/x/merged
     mmgrpo viz      attention --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test --index 0
+    mmgrpo rollout-server --model tiny:qwen2-vl --port 8000     # vLLM rollouts for --vllm_mode server
     mmgrpo datasets
     mmgrpo demo
 
@@ -26,6 +27,7 @@ COMMANDS = {
     "report": "HTML report with plots of a training run",
     "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
     "export": "write a LoRA checkpoint as a plain HF folder (--merge_lora)",
+    "rollout-server": "serve vLLM rollouts to `train --use_vllm --vllm_mode server` (docs/vllm.md)",
     "datasets": "list the dataset registry with splits and sizes",
     "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
 }
@@ -105,6 +107,12 @@ def cmd_viz(argv):
     viz_main(argv)
 
 
+def cmd_rollout_server(argv):
+    from mmgrpo.rollout.vllm_server import main as server_main
+
+    server_main(argv)
+
+
 def cmd_demo(argv):
     from mmgrpo.demo import main as demo_main
 
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.errors import MMGRPOError
 
     try:
-        globals()[f"cmd_{command}"](rest)
+        globals()[f"cmd_{command.replace('-', '_')}"](rest)
     except MMGRPOError as exc:
         print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
         sys.exit(2)
