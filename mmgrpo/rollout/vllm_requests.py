@@ -198,7 +198,7 @@ def rollout_from_completions(rows: list[dict], template, max_new_tokens: int, we
 def kv_cache_error(error: BaseException, flag: str) -> ConfigError | None:
     """A ConfigError naming the flag to change where vLLM ran out of KV cache at start-up, else None."""
     text = str(error)
-    if "KV cache" in text or "kv cache" in text.lower() or "max_model_len" in text:
+    if any(key in text.lower() for key in ("kv cache", "cache blocks", "max_model_len")):
         return ConfigError(
             f"vLLM has too little KV cache for --vllm_max_model_len: raise {flag} (or lower --vllm_max_model_len). "
             f"vLLM said: {text.splitlines()[0] if text else type(error).__name__}"
