@@ -362,6 +362,8 @@ def train(cfg: TrainConfig) -> Path:
                     )
     finally:
         pipeline.close()
+        if hasattr(run.rollout, "close"):  # a vLLM engine goes before the process group it uses
+            run.rollout.close()
     logger.close()
     run.strategy.close()
     return out

@@ -168,7 +168,8 @@ class VLLMColocateRollout:
     def close(self) -> None:
         """Free the engine (before the process group goes down under torchrun)."""
         llm = self.__dict__.pop("llm", None)
-        if llm is not None:
+        if llm is not None:  # vLLM's shutdown tears down its groups: while the process group is up
+            llm.llm_engine.engine_core.shutdown()
             del llm
         import gc
 
