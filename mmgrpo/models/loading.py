@@ -124,10 +124,11 @@ def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None)
     of them) resize images exactly as training did."""
     image_processor = getattr(processor, "image_processor", None)
     size = getattr(image_processor, "size", None)
-    if not isinstance(size, dict) or "shortest_edge" not in size:
+    # transformers 5 holds `size` as a SizeDict, not a dict: read its edges by key either way
+    try:
+        shortest_edge, longest_edge = size["shortest_edge"], size["longest_edge"]
+    except (TypeError, KeyError):
         return  # a family without pixel budgets (the template rejects the flags itself)
-    image_processor.size = {
-        **size,
-        "shortest_edge": min_pixels or size["shortest_edge"],
-        "longest_edge": max_pixels or size["longest_edge"],
-    }
+    if shortest_edge is None or longest_edge is None:
+        return
+    image_processor.size = {"shortest_edge": min_pixels or shortest_edge, "longest_edge": max_pixels or longest_edge}
