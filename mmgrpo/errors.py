@@ -20,3 +20,7 @@ class DataError(MMGRPOError):
 
 class RewardError(MMGRPOError):
     """A reward function raised or returned something unusable."""
+
+
+class CheckpointError(MMGRPOError):
+    """A checkpoint or model folder is incomplete, truncated or corrupt, or cannot be written."""

@@ -1,0 +1,324 @@
+"""Checkpoint folders that are complete or absent, never half-written.
+
+    pending = save_atomically(out / "checkpoint-8", write)   # write(folder) fills a staging folder
+    pending.wait()                                            # returns at once unless background=True
+    latest_checkpoint(out)                                    # out/checkpoint-8: the newest complete one
+    check_checkpoint(out / "checkpoint-8")                    # CheckpointError if incomplete or truncated
+
+A save, in order:
+  1. awaits the previous save into the same folder, then repairs what a killed save left: a
+     finished staging folder whose rename did not happen is renamed into place; other
+     `checkpoint-N.tmp` / `*.old` folders are deleted;
+  2. `write(staging)` writes every file into `<name>.tmp/` beside the target;
+  3. every file and folder of it is fsynced, then `checkpoint_complete.json` (each file with its
+     size) is written and fsynced: the marker comes last, so its presence means the data is on disk;
+  4. the staging folder is renamed to `<name>`. A target that exists already (`checkpoint-best`,
+     a step saved again after a resume) is swapped with it in one atomic exchange
+     (renameat2 RENAME_EXCHANGE on Linux; elsewhere two renames that step 1 repairs), and the old
+     folder is deleted only after the new one is in place;
+  5. the output folder is fsynced and `keep_last` (--save_total_limit) removes the oldest
+     complete numbered checkpoints beyond the newest N; `checkpoint-best` is its own folder and stays.
+
+A kill at any instant leaves every earlier checkpoint loadable, and `latest_checkpoint`, the
+loaders and rotation skip a folder without the marker (with a one-line warning). With
+`background=True` steps 2-5 run in a thread: the caller hands over data it will not modify
+(`mmgrpo.train_state` copies tensors first) and training goes on; the thread is not a daemon,
+so the interpreter waits for it at exit, and the next save into the same folder awaits it first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from mmgrpo.errors import CheckpointError
+
+MARKER = "checkpoint_complete.json"
+STAGING_SUFFIX = ".tmp"  # a save in progress (or killed)
+ASIDE_SUFFIX = ".old"  # a replaced checkpoint waiting for deletion (fallback path only)
+NUMBERED = re.compile(r"^checkpoint-(\d+)$")
+FORMAT_VERSION = 1
+logger = logging.getLogger("mmgrpo.checkpoint")  # one line on stderr, no stack
+
+_IN_FLIGHT: dict[Path, PendingSave] = {}  # output folder -> its save running in the background
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+class PendingSave:
+    """A save that may still be running: `wait()` returns its folder or raises its error."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None):
+        self.path, self.thread = path, thread
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # time the write, sync and rename took (in the thread when in background)
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> Path:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None  # raised once
+            raise error
+        return self.path
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+
+def save_atomically(
+    path: str | os.PathLike, write: Callable[[Path], None], *, background: bool = False, keep_last: int | None = None
+) -> PendingSave:
+    """Write a checkpoint folder through a staging folder, a completeness marker and a rename.
+
+    write(folder): writes the checkpoint's files into `folder` (which exists and is empty).
+    background: run write/sync/rename in a thread and return at once; `wait()` the result.
+    keep_last: after the rename, delete the oldest complete `checkpoint-N` beyond the newest N.
+
+    >>> import tempfile
+    >>> out = Path(tempfile.mkdtemp())
+    >>> _ = save_atomically(out / "checkpoint-1", lambda d: (d / "w.txt").write_text("one")).wait()
+    >>> _ = save_atomically(out / "checkpoint-2", lambda d: (d / "w.txt").write_text("two"), keep_last=1).wait()
+    >>> sorted(p.name for p in out.iterdir()), latest_checkpoint(out).name
+    (['checkpoint-2'], 'checkpoint-2')
+    """
+    path = Path(path)
+    staging = prepare_staging(path)
+    pending = PendingSave(path)
+
+    def finish():
+        start = time.perf_counter()
+        try:
+            write(staging)
+            commit(staging, path)
+            if keep_last:
+                rotate_checkpoints(path.parent, keep_last)
+        except BaseException as err:  # noqa: B036 (a KeyboardInterrupt also leaves no staging folder)
+            shutil.rmtree(staging, ignore_errors=True)
+            pending.error = err
+        finally:
+            pending.seconds = time.perf_counter() - start
+
+    if not background:
+        finish()
+        pending.wait()  # raises the write's error here
+        return pending
+    pending.thread = threading.Thread(target=finish, name=f"save {path.name}", daemon=False)
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT[path.parent.resolve()] = pending
+    pending.thread.start()
+    return pending
+
+
+def prepare_staging(path: Path) -> Path:
+    """Await the folder's running save, repair what killed saves left, and return an empty
+    staging folder `<path>.tmp` for `path` (steps 1-2 of a save; `commit` is the rest)."""
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    wait_for_saves(parent)  # one save at a time per folder: the repair must not touch a live one
+    repair_interrupted(parent)
+    staging = path.with_name(path.name + STAGING_SUFFIX)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def wait_for_saves(folder: str | os.PathLike | None = None) -> None:
+    """Await the background save into `folder` (every folder when None); raises its error."""
+    with _IN_FLIGHT_LOCK:
+        if folder is None:
+            pendings = list(_IN_FLIGHT.values())
+            _IN_FLIGHT.clear()
+        else:
+            pending = _IN_FLIGHT.pop(Path(folder).resolve(), None)
+            pendings = [pending] if pending is not None else []
+    for pending in pendings:
+        pending.wait()
+
+
+def commit(staging: Path, path: Path) -> None:
+    """fsync `staging`, write the marker, and move it to `path` (swapping with an existing one)."""
+    manifest = {"format": FORMAT_VERSION, "files": sync_tree(staging)}
+    marker = staging / MARKER
+    with open(marker, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(staging)
+    if not path.exists():
+        os.rename(staging, path)
+    elif exchange(staging, path):  # `staging` now holds the old checkpoint
+        shutil.rmtree(staging)
+    else:
+        aside = path.with_name(path.name + ASIDE_SUFFIX)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(path, aside)  # a kill here: repair_interrupted puts the finished staging folder in place
+        os.rename(staging, path)
+        shutil.rmtree(aside)
+    fsync_dir(path.parent)
+
+
+def sync_tree(folder: Path) -> dict[str, int]:
+    """fsync every file and subfolder under `folder`; returns {relative path: size in bytes}."""
+    sizes = {}
+    for root, dirs, files in os.walk(folder):
+        for name in sorted(files):
+            file = Path(root) / name
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sizes[file.relative_to(folder).as_posix()] = file.stat().st_size
+        for name in dirs:
+            fsync_dir(Path(root) / name)
+    return sizes
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (new files, renames) durable."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms that cannot open folders (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.EBADF):  # some file systems do not sync folders
+            raise
+    finally:
+        os.close(fd)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # old kernel, or a file system without it
+        return False
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
+def repair_interrupted(folder: str | os.PathLike) -> None:
+    """Undo what a killed save left in `folder`.
+
+    A complete `<name>.tmp` whose `<name>` is missing (killed between the marker and the rename,
+    or between the two renames of the fallback path) is renamed into place; failing that, a
+    complete `<name>.old` is put back. Every other `.tmp` / `.old` folder is deleted.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for leftover in sorted(folder.iterdir()):
+        if not leftover.is_dir() or not leftover.name.endswith((STAGING_SUFFIX, ASIDE_SUFFIX)):
+            continue
+        target = folder / leftover.name.rsplit(".", 1)[0]
+        if not target.exists() and is_complete(leftover):
+            os.rename(leftover, target)
+            logger.warning(f"{target}: restored from {leftover.name}, left by a save that was interrupted")
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+    fsync_dir(folder)
+
+
+def rotate_checkpoints(folder: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete the oldest complete `checkpoint-N` folders beyond the newest `keep_last`; returns them.
+
+    Incomplete folders are not counted and not touched; `checkpoint-best` is not numbered.
+    """
+    numbered = list_checkpoints(folder, warn=False)
+    removed = numbered[:-keep_last] if keep_last > 0 else []
+    for old in removed:
+        shutil.rmtree(old)
+    return removed
+
+
+# ---- finding and checking ----------------------------------------------------------------------
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The N of a `checkpoint-N` folder name, else None."""
+    match = NUMBERED.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(folder: str | os.PathLike, *, warn: bool = True) -> list[Path]:
+    """The complete `checkpoint-N` folders in `folder`, oldest first; incomplete ones are skipped
+    with a one-line warning each (when `warn`)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        step = checkpoint_step(path)
+        if step is None or not path.is_dir():
+            continue
+        problem = checkpoint_problem(path)
+        if problem is None:
+            found.append((step, path))
+        elif warn:
+            logger.warning(f"skipping {path}: {problem}")
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The complete `checkpoint-N` with the largest N in `folder` (None if there is none)."""
+    checkpoints = list_checkpoints(folder)
+    return checkpoints[-1] if checkpoints else None
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return checkpoint_problem(path) is None
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """What is wrong with a checkpoint folder, in a few words; None when it is complete."""
+    path = Path(path)
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"incomplete (no {MARKER}: its save did not finish)"
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"{MARKER} is unreadable"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, {size} when it was saved (truncated or overwritten)"
+    return None
+
+
+def check_checkpoint(path: str | os.PathLike) -> Path:
+    """`path` if it is a complete checkpoint, else a one-line CheckpointError naming the newest
+    complete sibling to use instead."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such folder")
+    problem = checkpoint_problem(path)
+    if problem is None:
+        return path
+    others = [p for p in list_checkpoints(path.parent, warn=False) if p != path]
+    hint = f"; the newest complete one is {others[-1]}" if others else ""
+    raise CheckpointError(f"checkpoint {path} is {problem if problem.startswith('incomplete') else 'damaged: ' + problem}{hint}")
