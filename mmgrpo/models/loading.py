@@ -16,6 +16,7 @@ import os
 import torch
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.models.integrity import check_model_folder
 from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
@@ -29,6 +30,7 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
     path = resolve_model_path(name_or_path)
     local = os.path.expanduser(path)
     if os.path.isdir(local):
+        check_model_folder(local, weights="config.json" in needs)  # a truncated or corrupt file: one line naming it
         if not any(os.path.isfile(os.path.join(local, name)) for name in needs):
             raise ConfigError(f"model {name_or_path!r}: the folder {local} has no {' or '.join(needs)}")
         return local
