@@ -172,7 +172,7 @@ class _FakeRun:
     """What TrainingEval.keep_best touches of a Run: save()."""
 
     def save(self, path):
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/checkpoint.py)
         (path / "weights").write_text("saved")
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from mmgrpo.checkpoint import save_atomically
 from mmgrpo.errors import ConfigError
 
 BEST_DIR = "checkpoint-best"
@@ -120,10 +121,6 @@ class TrainingEval:
             if not better:
                 return  # a tie keeps the earlier checkpoint
         self.best_value = value
-        best, staging = self.output_dir / BEST_DIR, self.output_dir / f"{BEST_DIR}.tmp"
-        # Written aside, then renamed into place: a run killed mid-save leaves no half-written checkpoint-best.
-        shutil.rmtree(staging, ignore_errors=True)
-        run.save(staging)
         record = {
             "step": step,
             "metric": name,
@@ -132,6 +129,13 @@ class TrainingEval:
             "eval": str(Path("eval") / f"step-{step}" / "eval.json"),
             "metrics": metrics,
         }
-        (staging / BEST_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        shutil.rmtree(best, ignore_errors=True)
-        staging.rename(best)
+
+        def write(folder: Path) -> None:
+            run.save(folder)
+            (folder / BEST_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+        # Staged, marked complete, then swapped in: the old checkpoint-best stays until the new one is whole.
+        if getattr(run, "strategy", None) is None or run.strategy.is_main:
+            save_atomically(self.output_dir / BEST_DIR, write)
+        else:
+            run.save(self.output_dir / BEST_DIR)  # the other ranks join the weights' gather; only rank 0 writes
