@@ -4,6 +4,8 @@
     batches = cycle(loader)                    # endless, reshuffled each epoch from the seed
     for step in range(num_steps):
         batch = next(batches)                  # [(Sample, PromptInputs), ...] of length batch_size
+    state = batches.state_dict()               # {"epoch", "batch", ...}: saved in a checkpoint
+    batches = PromptStream(loader, state)      # a resumed run: the same batches from there on
 
 Workers call `sample.load_media(...)`, then the dataset's augmentation if its registry entry has an
 `augment:` block (mmgrpo/data/augment.py, seeded by (seed, epoch, index)), then `encode_fn(loaded)`,
@@ -18,10 +20,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
+from mmgrpo.lifetime import WorkerInit
 
 
 class EpochSampler(Sampler):
@@ -43,17 +45,23 @@ class EpochSampler(Sampler):
         self.rank, self.world_size = rank, world_size
         self.with_epoch = with_epoch  # yield (index, epoch): persistent workers cannot see set_epoch
         self.epoch = 0
+        self.start = 0  # rows of this rank's share already consumed in this epoch (a resumed stream)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next iteration is epoch `epoch`, from row `start` of this rank's share on."""
+        self.epoch, self.start = epoch, start
 
-    def __iter__(self):
+    def indices(self, epoch: int) -> list[int]:
+        """This rank's share of epoch `epoch`, in order."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
         else:
             order = np.arange(self.num_rows)
         usable = len(self) * self.world_size
-        indices = order[:usable][self.rank :: self.world_size].tolist()
+        return order[:usable][self.rank :: self.world_size].tolist()
+
+    def __iter__(self):
+        indices = self.indices(self.epoch)[self.start :]
         return iter([(i, self.epoch) for i in indices] if self.with_epoch else indices)
 
     def __len__(self) -> int:
@@ -116,7 +124,7 @@ def make_prompt_loader(
         workers = {
             "prefetch_factor": prefetch_factor,
             "persistent_workers": True,
-            "worker_init_fn": _init_worker,
+            "worker_init_fn": WorkerInit(),  # one torch thread; ends with the trainer, even on kill -9
             "multiprocessing_context": multiprocessing_context,
         }
     return PromptLoader(
@@ -130,22 +138,86 @@ def make_prompt_loader(
     )
 
 
-def cycle(loader: DataLoader):
+def cycle(loader: DataLoader) -> PromptStream:
     """Batches forever; before epoch e the sampler is set to e, so every epoch has its own order.
 
-    The order depends only on the seed: two runs with the same seed see the same batches.
+    The order depends only on the seed: two runs with the same seed see the same batches. The
+    returned stream's position is state (`PromptStream.state_dict()`) that a resumed run restores.
     """
-    epoch = 0
-    while True:
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(epoch)
-        yielded = False
-        for batch in loader:
-            yielded = True
-            yield batch
-        if not yielded:
-            raise ConfigError("the prompt loader yields no batch; the dataset is smaller than one batch")
-        epoch += 1
+    return PromptStream(loader)
+
+
+class PromptStream:
+    """Endless batches of a `make_prompt_loader` loader, reshuffled per epoch, with a position that
+    can be saved and restored: a stream restored at batch k of epoch e yields exactly the batches
+    an uninterrupted stream yields from there on (workers and prefetching included: a batch counts
+    as consumed when `next()` returns it, so prefetched ones are simply read again).
+
+    A mixture (`MixedDataset`) is one index space whose plan (which source, which row) is fixed by
+    the seed, so its datasets have no positions of their own: the mixture's position fixes each
+    dataset's. `state_dict()["per_dataset"]` reports how many rows of each were read this epoch.
+    Each rank streams its own share; ranks move in step, and each saves its own position.
+    """
+
+    def __init__(self, loader: DataLoader, state: dict | None = None):
+        self.loader, self.sampler = loader, loader.sampler
+        self.epoch, self.batch = 0, 0  # the next batch is number `batch` (from 0) of epoch `epoch`
+        self._iterator = None
+        if state is not None:
+            self.load_state_dict(state)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            if self._iterator is None:
+                if hasattr(self.sampler, "set_epoch"):
+                    self.sampler.set_epoch(self.epoch, self.batch * self.loader.batch_size)
+                self._iterator = iter(self.loader)
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                if self.batch == 0:
+                    raise ConfigError("the prompt loader yields no batch; the dataset is smaller than one batch") from None
+                self.epoch, self.batch, self._iterator = self.epoch + 1, 0, None
+                continue
+            self.batch += 1
+            return batch
+
+    def _identity(self) -> dict:
+        dataset = getattr(self.loader.dataset, "dataset", self.loader.dataset)  # inside _EncodedDataset
+        sources = getattr(dataset, "sources", [dataset])
+        return {
+            "dataset": getattr(dataset, "name", type(dataset).__name__),
+            "rows": len(dataset),
+            "sources": [[getattr(s, "name", "?"), getattr(s, "split", "?"), len(s)] for s in sources],
+            "batch_size": self.loader.batch_size,
+            "seed": getattr(self.sampler, "seed", None),
+            "rank": getattr(self.sampler, "rank", 0),
+            "world_size": getattr(self.sampler, "world_size", 1),
+        }
+
+    def state_dict(self) -> dict:
+        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in."""
+        state = {"epoch": self.epoch, "batch": self.batch, **self._identity()}
+        dataset = getattr(self.loader.dataset, "dataset", self.loader.dataset)
+        if hasattr(dataset, "source_ids") and isinstance(self.sampler, EpochSampler):
+            read = self.sampler.indices(self.epoch)[: self.batch * self.loader.batch_size]
+            counts = np.bincount(dataset.source_ids[read], minlength=len(dataset.sources)) if read else []
+            state["per_dataset"] = {s.name: int(c) for s, c in zip(dataset.sources, counts)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; the stream must be over the same data, batch size, seed and ranks."""
+        mine = self._identity()
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise ConfigError(
+                    f"the saved prompt stream had {key} {state[key]!r}, this run's has {value!r}: resume with the "
+                    "same --dataset, --split, batch size, --seed and number of processes"
+                )
+        self.epoch, self.batch, self._iterator = int(state["epoch"]), int(state["batch"]), None
 
 
 class _EncodedDataset(Dataset):
@@ -193,11 +265,6 @@ class _Failure:
 
 def _as_list(batch: list) -> list:
     return batch
-
-
-def _init_worker(worker_id: int) -> None:
-    # Workers decode and run processors; one thread each keeps them from fighting the trainer.
-    torch.set_num_threads(1)
 
 
 def media_options(template, model_cfg) -> dict:
