@@ -1,0 +1,80 @@
+"""DataLoader workers end when their trainer dies, however it dies: a real trainer-like process with
+two workers busy on slow samples is killed with SIGKILL, and its workers are gone within seconds
+(torch's own check would see it only after the sample in hand, 20 s later)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TRAINER = '''
+import sys, threading, time
+from mmgrpo.data.pipeline import cycle, make_prompt_loader
+from mmgrpo.data.schema import Sample
+
+class Slow:
+    """Sample 0 and 1 are quick; later ones take seconds each (a long video decode)."""
+    name = "slow"
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        if index > 1:
+            time.sleep(20)
+        return Sample(id=f"slow/train/{index}", messages=[{"role": "user", "content": "hi"}])
+
+def main():
+    loader = make_prompt_loader(Slow(), batch_size=1, num_workers=2, seed=0, shuffle=False)
+    batches = cycle(loader)
+    next(batches)
+    print(" ".join(str(w.pid) for w in loader._iterator._workers), flush=True)
+    time.sleep(600)
+
+if sys.argv[1] == "main":
+    main()
+else:  # the loader first iterated from a helper thread: the kernel signal is not used, the watcher is
+    thread = threading.Thread(target=main)
+    thread.start()
+    thread.join()
+'''
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has freed its memory and waits only to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("started_from", ["main", "thread"])
+def test_workers_die_with_a_sigkilled_trainer(tmp_path, started_from):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen([sys.executable, str(script), started_from], stdout=subprocess.PIPE, text=True, env=env)
+    workers = []
+    try:
+        workers = [int(pid) for pid in trainer.stdout.readline().split()]
+        assert len(workers) == 2 and all(alive(pid) for pid in workers)
+        time.sleep(0.5)  # both workers are now inside a 20 s sample
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        deadline = time.monotonic() + 3.0
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers), "workers outlived their trainer"
+    finally:
+        trainer.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
