@@ -17,6 +17,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -132,7 +133,9 @@ class AlgoConfig:
     reward_weights: list[float] | None = None
     """One weight per reward function (default 1.0 each)."""
     reward_errors: str = "raise"
-    """What a raising reward does: `raise` stops with the sample named; `none` skips that sample."""
+    """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
+    reward_timeout: float = 300.0
+    """Seconds one reward call (a batch) may take before it is stopped and counts as an error (--reward_errors). 0: no limit."""
     loss_type: str = "dapo"
     """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md), or a loss registered with `register_loss`."""
     beta: float = 0.04
@@ -244,6 +247,12 @@ class RunOptions:
     """Epochs over the prompts, used when max_steps is -1."""
     save_steps: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    save_total_limit: int | None = None
+    """Keep only the newest N complete checkpoint-N folders (checkpoint-best is kept apart). None: keep all."""
+    resume_from_checkpoint: str | None = None
+    """`latest` (the newest complete checkpoint in --output_dir) or a checkpoint folder: continue that run exactly (weights, optimizer, schedule, RNGs, data position); the reference model stays --model."""
+    overwrite_output_dir: bool = False
+    """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
     logging_steps: int = 1
     """Print and log every N steps."""
     report_to: str = "tensorboard"
@@ -282,7 +291,7 @@ class TrainConfig(RunOptions):
     log_completions: int = 4
     """Prompts per step written to completions.jsonl (all G completions of each)."""
     max_nonfinite_steps: int = 5
-    """Stop after this many steps with a NaN/inf loss (each one is skipped with a warning)."""
+    """Stop after this many steps with a NaN/inf loss or gradient norm (each one is skipped with a warning)."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
@@ -369,6 +378,7 @@ def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.Argumen
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description or (cls.__doc__ or "").strip().splitlines()[0],
+        allow_abbrev=False,  # `--learning` is an error, not silently --learning_rate
     )
     parser.add_argument("--config", help="YAML file of options (nested by section or flat); flags override it.")
     default = cls()
@@ -513,6 +523,36 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
         raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
+    validate_run_limits(cfg)
+
+
+def validate_run_limits(cfg: TrainConfig) -> None:
+    """Numbers that cannot work (a zero batch, a NaN learning rate ...), each an error naming its flag."""
+    positive = {
+        "max_completion_length": cfg.rollout.max_completion_length,
+        "per_device_train_batch_size": cfg.optim.per_device_train_batch_size,
+        "gradient_accumulation_steps": cfg.optim.gradient_accumulation_steps,
+        "max_nonfinite_steps": cfg.max_nonfinite_steps,
+    }
+    for flag, value in positive.items():
+        if value is None or value < 1:
+            raise ConfigError(f"--{flag} {value}: must be at least 1.")
+    rate = cfg.optim.learning_rate
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"--learning_rate {rate}: must be a finite number > 0 (e.g. 1e-6).")
+    low, high = cfg.model.min_pixels, cfg.model.max_pixels
+    for flag, value in (("min_pixels", low), ("max_pixels", high)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} {value}: must be a positive number of pixels.")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"--min_pixels {low} is above --max_pixels {high}: no image size satisfies both.")
+    timeout = cfg.algo.reward_timeout
+    if timeout is None or not math.isfinite(timeout) or timeout < 0:
+        raise ConfigError(f"--reward_timeout {timeout}: give seconds >= 0 (0: no limit).")
+    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
+        raise ConfigError(f"--save_total_limit {cfg.save_total_limit}: keep at least 1 checkpoint (or leave it unset to keep all).")
+    if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
+        raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
 
 
 MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values

@@ -1,0 +1,158 @@
+"""Checks on the output folder and the resume flag, made before any model loads.
+
+    plan = preflight(cfg)    # ConfigError / CheckpointError now, not after minutes of loading
+    ...                      # build the run
+    plan.apply()             # when the run starts writing: clears or trims the folder as decided
+
+A run writes into `--output_dir`; what is already there decides what may happen:
+
+| the folder | flags | then |
+|---|---|---|
+| absent or empty | - | a new run |
+| not empty | none | refused: a second run would mix its metrics and checkpoints with the first |
+| not empty | `--resume_from_checkpoint latest` or a path | the run continues: `metrics.jsonl` and `completions.jsonl` keep the steps up to the checkpoint's (later lines, from the run that crashed, are dropped) |
+| not empty | `--overwrite_output_dir` | mmgrpo's files of the earlier run are deleted (config.yaml, metrics.jsonl, completions.jsonl, TensorBoard events, checkpoint-*, eval/, report.html, report/); any other file stays |
+
+Also refused here: an output folder that is a file, lies under a file, or cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmgrpo.checkpoint import check_checkpoint, checkpoint_step, list_checkpoints, repair_interrupted
+from mmgrpo.errors import ConfigError
+from mmgrpo.train_state import TrainingState, read_training_state
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
+RUN_GLOBS = ("events.out.tfevents.*", "checkpoint-*")
+RUN_FOLDERS = ("eval", "report")
+STEP_LOGS = ("metrics.jsonl", "completions.jsonl")  # one JSON object per line, each with "step"
+
+
+@dataclass
+class OutputPlan:
+    """What `preflight` decided for the output folder; `apply()` carries it out."""
+
+    output_dir: Path
+    mode: str  # "new" | "resume" | "overwrite"
+    resume_from: Path | None = None
+    state: TrainingState | None = None  # the checkpoint's training state (mode "resume")
+    remove: list[Path] = field(default_factory=list)  # mode "overwrite": the earlier run's files
+
+    @property
+    def resume_step(self) -> int:
+        """The last step the checkpoint finished (0 for a new run): the loop starts at this + 1."""
+        return self.state.step if self.state is not None else 0
+
+    def apply(self) -> None:
+        """Delete the earlier run's files (overwrite) or trim its step logs to the checkpoint (resume)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        for path in self.remove:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        if self.mode == "resume":
+            for name in STEP_LOGS:
+                trim_step_log(self.output_dir / name, self.resume_step)
+
+
+def preflight(cfg) -> OutputPlan:
+    """Check --output_dir, --resume_from_checkpoint and --overwrite_output_dir together (after
+    `cfg.validate()`, which checks every other flag).
+
+    Nothing is written yet except the output folder itself when it did not exist.
+    """
+    out = Path(cfg.output_dir).expanduser()
+    resume, overwrite = cfg.resume_from_checkpoint, cfg.overwrite_output_dir
+    check_writable(out)
+    if resume and overwrite:
+        raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
+    entries = sorted(p.name for p in out.iterdir())
+    if resume:
+        return _resume_plan(out, resume)
+    if not entries:
+        return OutputPlan(out, "new")
+    if overwrite:
+        return OutputPlan(out, "overwrite", remove=run_files(out))
+    shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+    raise ConfigError(
+        f"--output_dir {out} is not empty ({shown}): a second run there would mix with the first. Pass "
+        "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or another --output_dir."
+    )
+
+
+def _resume_plan(out: Path, resume: str) -> OutputPlan:
+    repair_interrupted(out)  # a killed save may have left a finished checkpoint just short of its rename
+    if resume == "latest":
+        complete = list_checkpoints(out)  # incomplete ones: a one-line warning each
+        if not complete:
+            raise ConfigError(
+                f"--resume_from_checkpoint latest: no complete checkpoint in {out}; check --output_dir, or drop "
+                "the flag to start afresh (with --overwrite_output_dir if the folder is not empty)."
+            )
+        path = complete[-1]
+    else:
+        path = Path(resume).expanduser()
+        check_checkpoint(path)
+    state = read_training_state(path)
+    newer = [p.name for p in list_checkpoints(out, warn=False) if (checkpoint_step(p) or 0) > state.step]
+    if newer:
+        raise ConfigError(
+            f"--resume_from_checkpoint {path}: {out} holds {', '.join(newer)}, saved later by the run being resumed; "
+            "the resumed run would overwrite them. Resume from latest, or move them away first."
+        )
+    return OutputPlan(out, "resume", resume_from=path, state=state)
+
+
+def check_writable(out: Path) -> None:
+    """ConfigError unless `out` is (or can be created as) a folder this process can write in."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out} is a file, not a folder: give a folder path.")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--output_dir {out}: {parent} is a file, so no folder can be made under it.")
+            break
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmgrpo-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"--output_dir {out} is not writable ({err.strerror or err}): pick a folder you can write to.") from None
+
+
+def run_files(out: Path) -> list[Path]:
+    """The files and folders an earlier mmgrpo run left in `out` (what --overwrite_output_dir deletes)."""
+    found = {out / name for name in (*RUN_FILES, *RUN_FOLDERS) if (out / name).exists()}
+    for pattern in RUN_GLOBS:
+        found.update(out.glob(pattern))
+    return sorted(found)
+
+
+def trim_step_log(path: Path, last_step: int) -> None:
+    """Keep the lines of a JSON-lines step log with "step" <= last_step (a torn last line is dropped);
+    rewritten through a temporary file and a rename, so a kill leaves the old or the new file."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the crash
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            kept.append(line + "\n")
+    staging = path.with_name(path.name + ".tmp")
+    with open(staging, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, path)
+

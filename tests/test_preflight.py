@@ -1,0 +1,152 @@
+"""Before any model loads: the output folder (refused when another run is there, unless resuming or
+overwriting), and every flag whose value cannot work, each an error naming the flag (exit 2)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmgrpo.checkpoint import save_atomically
+from mmgrpo.config import TrainConfig
+from mmgrpo.errors import CheckpointError, ConfigError
+from mmgrpo.preflight import preflight
+from mmgrpo.train_state import STATE_FILE, TrainingState
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(out, *flags):
+    return TrainConfig.from_args(["--output_dir", str(out), *flags])
+
+
+def fake_checkpoint(out, step, complete=True):
+    """A training checkpoint folder (the marker and training_state.json are what preflight reads)."""
+
+    def write(folder):
+        (folder / STATE_FILE).write_text(json.dumps({"step": step}))
+
+    if complete:
+        save_atomically(out / f"checkpoint-{step}", write)
+    else:
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+
+
+def fake_run(out, steps=6):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text("seed: 0\n")
+    lines = [json.dumps({"step": s, "reward": s / 10}) for s in range(1, steps + 1)]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 7, "rew')  # torn by a kill
+    (out / "completions.jsonl").write_text("".join(json.dumps({"step": s, "completions": []}) + "\n" for s in range(1, steps + 1)))
+    (out / "events.out.tfevents.1.host").write_bytes(b"tb")
+    (out / "eval" / "step-2").mkdir(parents=True)
+
+
+def test_a_new_run_gets_an_absent_or_empty_folder(tmp_path):
+    plan = preflight(config(tmp_path / "a" / "b"))
+    assert plan.mode == "new" and (tmp_path / "a" / "b").is_dir() and plan.resume_step == 0
+    assert preflight(config(tmp_path / "a" / "b")).mode == "new"
+
+
+def test_a_folder_with_another_run_is_refused(tmp_path):
+    fake_run(tmp_path)
+    with pytest.raises(ConfigError, match=(
+        rf"^--output_dir {tmp_path} is not empty \(checkpoint|config.yaml.*\): a second run there would mix with the "
+        r"first. Pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or another --output_dir.$"
+    )):
+        preflight(config(tmp_path))
+
+
+def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
+    fake_run(tmp_path)
+    fake_checkpoint(tmp_path, 4)
+    (tmp_path / "notes.txt").write_text("mine")
+    plan = preflight(config(tmp_path, "--overwrite_output_dir"))
+    assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted before the run starts writing
+    plan.apply()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_latest_picks_the_newest_complete_checkpoint_and_trims_the_logs(tmp_path, caplog):
+    fake_run(tmp_path)
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 6, complete=False)  # killed while saving
+    with caplog.at_level(logging.WARNING, logger="mmgrpo.checkpoint"):
+        plan = preflight(config(tmp_path, "--resume_from_checkpoint", "latest"))
+    assert "checkpoint-6: incomplete" in caplog.text
+    assert plan.mode == "resume" and plan.resume_from == tmp_path / "checkpoint-4" and plan.resume_step == 4
+    assert isinstance(plan.state, TrainingState)
+    plan.apply()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "completions.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert (tmp_path / "checkpoint-6").exists()  # left alone: the resumed run saves over it atomically
+
+
+def test_resume_errors(tmp_path):
+    fake_run(tmp_path)
+    with pytest.raises(ConfigError, match=f"--resume_from_checkpoint latest: no complete checkpoint in {tmp_path}"):
+        preflight(config(tmp_path, "--resume_from_checkpoint", "latest"))
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    with pytest.raises(ConfigError, match="holds checkpoint-4, saved later by the run being resumed; the resumed run would overwrite"):
+        preflight(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")))
+    fake_checkpoint(tmp_path, 8, complete=False)
+    with pytest.raises(CheckpointError, match="checkpoint-8 is incomplete .*the newest complete one is .*checkpoint-4"):
+        preflight(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-8")))
+    with pytest.raises(ConfigError, match="pass one of them"):
+        config(tmp_path, "--resume_from_checkpoint", "latest", "--overwrite_output_dir").validate()
+
+
+def test_output_folders_that_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=f"--output_dir {tmp_path / 'file'} is a file, not a folder"):
+        preflight(config(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'file'} is a file, so no folder can be made under it"):
+        preflight(config(tmp_path / "file" / "run"))
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    unwritable = locked / "run" if os.geteuid() != 0 else Path("/sys/mmgrpo-test-run")  # root writes anywhere else
+    with pytest.raises(ConfigError, match=f"--output_dir {unwritable} is not writable \\(.*\\): pick a folder you can write to"):
+        preflight(config(unwritable))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_completion_length", "0"], "--max_completion_length 0: must be at least 1."),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1."),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be at least 1."),
+    (["--learning_rate", "nan"], r"--learning_rate nan: must be a finite number > 0"),
+    (["--learning_rate", "inf"], r"--learning_rate inf: must be a finite number > 0"),
+    (["--learning_rate", "-0.001"], r"--learning_rate -0.001: must be a finite number > 0"),
+    (["--learning_rate", "0"], r"--learning_rate 0.0: must be a finite number > 0"),
+    (["--min_pixels", "50000", "--max_pixels", "1000"], "--min_pixels 50000 is above --max_pixels 1000: no image size satisfies both."),
+    (["--max_pixels", "0"], "--max_pixels 0: must be a positive number of pixels."),
+    (["--reward_timeout", "-1"], r"--reward_timeout -1.0: give seconds >= 0 \(0: no limit\)."),
+    (["--save_total_limit", "0"], "--save_total_limit 0: keep at least 1 checkpoint"),
+    (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be at least 1."),
+])
+def test_flags_that_cannot_work_name_the_flag(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_args(["--num_generations", "2", "--per_device_train_batch_size", "4", *flags]).validate()
+
+
+def train_cli(*flags):
+    return subprocess.run([sys.executable, "-m", "mmgrpo", "train", *flags], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_completion_length", "0"], "mmgrpo train: error: --max_completion_length 0: must be at least 1."),
+    (["--learning_rate", "nan"], "mmgrpo train: error: --learning_rate nan: must be a finite number > 0 (e.g. 1e-6)."),
+    (["--min_pixels", "50000", "--max_pixels", "1000"], "mmgrpo train: error: --min_pixels 50000 is above --max_pixels 1000"),
+    (["--learning", "1e-3"], "mmgrpo train: error: unrecognized arguments: --learning 1e-3"),  # no prefix expansion
+    (["--per_device", "4"], "mmgrpo train: error: unrecognized arguments: --per_device 4"),
+])
+def test_the_cli_exits_2_with_one_line_before_any_model_loads(tmp_path, flags, message):
+    completed = train_cli("--output_dir", str(tmp_path / "run"), *flags)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines()[-1].startswith(message), completed.stderr[-1500:]
+    assert "Traceback" not in completed.stderr and not (tmp_path / "run").exists()
