@@ -55,17 +55,19 @@ class RewardSet:
     on_error: str = "raise"
     routes: dict[str, list[str]] | None = None  # dataset name -> reward specs
     specs: list[str] | None = None  # as named in --reward_funcs / the registry
+    timeout: float | None = None  # --reward_timeout: seconds per reward call
 
     def __call__(self, completions: list[str], columns: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.routes:
-            return compute_rewards(self.funcs, self.weights, completions, columns, on_error=self.on_error)
+            return compute_rewards(self.funcs, self.weights, completions, columns, on_error=self.on_error, timeout=self.timeout)
         datasets = [dataset_of(sample_id) for sample_id in columns["sample_id"]]
         per_func = torch.full((len(self.funcs), len(completions)), float("nan"))
         for f, (spec, func) in enumerate(zip(self.specs, self.funcs)):
             rows = [i for i, d in enumerate(datasets) if spec in self.routes.get(d, self.specs)]
             if rows:
                 sub_columns = {key: [values[i] for i in rows] for key, values in columns.items()}
-                values, _ = compute_rewards([func], [1.0], [completions[i] for i in rows], sub_columns, on_error=self.on_error)
+                values, _ = compute_rewards([func], [1.0], [completions[i] for i in rows], sub_columns, on_error=self.on_error,
+                                            timeout=self.timeout)
                 per_func[f, rows] = values[0]
         total = torch.nansum(per_func * torch.tensor(self.weights)[:, None], dim=0)
         return per_func, total
@@ -89,7 +91,8 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
         )
     weights = cfg.algo.reward_weights or [1.0] * len(names)
     funcs = [get_reward(name) for name in names]
-    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, list(names))
+    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, list(names),
+                     cfg.algo.reward_timeout)
 
 
 class PromptEncoder:

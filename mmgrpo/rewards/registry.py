@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
+import time
 from collections.abc import Callable, Sequence
 
 from mmgrpo.errors import ConfigError, RewardError
 from mmgrpo.plugins import import_plugin
+from mmgrpo.rewards.timeout import RewardTimeout, call_with_timeout
 
 logger = logging.getLogger("mmgrpo.rewards")
 
@@ -136,34 +140,73 @@ def _sample_label(index: int, columns: dict) -> str:
     return f"sample {index}"
 
 
-def _to_float(value, name: str, index: int, columns: dict) -> float:
-    """A reward value as a float; None becomes NaN. Anything else non-numeric is a RewardError."""
+def _to_float(value, name: str, index: int, columns: dict, on_error: str = "raise") -> float:
+    """A reward value as a float; None becomes NaN (skipped). A NaN or inf is a RewardError naming
+    the reward and the sample (with on_error="none": skipped, with a warning once); anything
+    else non-numeric is always a RewardError."""
     if value is None:
         return math.nan
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         raise RewardError(
             f"reward '{name}' returned {value!r} for {_sample_label(index, columns)}; "
             "a reward returns a float (or None to skip the sample)"
         ) from None
+    if not math.isfinite(number):
+        message = (
+            f"reward '{name}' returned {number} for {_sample_label(index, columns)}; a reward must be a finite "
+            "number (return None to skip a sample); --reward_errors none skips such values with a warning"
+        )
+        if on_error == "raise":
+            raise RewardError(message)
+        _warn_once(f"nonfinite:{name}", message + " [warned once; later ones are skipped silently]")
+        return math.nan  # skipped: never trained on
+    return number
 
 
-def _call_one_reward(func: RewardFunc, completions: list[str], columns: dict, on_error: str) -> list[float]:
-    """Run one reward on the batch; on an exception, rerun sample by sample to name the culprit."""
+def _timed_out(name: str, n: int, columns: dict, timeout: float, on_error: str, what: str = "a batch of") -> list:
+    """A call past --reward_timeout: a RewardError, or (on_error="none") None for each sample."""
+    message = (
+        f"reward '{name}' did not return within --reward_timeout {timeout:g} s on {what} {n} completion(s) "
+        f"(first: {_sample_label(0, columns)}); it may be stuck (a network call, an endless loop). Fix it or raise "
+        "--reward_timeout; --reward_errors none scores such calls None (skipped) with a warning"
+    )
+    if on_error == "raise":
+        raise RewardError(message)
+    _warn_once(f"timeout:{name}", message + " [warned once; later timeouts are skipped silently]")
+    return [None] * n
+
+
+def _call_one_reward(
+    func: RewardFunc, completions: list[str], columns: dict, on_error: str, timeout: float | None = None
+) -> list[float]:
+    """Run one reward on the batch; on an exception, rerun sample by sample to name the culprit.
+
+    Each call is limited to `timeout` seconds (mmgrpo/rewards/timeout.py); the sample-by-sample
+    reruns share one more `timeout`.
+    """
     name = reward_name(func)
     n = len(completions)
     try:
-        values = func(completions, **columns)
+        values = call_with_timeout(func, (completions,), columns, timeout=timeout, name=name)
+    except RewardTimeout:
+        values = _timed_out(name, n, columns, timeout, on_error)
     except Exception as batch_exc:
         values = []
+        deadline = time.monotonic() + timeout if timeout else None
         for i in range(n):
             one_columns = {k: v[i : i + 1] for k, v in columns.items()}
             try:
-                one = func(completions[i : i + 1], **one_columns)
+                left = None if deadline is None else max(0.01, deadline - time.monotonic())
+                one = call_with_timeout(func, (completions[i : i + 1],), one_columns, timeout=left, name=name)
                 if one is None or len(one) != 1:
                     raise ValueError(f"returned {one!r} for a batch of one")
                 values.append(one[0])
+            except RewardTimeout:
+                values.extend(_timed_out(name, n - i, {k: v[i:] for k, v in columns.items()}, timeout, on_error,
+                                         "samples rerun one by one after the batch raised:"))
+                break
             except Exception as exc:
                 message = (
                     f"reward '{name}' raised on {_sample_label(i, columns)}: {type(exc).__name__}: {exc} "
@@ -189,7 +232,7 @@ def _call_one_reward(func: RewardFunc, completions: list[str], columns: dict, on
             f"reward '{name}' returned {len(values)} values for {n} completions; it must return one "
             "value per completion (None to skip one)"
         )
-    return [_to_float(v, name, i, columns) for i, v in enumerate(values)]
+    return [_to_float(v, name, i, columns, on_error) for i, v in enumerate(values)]
 
 
 def compute_rewards(
@@ -199,6 +242,7 @@ def compute_rewards(
     columns: dict[str, list] | None = None,
     *,
     on_error: str = "raise",
+    timeout: float | None = None,
 ):
     """Run every reward on a batch and combine them.
 
@@ -212,8 +256,11 @@ def compute_rewards(
     `weights` None means 1.0 each. `columns` are lists aligned with `completions`; a `sample_id`
     column, when present, is named in errors. A reward that raises is a RewardError naming the
     reward, the sample and the exception; `on_error="none"` instead logs a warning once per
-    reward and scores the failing samples None. A reward returning the wrong number of values
-    is always a RewardError.
+    reward and scores the failing samples None. A NaN or inf value is an error the same way
+    (never a reward to train on). `timeout` (seconds, --reward_timeout) limits each reward call:
+    past it, an error, or with `on_error="none"` None for that call's samples
+    (mmgrpo/rewards/timeout.py says how a stuck call is stopped). A reward returning the wrong
+    number of values is always a RewardError.
 
     >>> def half(completions, **columns):
     ...     return [0.5 if c else None for c in completions]
@@ -250,7 +297,7 @@ def compute_rewards(
         columns[key] = list(column)
 
     per_func = torch.tensor(
-        [_call_one_reward(f, completions, columns, on_error) for f in funcs], dtype=torch.float32
+        [_call_one_reward(f, completions, columns, on_error, timeout) for f in funcs], dtype=torch.float32
     ).reshape(len(funcs), n)  # [num_funcs, N]
     weight = torch.tensor(weights, dtype=torch.float32).unsqueeze(1)  # [num_funcs, 1]
     total = (per_func * weight).nansum(dim=0)  # [N]
