@@ -214,8 +214,8 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                   is_weights=None) -> dict:
     """num_iterations passes of gradient-accumulated updates over the rollout batch.
 
-    A non-finite loss skips the step on every rank (`skipped` 1 in the metrics; the loop counts
-    them); the learning-rate schedule advances either way, so it stays in step with the steps.
+    A non-finite loss or gradient norm skips the step on every rank (`skipped` 1 in the metrics;
+    the loop counts them); the learning-rate schedule advances either way, so it stays in step with the steps.
     """
     cfg, policy, strategy = run.cfg, run.policy, run.strategy
     config = loss_config(cfg)
@@ -264,10 +264,14 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                 break
             grad_norm = strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             update_losses.append(update_loss)
+            if not math.isfinite(grad_norm):  # the strategy did not step (mmgrpo/guards.py): a skip like a NaN loss
+                warnings.warn(f"non-finite gradient norm ({grad_norm}): update skipped", stacklevel=1)
+                skipped = True
+                break
         if skipped:
             break
     run.scheduler.step()
-    loss = float("nan") if skipped else sum(update_losses) / len(update_losses)
+    loss = sum(update_losses) / len(update_losses) if update_losses else float("nan")  # a NaN loss: never appended
     return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
 
 
@@ -357,7 +361,7 @@ def train(cfg: TrainConfig) -> Path:
                 bar.advance(metrics)
                 if state.nonfinite_steps >= cfg.max_nonfinite_steps:
                     raise ConfigError(
-                        f"{state.nonfinite_steps} steps had a NaN/inf loss: stopping. Lower --learning_rate, "
+                        f"{state.nonfinite_steps} steps had a NaN/inf loss or gradient norm: stopping. Lower --learning_rate, "
                         "use fp32, or raise --max_nonfinite_steps."
                     )
     finally:

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
 
@@ -88,8 +89,7 @@ class FSDP2(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the global norm over all shards
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/guards.py); the norm tells the loop
         return float(norm)
 
     def full_tensors(self, model, names: list[str]):
