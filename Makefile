@@ -53,15 +53,18 @@ demo: venv
 	$(VENV)/bin/mmgrpo demo
 
 # Everything: the main suite in .venv, then the vLLM tests in .venv-vllm (each venv built when missing).
+# Headless Chromium (one test renders the HTML report) comes from Debian when missing: .ci/ensure_chromium.
 test: test-main test-vllm
 
 test-main: venv
+	sh .ci/ensure_chromium
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-vllm: venv-vllm
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:xdist -m vllm tests/test_vllm_*.py
 
 test-fast: venv
+	sh .ci/ensure_chromium
 	$(PY) -m pytest -q -n 2 -m "not slow and not distributed"
 
 lint: venv
