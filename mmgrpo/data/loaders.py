@@ -57,7 +57,37 @@ def load_rows(paths: str | os.PathLike | list, *, split: str | None = None):
         )
     if path.stat().st_size == 0:
         raise DataError(f"dataset file {path} is empty")
+    if FILE_FORMATS[path.suffix.lower()] in ("json", "csv"):
+        check_utf8(path)  # datasets would load the bytes as they are and fail at the row, in a worker
     return _without_media_decoding(_load_file(path))
+
+
+def check_utf8(path: Path, chunk_size: int = 1 << 20) -> None:
+    """DataError naming the line and column of the first text that is not UTF-8.
+
+    A fast pass decodes 1 MiB chunks; only when it fails is the file read line by line to say
+    where (a UTF-8 character never holds a newline byte, so lines decode on their own).
+    """
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        return
+    except UnicodeDecodeError:
+        pass
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}, line {number}: not valid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}); "
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or fix that line"
+                ) from None
 
 
 def folder_splits(path: str | os.PathLike) -> list[str]:

@@ -365,6 +365,11 @@ def resolve_dataset(
     name, spec_split, _ = parse_spec(spec)
     split = spec_split or split
     if _looks_like_path(name):
+        if spec_split is not None and not Path(name).expanduser().is_dir():
+            raise ConfigError(
+                f"dataset {spec!r}: {name} is one file, with no split {spec_split!r} (a file has no splits); drop "
+                f"':{spec_split}', give each split its own file, or a registry entry with 'splits' (docs/data.md)"
+            )
         return _view_of_path(Path(name), split)
     registry = load_registry(extra_files) if registry is None else registry
     if name not in registry:
