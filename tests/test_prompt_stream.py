@@ -97,3 +97,19 @@ def test_a_state_of_other_data_or_batch_size_is_refused(tmp_path):
 
 def test_cycle_is_a_stream():
     assert isinstance(cycle(make_prompt_loader(list(range(4)), batch_size=2, num_workers=0)), PromptStream)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_stream_draws_nothing_from_torchs_global_rng(tmp_path, num_workers):
+    """A resumed run starts its loader at another step than the uninterrupted one: if starting it
+    drew from the global RNG (DataLoader's worker seed does by default), that step would sample
+    other completions."""
+    import torch
+
+    stream = stream_of(Pictures(tmp_path), num_workers=num_workers)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in range(3):  # the first iterator, and a new epoch's
+        next(stream)
+    assert torch.equal(torch.rand(3), expected)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
@@ -134,6 +135,10 @@ def make_prompt_loader(
         num_workers=num_workers,
         collate_fn=_as_list,
         drop_last=drop_last,
+        # Each new iterator draws its workers' seed from this generator, not from torch's global
+        # RNG: the training step's sampling does not depend on when the loader (re)starts, so a
+        # run resumed mid-epoch samples as the uninterrupted one did.
+        generator=torch.Generator().manual_seed(seed),
         **workers,
     )
 
