@@ -31,7 +31,11 @@ def _jsonable(value):
 
 
 class RunLogger:
-    def __init__(self, output_dir: Path, cfg):
+    """resume_step: a resumed run continues after this step; TensorBoard hides the crashed run's
+    events of later steps (SummaryWriter purge_step). The step logs are trimmed by
+    mmgrpo.preflight.OutputPlan.apply()."""
+
+    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -42,7 +46,7 @@ class RunLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(self.dir))
+                self.tb = SummaryWriter(str(self.dir), purge_step=None if resume_step is None else resume_step + 1)
             except ImportError:  # tensorboard is optional outside the pinned set
                 pass
 

@@ -1,0 +1,115 @@
+"""Exact resume: a 12-step run killed with SIGKILL at random moments (during a step, during a save)
+and resumed from the latest checkpoint writes the metrics.jsonl of an uninterrupted run, step for
+step (fp32, one process, DataLoader workers, two epochs, a reference model, evaluation with a best
+checkpoint). Runs tests/resume_worker.py, the loop of engine.train with the resume calls."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmgrpo.checkpoint import latest_checkpoint
+from mmgrpo.data.registry import resolve_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "resume_worker.py"
+VARYING = ("time/", "samples_per_s", "memory/")  # wall-clock figures differ run to run
+REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """12 prompts (6 steps of 2 per epoch: the run crosses an epoch) and a reward that varies."""
+    folder = tmp_path_factory.mktemp("inputs")
+    source = resolve_dataset("shapes-color")
+    with open(folder / "prompts.jsonl", "w") as f:
+        for row in source.rows.select(range(12)):
+            row["images"] = [str(Path(source.media_root) / image) for image in row["images"]]
+            f.write(json.dumps(row) + "\n")
+    (folder / "reward.py").write_text(REWARD)
+    return folder
+
+
+def flags(inputs, out):
+    return ["--model", "tiny:qwen2-vl", "--dataset", str(inputs / "prompts.jsonl"), "--reward_funcs", f"{inputs / 'reward.py'}:length",
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+            "--max_steps", "12", "--save_steps", "2", "--save_total_limit", "3", "--learning_rate", "1e-3", "--beta", "0.04",
+            "--dataloader_num_workers", "2", "--eval_dataset", "shapes-color:test", "--eval_steps", "3", "--eval_limit", "4",
+            "--metric_for_best_model", "answer_format", "--output_dir", str(out)]
+
+
+def start(inputs, out, *extra, background=False):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               MMGRPO_TEST_SAVE_IN_BACKGROUND="1" if background else "0")
+    return subprocess.Popen([sys.executable, str(WORKER), *flags(inputs, out), *extra], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process):
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+
+
+def steps_logged(out):
+    path = out / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.endswith("}")) if path.exists() else 0
+
+
+def kill_when(process, ready, rng, max_delay):
+    """SIGKILL `process` a random 0..max_delay s after ready() first holds; False if it ended first."""
+    while not ready():
+        if process.poll() is not None:
+            return False
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, max_delay))
+    if process.poll() is not None:
+        return False
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    return True
+
+
+def metrics(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    finish(start(inputs, out))
+    return metrics(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True])
+def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted, tmp_path, background):
+    rng = random.Random(1234 + background)
+    out = tmp_path / "run"
+    assert [row["step"] for row in uninterrupted] == list(range(1, 13))
+    assert any("eval/answer_format" in row for row in uninterrupted)
+
+    # 1. killed at a random moment after the first checkpoint: during a step, an eval or a save
+    process = start(inputs, out, background=background)
+    assert kill_when(process, lambda: latest_checkpoint(out) is not None, rng, max_delay=1.5)
+    # 2. resumed, then killed while it writes a checkpoint (a staging folder exists)
+    process = start(inputs, out, "--resume_from_checkpoint", "latest", background=background)
+    first = steps_logged(out) if (out / "metrics.jsonl").exists() else 0
+    staging = lambda: steps_logged(out) > first and any(p.name.endswith(".tmp") for p in out.iterdir())  # noqa: E731
+    killed_in_save = kill_when(process, staging, rng, max_delay=0.0)
+    if killed_in_save:
+        assert any(p.name.endswith(".tmp") for p in out.iterdir())  # the kill did land inside a save
+    # 3. resumed to the end
+    finish(start(inputs, out, "--resume_from_checkpoint", "latest", background=background))
+
+    assert metrics(out) == uninterrupted
+    best = json.loads((out / "checkpoint-best" / "best.json").read_text())
+    assert best["step"] in (3, 6, 9, 12)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-12", "checkpoint-8", "checkpoint-best"]
+    assert killed_in_save or background  # a foreground save of the tiny model is long enough to be caught
