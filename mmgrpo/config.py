@@ -251,6 +251,8 @@ class RunOptions:
     """Keep only the newest N complete checkpoint-N folders (checkpoint-best is kept apart). None: keep all."""
     resume_from_checkpoint: str | None = None
     """`latest` (the newest complete checkpoint in --output_dir) or a checkpoint folder: continue that run exactly (weights, optimizer, schedule, RNGs, data position); the reference model stays --model."""
+    save_in_background: bool = False
+    """Write checkpoints from a thread after copying them to memory (one process; the final save is awaited). See docs/training.md."""
     overwrite_output_dir: bool = False
     """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
     logging_steps: int = 1
@@ -315,6 +317,8 @@ class SFTConfig(RunOptions):
         validate_common(self)
         if env_world_size() > 1:
             raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
+        if self.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)
+            raise ConfigError("--resume_from_checkpoint: mmgrpo sft does not resume; start it again with --model CHECKPOINT.")
 
 
 # ---- dataclass <-> argparse / YAML ---------------------------------------------------------
@@ -553,6 +557,10 @@ def validate_run_limits(cfg: TrainConfig) -> None:
         raise ConfigError(f"--save_total_limit {cfg.save_total_limit}: keep at least 1 checkpoint (or leave it unset to keep all).")
     if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
         raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
+    from mmgrpo.parallel.launch import env_world_size
+
+    if cfg.save_in_background and env_world_size() > 1:
+        raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
 
 
 MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values

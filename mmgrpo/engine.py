@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmgrpo.checkpoint import wait_for_saves
 from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.advantages import get_advantage
@@ -33,6 +34,8 @@ from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fr
 from mmgrpo.grpo.importance import sampling_importance_weights
 from mmgrpo.grpo.losses import LossConfig, policy_loss
 from mmgrpo.lora import rollout_weights
+from mmgrpo.preflight import preflight
+from mmgrpo.resume import resume_run, save_run
 from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
@@ -310,23 +313,30 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
 
 def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
-    run = build_run(cfg)  # flags, rewards and data checked before any model loads
+    cfg.validate()
+    plan = preflight(cfg)  # --output_dir and --resume_from_checkpoint, before any model loads
+    run = build_run(cfg, resume_from=plan.resume_from)  # flags, rewards and data checked before any model loads
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
-    logger = RunLogger(out, cfg) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
     state = TrainState()
     batches = run.prompt_batches()
     pipeline = RolloutPipeline(
         run.rollout, lambda: rollout_weights(run.model, run.peft_model, run.strategy), asynchronous=cfg.rollout.async_generate
     )
+    if plan.resume_from is not None:  # optimizer, schedule, counters, data position, async rollout, RNGs
+        resume_run(run, plan.resume_from, state, batches, pipeline)
+    if run.strategy.is_main:
+        plan.apply()  # resume: the step logs cut at the checkpoint; overwrite: the earlier run's files gone
+    # rank 0 writes the reduced metrics
+    logger = RunLogger(out, cfg, resume_step=plan.resume_step) if run.strategy.is_main else NullLogger()
     try:
-        with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main) as bar:
-            for step in range(1, run.total_steps + 1):
+        with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
+            for step in range(state.step + 1, run.total_steps + 1):
                 started = time.perf_counter()
                 state.step = step
                 torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
-                if step == 1 or not cfg.rollout.async_generate:
+                if not pipeline.in_flight:  # async: the rollout begun last step (or restored) is in flight
                     with loop("data"):
                         prompts = next(batches)
                     with loop("weight_sync"):
@@ -350,8 +360,9 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("eval"):
                     metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
                 with loop("save"):
-                    if final or (cfg.save_steps and step % cfg.save_steps == 0):
-                        run.save(out / f"checkpoint-{step}")
+                    if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
+                        save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
+                                 background=cfg.save_in_background and not final)
                 for phase in ("data", "weight_sync", "rollout", "eval", "save"):  # the same columns every step
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
                 # generating, overlapped with training when async (time/rollout is then the wait)
@@ -365,6 +376,7 @@ def train(cfg: TrainConfig) -> Path:
                         "use fp32, or raise --max_nonfinite_steps."
                     )
     finally:
+        wait_for_saves()  # a background save is complete (or its error raised) before the run ends
         pipeline.close()
         if hasattr(run.rollout, "close"):  # a vLLM engine goes before the process group it uses
             run.rollout.close()

@@ -32,6 +32,7 @@ from mmgrpo.train_state import TrainingState, read_training_state
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
 RUN_GLOBS = ("events.out.tfevents.*", "checkpoint-*")
 RUN_FOLDERS = ("eval", "report")
+WRITE_TEST = ".mmgrpo-write-test-"
 STEP_LOGS = ("metrics.jsonl", "completions.jsonl")  # one JSON object per line, each with "step"
 
 
@@ -74,7 +75,7 @@ def preflight(cfg) -> OutputPlan:
     check_writable(out)
     if resume and overwrite:
         raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_TEST))  # another rank's test file
     if resume:
         return _resume_plan(out, resume)
     if not entries:
@@ -122,7 +123,7 @@ def check_writable(out: Path) -> None:
             break
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".mmgrpo-write-test-"):
+        with tempfile.NamedTemporaryFile(dir=out, prefix=WRITE_TEST):
             pass
     except OSError as err:
         raise ConfigError(f"--output_dir {out} is not writable ({err.strerror or err}): pick a folder you can write to.") from None

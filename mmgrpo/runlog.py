@@ -94,7 +94,7 @@ class _Bar:
 
 
 @contextmanager
-def progress_bar(total: int, description: str, show: bool = True):
+def progress_bar(total: int, description: str, show: bool = True, completed: int = 0):
     """A rich bar showing the mean reward and seconds per step (nothing when show is False)."""
     if not show:
         yield _Bar(None, None)
@@ -109,5 +109,5 @@ def progress_bar(total: int, description: str, show: bool = True):
         transient=False,
     )
     with progress:
-        task = progress.add_task(description, total=total, reward=float("nan"), sps=float("nan"))
+        task = progress.add_task(description, total=total, completed=completed, reward=float("nan"), sps=float("nan"))
         yield _Bar(progress, task)

@@ -33,6 +33,7 @@ from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
+from mmgrpo.train_state import restore_weights
 
 
 def dataset_of(sample_id: str) -> str:
@@ -159,7 +160,7 @@ class TrainState:
     """What changes while a run trains."""
 
     step: int = 0  # optimizer steps taken
-    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss
+    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm
 
 
 def prompt_stream(cfg, dataset, template, batch_size: int, strategy: Strategy):
@@ -252,7 +253,9 @@ def load_trainable_model(cfg, path: str, template, strategy: Strategy, seed: int
     return apply_train_type(model, template.components, cfg.model, seed=seed)
 
 
-def build_run(cfg: TrainConfig) -> Run:
+def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
+    """resume_from: a checkpoint whose weights the policy takes (mmgrpo/resume.py); the reference
+    is still the starting --model."""
     cfg.validate()
     evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
@@ -266,6 +269,8 @@ def build_run(cfg: TrainConfig) -> Run:
     ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
     if cfg.algo.beta > 0 and cfg.model.train_type == "full":
         ref_model = reference_copy(model, bf16=strategy.bf16, share_frozen=not strategy.sharded)
+    if resume_from is not None:  # after the reference copy, before sharding
+        restore_weights(model, resume_from, peft_model=peft_model, template=template)
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
     steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.world_size)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim))  # FSDP2 / ZeRO-3 shard, then the optimizer

@@ -155,6 +155,7 @@ def save_training_checkpoint(
     any_rank: Callable[[bool], bool] | None = None,
     background: bool = False,
     keep_last: int | None = None,
+    extra_files: dict[str, object] | None = None,
 ) -> PendingSave:
     """Write a complete checkpoint of a run atomically (mmgrpo/checkpoint.py).
 
@@ -163,6 +164,8 @@ def save_training_checkpoint(
         the previous checkpoints stay the newest.
     background: copy weights, optimizer state and RNGs now (the only time training waits), and
         write them in a thread; `wait()` the result before exiting (mmgrpo/checkpoint.py).
+    extra_files: more files for rank 0 to write, by name: a str is written as text, anything else
+        with torch.save (tensors only, so it loads with weights_only=True).
     world_size > 1: every rank calls this with `any_rank` (`strategy.any_rank`: True everywhere if
         True on any; it is also the barrier); each writes its RNG file, rank 0 the rest and the
         marker, in the foreground (sharded optimizer states are not written here yet).
@@ -184,6 +187,7 @@ def save_training_checkpoint(
         if world_size > 1:
             raise CheckpointError("background checkpoint saving is for one process; save in the foreground under torchrun.")
         state_dict, optimizer_state, scheduler_state = snapshot(state_dict), snapshot(optimizer_state), snapshot(scheduler_state)
+        extra_files = snapshot(extra_files)
 
     def write_rank_files(folder: Path) -> None:
         torch.save(rng, folder / rng_file(rank))
@@ -196,6 +200,11 @@ def save_training_checkpoint(
             torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         if scheduler_state is not None:
             torch.save(scheduler_state, folder / SCHEDULER_FILE)
+        for name, content in (extra_files or {}).items():
+            if isinstance(content, str):
+                (folder / name).write_text(content)
+            else:
+                torch.save(content, folder / name)
         (folder / STATE_FILE).write_text(json.dumps(asdict(state), indent=1, allow_nan=False) + "\n")
         if world_size > 1:
             missing = [rng_file(r) for r in range(world_size) if not (folder / rng_file(r)).is_file()]
@@ -256,8 +265,8 @@ def read_training_state(path: str | os.PathLike) -> TrainingState:
 
 
 def load_training_checkpoint(
-    path: str | os.PathLike, *, model=None, peft_model=None, optimizer=None, scheduler=None, rank: int = 0,
-    world_size: int = 1,
+    path: str | os.PathLike, *, model=None, peft_model=None, template=None, optimizer=None, scheduler=None,
+    rank: int = 0, world_size: int = 1,
 ) -> TrainingState:
     """Restore a run from a complete checkpoint; returns its TrainingState.
 
@@ -274,7 +283,7 @@ def load_training_checkpoint(
             f"resume with the same number of processes (torchrun --nproc_per_node {state.world_size})"
         )
     if model is not None:
-        restore_weights(model, path, peft_model=peft_model)
+        restore_weights(model, path, peft_model=peft_model, template=template)
     for obj, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         if obj is not None:
             file = path / name
@@ -288,7 +297,7 @@ def load_training_checkpoint(
     return state
 
 
-def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_model=None) -> None:
+def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_model=None, template=None) -> None:
     """Copy a checkpoint's weights into `model` in place (same class, HF's key mapping applied by
     loading it as transformers does). With `peft_model`: the LoRA adapter only."""
     path = Path(path)
@@ -300,7 +309,7 @@ def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_mod
         return
     from mmgrpo.models.loading import load_model
 
-    loaded = load_model(str(path), dtype=next(model.parameters()).dtype)
+    loaded = load_model(str(path), dtype=next(model.parameters()).dtype, template=template)
     with torch.no_grad():
         model.load_state_dict(loaded.state_dict(), strict=True)
     del loaded

@@ -1,7 +1,7 @@
 """Exact resume: a 12-step run killed with SIGKILL at random moments (during a step, during a save)
 and resumed from the latest checkpoint writes the metrics.jsonl of an uninterrupted run, step for
 step (fp32, one process, DataLoader workers, two epochs, a reference model, evaluation with a best
-checkpoint). Runs tests/resume_worker.py, the loop of engine.train with the resume calls."""
+checkpoint; and with --async_generate, whose rollout in flight at a save is kept). Runs `mmgrpo train`.""
 
 import json
 import os
@@ -18,8 +18,7 @@ from mmgrpo.checkpoint import latest_checkpoint
 from mmgrpo.data.registry import resolve_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "resume_worker.py"
-VARYING = ("time/", "samples_per_s", "memory/")  # wall-clock figures differ run to run
+VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 
@@ -45,9 +44,9 @@ def flags(inputs, out):
 
 
 def start(inputs, out, *extra, background=False):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               MMGRPO_TEST_SAVE_IN_BACKGROUND="1" if background else "0")
-    return subprocess.Popen([sys.executable, str(WORKER), *flags(inputs, out), *extra], env=env,
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    extra = (*extra, "--save_in_background") if background else extra
+    return subprocess.Popen([sys.executable, "-m", "mmgrpo", "train", *flags(inputs, out), *extra], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -80,36 +79,48 @@ def metrics(out):
     return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
 
 
+MODES = {"foreground": [], "background": ["--save_in_background"], "async": ["--async_generate"]}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(inputs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    finish(start(inputs, out))
-    return metrics(out)
+    """The uninterrupted run's metrics, per mode (computed once each)."""
+    runs = {}
+
+    def of(mode):
+        if mode not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted-{mode}")
+            finish(start(inputs, out, *MODES[mode]))
+            runs[mode] = metrics(out)
+        return runs[mode]
+
+    return of
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("background", [False, True])
-def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted, tmp_path, background):
-    rng = random.Random(1234 + background)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted, tmp_path, mode):
+    rng = random.Random(1234 + len(mode))
     out = tmp_path / "run"
-    assert [row["step"] for row in uninterrupted] == list(range(1, 13))
-    assert any("eval/answer_format" in row for row in uninterrupted)
+    expected = uninterrupted(mode)
+    assert [row["step"] for row in expected] == list(range(1, 13))
+    assert any("eval/answer_format" in row for row in expected)
 
     # 1. killed at a random moment after the first checkpoint: during a step, an eval or a save
-    process = start(inputs, out, background=background)
+    process = start(inputs, out, *MODES[mode])
     assert kill_when(process, lambda: latest_checkpoint(out) is not None, rng, max_delay=1.5)
     # 2. resumed, then killed while it writes a checkpoint (a staging folder exists)
-    process = start(inputs, out, "--resume_from_checkpoint", "latest", background=background)
+    process = start(inputs, out, "--resume_from_checkpoint", "latest", *MODES[mode])
     first = steps_logged(out) if (out / "metrics.jsonl").exists() else 0
     staging = lambda: steps_logged(out) > first and any(p.name.endswith(".tmp") for p in out.iterdir())  # noqa: E731
     killed_in_save = kill_when(process, staging, rng, max_delay=0.0)
     if killed_in_save:
         assert any(p.name.endswith(".tmp") for p in out.iterdir())  # the kill did land inside a save
     # 3. resumed to the end
-    finish(start(inputs, out, "--resume_from_checkpoint", "latest", background=background))
+    finish(start(inputs, out, "--resume_from_checkpoint", "latest", *MODES[mode]))
 
-    assert metrics(out) == uninterrupted
+    assert metrics(out) == expected
     best = json.loads((out / "checkpoint-best" / "best.json").read_text())
     assert best["step"] in (3, 6, 9, 12)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-12", "checkpoint-8", "checkpoint-best"]
-    assert killed_in_save or background  # a foreground save of the tiny model is long enough to be caught
+    assert killed_in_save or mode == "background"  # a foreground save of the tiny model is long enough to be caught

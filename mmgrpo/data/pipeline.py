@@ -167,6 +167,7 @@ class PromptStream:
     def __init__(self, loader: DataLoader, state: dict | None = None):
         self.loader, self.sampler = loader, loader.sampler
         self.epoch, self.batch = 0, 0  # the next batch is number `batch` (from 0) of epoch `epoch`
+        self.last_start = (0, 0)  # (epoch, batch) where the batch returned last began
         self._iterator = None
         if state is not None:
             self.load_state_dict(state)
@@ -187,6 +188,7 @@ class PromptStream:
                     raise ConfigError("the prompt loader yields no batch; the dataset is smaller than one batch") from None
                 self.epoch, self.batch, self._iterator = self.epoch + 1, 0, None
                 continue
+            self.last_start = (self.epoch, self.batch)
             self.batch += 1
             return batch
 
@@ -203,12 +205,15 @@ class PromptStream:
             "world_size": getattr(self.sampler, "world_size", 1),
         }
 
-    def state_dict(self) -> dict:
-        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in."""
-        state = {"epoch": self.epoch, "batch": self.batch, **self._identity()}
+    def state_dict(self, *, before_last: bool = False) -> dict:
+        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in.
+        before_last: the position before the batch returned last (it is yielded again after a
+        restore; an asynchronous rollout's prompts in flight at a save are drawn again so)."""
+        epoch, batch = self.last_start if before_last else (self.epoch, self.batch)
+        state = {"epoch": epoch, "batch": batch, **self._identity()}
         dataset = getattr(self.loader.dataset, "dataset", self.loader.dataset)
         if hasattr(dataset, "source_ids") and isinstance(self.sampler, EpochSampler):
-            read = self.sampler.indices(self.epoch)[: self.batch * self.loader.batch_size]
+            read = self.sampler.indices(epoch)[: batch * self.loader.batch_size]
             counts = np.bincount(dataset.source_ids[read], minlength=len(dataset.sources)) if read else []
             state["per_dataset"] = {s.name: int(c) for s, c in zip(dataset.sources, counts)}
         return state

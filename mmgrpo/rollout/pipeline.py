@@ -83,6 +83,29 @@ class RolloutPipeline:
             raise result
         return prompts, result
 
+    @property
+    def in_flight(self) -> bool:
+        """A rollout was started (or restored) and not yet taken by `result`."""
+        return self._prompts is not None
+
+    def pending(self) -> tuple[list, Rollout] | None:
+        """The rollout in flight, finished (waits for it) but left in place for `result`; None if none.
+        A checkpoint saves it: mmgrpo/resume.py."""
+        if self._prompts is None:
+            return None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if isinstance(self._result, BaseException):
+            return None  # `result` raises it
+        return self._prompts, self._result
+
+    def restore(self, prompts: list, rollout: Rollout, version: int) -> None:
+        """Put back a rollout saved in flight (`pending`), with the policy's weights at `version`."""
+        if self._prompts is not None:
+            raise RuntimeError("a rollout is in flight already")
+        self._prompts, self._result, self.version = prompts, rollout, version
+
     def take_generate_seconds(self) -> float:
         """Seconds the engine spent generating since the last call."""
         seconds, self.generate_seconds = self.generate_seconds, 0.0
