@@ -59,6 +59,7 @@ def save_run(run, path: Path, state, batches, pipeline, *, background: bool = Fa
         optimizer=run.optimizer, scheduler=run.scheduler, state=training, rank=strategy.rank,
         world_size=strategy.world_size, any_rank=strategy.any_rank, background=background,
         keep_last=cfg.save_total_limit, extra_files=extra_files,
+        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
     )
 
 
@@ -66,8 +67,10 @@ def resume_run(run, path: Path, state, batches, pipeline) -> TrainingState:
     """Continue a run from checkpoint `path`: optimizer, schedule, counters, best evaluation value,
     prompt stream position, the rollout in flight (async) and, last, every RNG of this rank.
     The policy's weights were loaded by `build_run(cfg, resume_from=path)`."""
+    strategy = run.strategy
     saved = load_training_checkpoint(
-        path, optimizer=run.optimizer, scheduler=run.scheduler, rank=run.strategy.rank, world_size=run.strategy.world_size,
+        path, optimizer=run.optimizer, scheduler=run.scheduler, rank=strategy.rank, world_size=strategy.world_size,
+        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
     )
     started_from = saved.extra.get("model")
     if started_from is not None and started_from != run.cfg.model.model:
@@ -75,7 +78,7 @@ def resume_run(run, path: Path, state, batches, pipeline) -> TrainingState:
             f"checkpoint {path} continues a run that started from --model {started_from} (its KL reference); "
             f"this run has --model {run.cfg.model.model}. Resume with --model {started_from}."
         )
-    batches.load_state_dict(saved.data)
+    batches.load_state_dict({**saved.data, "rank": strategy.rank})  # ranks move in step: rank 0's position is each one's
     state.step, state.nonfinite_steps = saved.step, saved.nonfinite_steps
     run.evaluator.best_value = saved.best_metric
     pipeline.policy_updated(saved.step)  # an engine with its own copy gets these weights at its next rollout

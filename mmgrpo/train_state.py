@@ -156,6 +156,7 @@ def save_training_checkpoint(
     background: bool = False,
     keep_last: int | None = None,
     extra_files: dict[str, object] | None = None,
+    save_shards: Callable[[Path], None] | None = None,
 ) -> PendingSave:
     """Write a complete checkpoint of a run atomically (mmgrpo/checkpoint.py).
 
@@ -168,7 +169,8 @@ def save_training_checkpoint(
         with torch.save (tensors only, so it loads with weights_only=True).
     world_size > 1: every rank calls this with `any_rank` (`strategy.any_rank`: True everywhere if
         True on any; it is also the barrier); each writes its RNG file, rank 0 the rest and the
-        marker, in the foreground (sharded optimizer states are not written here yet).
+        marker, in the foreground. `save_shards(folder)`, a collective every rank calls, writes the
+        sharded optimizer state (`strategy.save_sharded_optimizer`: each rank its shards).
     """
     from mmgrpo.lora import save_pretrained
 
@@ -191,9 +193,12 @@ def save_training_checkpoint(
 
     def write_rank_files(folder: Path) -> None:
         torch.save(rng, folder / rng_file(rank))
+        if save_shards is not None:
+            save_shards(folder)
 
     def write(folder: Path) -> None:
-        write_rank_files(folder)
+        if world_size == 1:
+            write_rank_files(folder)
         save_pretrained(model, peft_model, folder, state_dict)
         processor.save_pretrained(folder)
         if optimizer_state is not None:
@@ -229,7 +234,7 @@ def save_training_checkpoint(
             rotate_checkpoints(path.parent, keep_last)
 
     _together(any_rank, prepare_staging if rank == 0 else None, path, path)
-    _together(any_rank, write_rank_files if rank != 0 else None, staging, path)
+    _together(any_rank, write_rank_files, staging, path)  # every rank: a collective with save_shards
     _together(any_rank, commit_all if rank == 0 else None, staging, path)
     return PendingSave(path)
 
@@ -266,7 +271,7 @@ def read_training_state(path: str | os.PathLike) -> TrainingState:
 
 def load_training_checkpoint(
     path: str | os.PathLike, *, model=None, peft_model=None, template=None, optimizer=None, scheduler=None,
-    rank: int = 0, world_size: int = 1,
+    rank: int = 0, world_size: int = 1, load_shards: Callable[[Path], None] | None = None,
 ) -> TrainingState:
     """Restore a run from a complete checkpoint; returns its TrainingState.
 
@@ -284,6 +289,9 @@ def load_training_checkpoint(
         )
     if model is not None:
         restore_weights(model, path, peft_model=peft_model, template=template)
+    if load_shards is not None:  # a sharded optimizer state (every rank: a collective)
+        load_shards(path)
+        optimizer = None
     for obj, name in ((optimizer, OPTIMIZER_FILE), (scheduler, SCHEDULER_FILE)):
         if obj is not None:
             file = path / name

@@ -1,7 +1,7 @@
 """Exact resume: a 12-step run killed with SIGKILL at random moments (during a step, during a save)
 and resumed from the latest checkpoint writes the metrics.jsonl of an uninterrupted run, step for
 step (fp32, one process, DataLoader workers, two epochs, a reference model, evaluation with a best
-checkpoint; and with --async_generate, whose rollout in flight at a save is kept). Runs `mmgrpo train`.""
+checkpoint; and with --async_generate, whose rollout in flight at a save is kept). Runs `mmgrpo train`."""
 
 import json
 import os

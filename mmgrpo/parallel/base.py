@@ -139,6 +139,15 @@ class Strategy:
         """
         raise NotImplementedError
 
+    def save_sharded_optimizer(self, optimizer, folder) -> None:
+        """Write this rank's share of the optimizer state into checkpoint `folder` (a collective).
+        Sharding strategies only: one process saves `optimizer.state_dict()` (mmgrpo/train_state.py)."""
+        raise NotImplementedError(f"{self.name} does not save a sharded optimizer state")
+
+    def load_sharded_optimizer(self, optimizer, folder) -> None:
+        """Load what `save_sharded_optimizer` wrote, on the same number of ranks (a collective)."""
+        raise NotImplementedError(f"{self.name} does not load a sharded optimizer state")
+
     # -- collectives ---------------------------------------------------------------------------
 
     def _reduce(self, values: torch.Tensor, op) -> torch.Tensor:

@@ -17,9 +17,16 @@ and synced_gpus keeps the ranks stepping together).
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -32,6 +39,9 @@ from torch.distributed.tensor import DTensor
 from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
+
+
+OPTIMIZER_SHARDS = "optimizer"  # a torch.distributed.checkpoint folder inside checkpoint-N
 
 
 def shard(model: torch.nn.Module, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy) -> Wrapper:
@@ -96,6 +106,16 @@ class FSDP2(Strategy):
         params = dict(self.wrapper.named_parameters())  # `model.<hf name>`: DTensor shards
         for name in names:
             yield name, params[f"model.{name}"].full_tensor().detach()  # an all-gather on every rank
+
+    def save_sharded_optimizer(self, optimizer, folder) -> None:
+        # torch.distributed.checkpoint: each rank writes its shards, rank 0 the metadata
+        state = {"optimizer": get_optimizer_state_dict(self.wrapper, optimizer)}
+        dcp.save(state, checkpoint_id=str(Path(folder) / OPTIMIZER_SHARDS))
+
+    def load_sharded_optimizer(self, optimizer, folder) -> None:
+        state = {"optimizer": get_optimizer_state_dict(self.wrapper, optimizer)}  # the layout to fill (state initialised)
+        dcp.load(state, checkpoint_id=str(Path(folder) / OPTIMIZER_SHARDS))
+        set_optimizer_state_dict(self.wrapper, optimizer, state["optimizer"])
 
     def full_state_dict(self, model, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
