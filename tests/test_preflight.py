@@ -150,3 +150,21 @@ def test_the_cli_exits_2_with_one_line_before_any_model_loads(tmp_path, flags, m
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].startswith(message), completed.stderr[-1500:]
     assert "Traceback" not in completed.stderr and not (tmp_path / "run").exists()
+
+
+def test_report_of_a_folder_two_runs_wrote_draws_the_latest(tmp_path):
+    """A folder written by two runs before the --output_dir check existed: metrics steps 1,2,1,2,3."""
+    import warnings as _warnings
+
+    from mmgrpo.eval.report import latest_run
+
+    rows = [{"step": s, "reward": r} for s, r in ((1, 0.1), (2, 0.2), (1, 0.5), (2, 0.6), (3, 0.7))]
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        kept = latest_run(rows, tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward"]) for r in kept] == [(1, 0.5), (2, 0.6), (3, 0.7)]
+    assert "holds more than one run (step 1 logged again after 2)" in str(caught[0].message)
+    resumed = [{"step": s} for s in (1, 2, 3, 4, 3, 4, 5)]  # continued from checkpoint-2 by an older mmgrpo
+    assert [r["step"] for r in latest_run(resumed, tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5]
+    prompts = [{"step": s} for s in (1, 1, 2, 2, 1, 1)]  # completions.jsonl: two prompts per step
+    assert [r["step"] for r in latest_run(prompts, tmp_path / "c.jsonl", rows_per_step=2)] == [1, 1]

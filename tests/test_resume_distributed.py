@@ -1,7 +1,8 @@
-"""Exact resume under FSDP2 on 2 real ranks (torchrun, gloo): a run whose process group is killed
-with SIGKILL (a pre-empted node: torchrun and both ranks at once) after its first checkpoint, then
-resumed from `latest`, logs the uninterrupted run's metrics.jsonl step for step. The checkpoint
-holds each rank's RNG file and the optimizer state as torch.distributed.checkpoint shards."""
+"""Exact resume under FSDP2 and ZeRO-3 on 2 real ranks (torchrun, gloo): a run whose process group
+is killed with SIGKILL (a pre-empted node: torchrun and both ranks at once) after its first
+checkpoint, then resumed from `latest`, logs the uninterrupted run's metrics.jsonl step for step.
+The checkpoint holds each rank's RNG file and the optimizer state as shards: FSDP2's in
+torch.distributed.checkpoint's format, ZeRO-3's in DeepSpeed's own."""
 
 import json
 import os
@@ -22,13 +23,17 @@ REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def start(tmp_path, out, *extra):
+SHARDS = {"fsdp2": "optimizer/.metadata", "zero3": "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+
+
+def start(tmp_path, out, parallel, *extra):
     (tmp_path / "reward.py").write_text(REWARD)
-    flags = ["--parallel", "fsdp2", "--model", "tiny:qwen2-vl", "--dataset", "shapes-color",
+    flags = ["--parallel", parallel, "--model", "tiny:qwen2-vl", "--dataset", "shapes-color",
              "--reward_funcs", f"{tmp_path / 'reward.py'}:length", "--num_generations", "4", "--per_device_train_batch_size", "4",
              "--max_completion_length", "8", "--max_steps", "6", "--save_steps", "2", "--learning_rate", "1e-3",
              "--beta", "0.04", "--dataloader_num_workers", "0", "--output_dir", str(out), *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))  # DeepSpeed's compiled op, cached
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mmgrpo", "train", *flags]
     # its own session: the kill reaches torchrun and both ranks, as a pre-empted node's would
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -45,21 +50,22 @@ def metrics(out):
     return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
 
 
-def test_fsdp2_killed_and_resumed_logs_the_uninterrupted_run(tmp_path):
-    finish(start(tmp_path, tmp_path / "whole"))
+@pytest.mark.parametrize("parallel", list(SHARDS))
+def test_killed_and_resumed_logs_the_uninterrupted_run(tmp_path, parallel):
+    finish(start(tmp_path, tmp_path / "whole", parallel))
     expected = metrics(tmp_path / "whole")
     assert [row["step"] for row in expected] == list(range(1, 7))
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in checkpoint.iterdir()}
-    assert (checkpoint / "optimizer" / ".metadata").is_file()  # torch.distributed.checkpoint's shards
+    assert (checkpoint / SHARDS[parallel]).is_file()  # the optimizer's shards
 
     out = tmp_path / "run"
-    process = start(tmp_path, out)
+    process = start(tmp_path, out, parallel)
     while latest_checkpoint(out) is None:
         assert process.poll() is None, process.stderr.read()[-3000:]
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)  # right after checkpoint-2: step 3 is under way
     process.wait()
     assert latest_checkpoint(out).name in ("checkpoint-2", "checkpoint-4")
-    finish(start(tmp_path, out, "--resume_from_checkpoint", "latest"))
+    finish(start(tmp_path, out, parallel, "--resume_from_checkpoint", "latest"))
     assert metrics(out) == expected

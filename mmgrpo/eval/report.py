@@ -24,6 +24,7 @@ import html
 import io
 import json
 import os
+import warnings
 from pathlib import Path
 
 from mmgrpo.errors import ConfigError, DataError
@@ -61,6 +62,7 @@ def write_report(run_dir: str | os.PathLike, *, steps_shown: int = 4, samples_pe
         raise ConfigError(f"{metrics_path} has no logged steps yet")
     for index, row in enumerate(rows):
         row.setdefault("step", index)
+    rows = latest_run(rows, metrics_path)
 
     plot_dir = run_dir / "report"
     plot_dir.mkdir(exist_ok=True)
@@ -71,7 +73,7 @@ def write_report(run_dir: str | os.PathLike, *, steps_shown: int = 4, samples_pe
 
     completions_path = run_dir / "completions.jsonl"
     samples = (
-        _pick_samples(_read_jsonl(completions_path), steps_shown, samples_per_step)
+        _pick_samples(latest_run(_read_jsonl(completions_path), completions_path, rows_per_step=2), steps_shown, samples_per_step)
         if completions_path.exists()
         else []
     )
@@ -321,6 +323,27 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "-" if value is None else str(value)
+
+
+def latest_run(rows: list[dict], path: Path, *, rows_per_step: int = 1) -> list[dict]:
+    """The rows of one run: where the step goes back (a folder reused by an mmgrpo older than the
+    --output_dir check, or a crashed run continued without --resume_from_checkpoint), the later
+    rows replace the earlier ones from that step on, with a warning. rows_per_step > 1: a step
+    may have several rows in a row (completions.jsonl: one per logged prompt).
+
+    >>> [r["step"] for r in latest_run([{"step": s} for s in (1, 2, 3, 1, 2)], Path("m.jsonl"))]
+    [1, 2]
+    """
+    kept: list[dict] = []
+    for row in rows:
+        step = row.get("step", 0)
+        last = kept[-1].get("step", 0) if kept else None
+        if last is not None and (step < last or (step == last and rows_per_step == 1)):
+            warnings.warn(f"{path} holds more than one run (step {step} logged again after {last}): the report shows "
+                          "the latest from there on", stacklevel=2)
+            kept = [r for r in kept if r.get("step", 0) < step]
+        kept.append(row)
+    return kept
 
 
 def _read_jsonl(path: Path) -> list[dict]:

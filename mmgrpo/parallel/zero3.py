@@ -111,6 +111,9 @@ def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None, bf16:
     return {key: value for key, value in config.items() if value != "auto"}
 
 
+DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's checkpoint folder inside checkpoint-N
+
+
 class ZeRO3(Strategy):
     name = "zero3"
 
@@ -171,6 +174,14 @@ class ZeRO3(Strategy):
 
     def zero_grad(self, optimizer) -> None:
         self.engine.optimizer.zero_grad(set_to_none=True)
+
+    def save_sharded_optimizer(self, optimizer, folder) -> None:
+        # DeepSpeed's own format: each rank writes its partition of the fp32 masters and Adam moments
+        self.engine.save_checkpoint(str(folder), tag=DEEPSPEED_TAG, save_latest=False)
+
+    def load_sharded_optimizer(self, optimizer, folder) -> None:
+        self.engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)  # the schedule is mmgrpo's (scheduler.pt)
 
     def full_tensors(self, model, names: list[str]):
         import deepspeed
