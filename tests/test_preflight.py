@@ -168,3 +168,37 @@ def test_report_of_a_folder_two_runs_wrote_draws_the_latest(tmp_path):
     assert [r["step"] for r in latest_run(resumed, tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5]
     prompts = [{"step": s} for s in (1, 1, 2, 2, 1, 1)]  # completions.jsonl: two prompts per step
     assert [r["step"] for r in latest_run(prompts, tmp_path / "c.jsonl", rows_per_step=2)] == [1, 1]
+
+
+def cli(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "mmgrpo", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def one_line_exit_2(completed, message):
+    assert completed.returncode == 2, completed.stderr[-1500:]
+    assert "Traceback" not in completed.stderr
+    assert message in completed.stderr.strip().splitlines()[-1], completed.stderr[-1500:]
+
+
+def test_the_cli_refuses_a_reused_folder_and_a_half_written_checkpoint_keeping_every_file(tmp_path):
+    out = tmp_path / "run"
+    fake_run(out)
+    fake_checkpoint(out, 2)
+    half = out / "checkpoint-4"
+    half.mkdir()
+    (half / "config.json").write_text("")  # a kill during the save, before the marker
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    base = ["train", "--model", "tiny:qwen2-vl", "--num_generations", "2", "--per_device_train_batch_size", "4", "--output_dir", str(out)]
+
+    one_line_exit_2(cli(*base), f"--output_dir {out} is not empty")
+    one_line_exit_2(cli(*base, "--resume_from_checkpoint", str(half)),
+                    f"checkpoint {half} is incomplete (no checkpoint_complete.json: its save did not finish); "
+                    f"the newest complete one is {out / 'checkpoint-2'}")
+    one_line_exit_2(cli("eval", "--model", str(half), "--dataset", "shapes-color:test", "--limit", "2",
+                        "--output_dir", str(tmp_path / "eval")),
+                    f"model folder {half}: config.json is empty (0 bytes)")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing already written lost
+    file_in_place = tmp_path / "a-file"
+    file_in_place.write_text("x")
+    one_line_exit_2(cli("train", "--output_dir", str(file_in_place)), f"--output_dir {file_in_place} is a file, not a folder")

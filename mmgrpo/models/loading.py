@@ -113,6 +113,8 @@ def load_template(
         model_type = model.removeprefix(TINY_PREFIX)
     model_type = model_type or saved_model_type(model)
     if model_type is None:
+        if os.path.isdir(os.path.expanduser(model)):  # a half-written checkpoint lacks mmgrpo.json: name what is wrong
+            check_model_folder(os.path.expanduser(model))
         raise ConfigError(f"--model_type is required for --model {model} (e.g. --model_type qwen2-vl).")
     path = resolve_model_path(model)
     processor = load_processor(path)
