@@ -78,3 +78,45 @@ def test_workers_die_with_a_sigkilled_trainer(tmp_path, started_from):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_a_sigkilled_mmgrpo_train(tmp_path):
+    """The real trainer: `mmgrpo train` with two DataLoader workers, killed with SIGKILL mid-run."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "mmgrpo", "train", "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "format",
+         "--num_generations", "2", "--per_device_train_batch_size", "2", "--max_completion_length", "4", "--max_steps", "200",
+         "--dataloader_num_workers", "2", "--output_dir", str(out)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    workers = []
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert trainer.poll() is None and time.monotonic() < deadline, "the run ended or did not start"
+            time.sleep(0.1)
+        workers = children(trainer.pid)
+        assert len(workers) >= 2 and all(alive(pid) for pid in workers)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(10)
+        deadline = time.monotonic() + 3.0
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers), "workers outlived their trainer"
+    finally:
+        trainer.kill()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
