@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
 
     console.rule("4/6 GRPO")
     common[1] = str(out / "grpo")
-    grpo_argv = ["--config", args.grpo_config, "--model", str(sft_model), *common]
+    # a demo run again replaces its GRPO stage (mmgrpo train refuses a used --output_dir otherwise)
+    grpo_argv = ["--config", args.grpo_config, "--model", str(sft_model), *common, "--overwrite_output_dir"]
     grpo_argv += ["--max_steps", str(args.grpo_steps)] if args.grpo_steps else []
     grpo_cfg = TrainConfig.from_args(grpo_argv)
     run_dir = train(grpo_cfg)

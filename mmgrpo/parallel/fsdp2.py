@@ -36,10 +36,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.forward.policy import plain_call
+from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
-
 
 OPTIMIZER_SHARDS = "optimizer"  # a torch.distributed.checkpoint folder inside checkpoint-N
 

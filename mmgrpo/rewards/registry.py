@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 
