@@ -138,23 +138,47 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
 
 
 def rollout_weights(model: nn.Module, peft_model, strategy):
-    """(HF name, full tensor) of every weight that training changes, for a rollout engine that holds
-    its own copy (vLLM, an async copy): the trainable parameters in full training (frozen parts
-    never change and are not sent); with LoRA each adapted layer's merged weight
-    W + (alpha / r) * B @ A under its base name, the adapters themselves never. One tensor at a
-    time, gathered from the shards where the strategy shards (a collective on every rank)."""
+    """(HF name, full tensor) of the weights a rollout engine with its own copy (vLLM, an async copy)
+    must reload after training changed some: in full training the trainable parameters; with LoRA
+    each adapted layer's merged weight W + (alpha / r) * B @ A under its base name (the adapters
+    themselves never). Parts that train nothing (`--freeze_vit`, a LoRA run's untargeted blocks)
+    are never sent.
+
+    Whole sibling groups: where a changed weight sits, every weight of the modules beside it
+    (same parent: q/k/v/o projections with their biases, gate/up/down) goes too, changed or not.
+    vLLM fuses siblings into one layer (qkv_proj, gate_up_proj) and re-processes a layer from the
+    weights it receives: one that gets only some of its weights keeps uninitialised memory in the
+    rest (tests/test_vllm_colocate.py checks LoRA on q_proj alone).
+
+    One tensor at a time, in the model's order (a layer completes before the next starts),
+    gathered from the shards where the strategy shards (a collective on every rank).
+    """
+    params = dict(model.named_parameters())
+
+    def parent(hf_name: str) -> str:  # parameter -> its module -> that module's parent
+        return hf_name.rpartition(".")[0].rpartition(".")[0]
+
     if peft_model is None:
-        yield from strategy.full_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
-        return
-    for module_name, module in model.named_modules():
-        if not hasattr(module, "base_layer") or "default" not in getattr(module, "lora_A", {}):
+        adapted = {}
+        changed = [n for n, p in params.items() if p.requires_grad]
+    else:
+        adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
+                   if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {})}
+        changed = [n.replace(".base_layer.", ".") for n in adapted]
+    groups = {parent(n) for n in changed}
+    for name in params:
+        hf_name = name.replace(".base_layer.", ".")
+        if ".lora_" in name or parent(hf_name) not in groups:
             continue
-        prefix = f"{module_name}."
-        names = [prefix + "base_layer.weight", prefix + "lora_A.default.weight", prefix + "lora_B.default.weight"]
+        if name not in adapted:
+            yield from ((hf_name, tensor) for _, tensor in strategy.full_tensors(model, [name]))
+            continue
+        prefix = name.removesuffix("base_layer.weight")
+        names = [name, prefix + "lora_A.default.weight", prefix + "lora_B.default.weight"]
         tensors = dict(strategy.full_tensors(model, names))
-        weight = tensors[names[0]]
-        delta = tensors[names[2]].float() @ tensors[names[1]].float() * module.scaling["default"]
-        yield prefix + "weight", (weight.float() + delta).to(weight.dtype)
+        weight = tensors[name]
+        delta = tensors[names[2]].float() @ tensors[names[1]].float() * adapted[name].scaling["default"]
+        yield hf_name, (weight.float() + delta).to(weight.dtype)
 
 
 def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
