@@ -102,6 +102,9 @@ class FSDP2(Strategy):
         return float(norm)
 
     def full_tensors(self, model, names: list[str]):
+        # The root keeps its weights gathered after a forward with no backward (a log-prob pass):
+        # reshard first, so every parameter is a DTensor shard again.
+        self.wrapper.reshard()
         params = dict(self.wrapper.named_parameters())  # `model.<hf name>`: DTensor shards
         for name in names:
             yield name, params[f"model.{name}"].full_tensor().detach()  # an all-gather on every rank

@@ -185,7 +185,10 @@ class VLLMColocateRollout:
 
     def _send_native(self, named_tensors) -> None:
         """vLLM's weight-transfer API over CUDA IPC (colocated), packed buffers: bounded memory."""
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerInitInfo,
+            IPCTrainerWeightTransferEngine,
+        )
 
         source = _OnePass(named_tensors)
         if self._transfer is None:
