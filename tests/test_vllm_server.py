@@ -84,6 +84,18 @@ def test_train_three_steps_against_a_server(server, tmp_path):
     assert health(server)["weight_version"] == 2  # synced before the rollouts of steps 1, 2, 3
 
 
+def test_async_against_a_server_is_one_step_stale(server, tmp_path):
+    done = subprocess.run(train_args(tmp_path, server, "--max_steps", "3", "--async_generate"), env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]  # steps 2, 3 train on the weights of 1, 2
+    # the server held another run's weights: this run sent its own before its first rollout
+    assert metrics[0]["sampling/logp_diff_max"] < 0.05
+    assert all(m["sampling/is_ratio_min"] <= m["sampling/is_ratio_max"] for m in metrics)  # the IS correction ran
+    assert health(server)["weight_version"] == 1  # the rollout of step 3 sampled version 1
+
+
 def test_a_server_of_another_model_is_refused_at_start_up(server, tmp_path):
     args = train_args(tmp_path, server, "--max_steps", "1")
     args[args.index("tiny:qwen2-vl")] = "tiny:qwen2.5-vl"

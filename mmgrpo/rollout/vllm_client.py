@@ -51,7 +51,9 @@ class VLLMServerRollout:
                 f"but this run trains {model_path} ({_describe(expected)}): start it with --model {model_path}."
             )
         self.max_model_len = health["max_model_len"]
-        self.weight_version = health["weight_version"]  # 0 for a fresh server: the pipeline syncs before rollouts
+        # What the server holds is not known (another run's weights, a checkpoint of the same shape):
+        # a version no policy has, so the pipeline sends this run's weights before the first rollout.
+        self.weight_version = -1
         self.syncs = 0
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
