@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import ConfigError, DataError
@@ -38,6 +39,9 @@ def test_bad_vllm_flags_fail_before_any_model_loads(tmp_path):
     if HAS_VLLM:
         with pytest.raises(ConfigError, match="vllm_max_model_len 8 leaves no room"):
             TrainConfig.from_args(args(tmp_path, "--vllm_max_model_len", "8")).validate()
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match="--vllm_enable_sleep_mode needs a CUDA GPU"):
+                TrainConfig.from_args(args(tmp_path, "--vllm_enable_sleep_mode")).validate()
 
 
 @pytest.mark.vllm

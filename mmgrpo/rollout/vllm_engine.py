@@ -54,6 +54,11 @@ def validate_vllm(cfg) -> None:
     rollout = cfg.rollout
     if not 0 < rollout.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"--vllm_gpu_memory_utilization {rollout.vllm_gpu_memory_utilization}: give a share in (0, 1].")
+    if rollout.vllm_enable_sleep_mode:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--vllm_enable_sleep_mode needs a CUDA GPU (vLLM on CPU has no sleep mode): drop the flag.")
     if rollout.vllm_tensor_parallel_size < 1:
         raise ConfigError("--vllm_tensor_parallel_size must be at least 1.")
     if rollout.vllm_kv_cache_memory_bytes is not None and rollout.vllm_kv_cache_memory_bytes <= 0:
