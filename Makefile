@@ -31,7 +31,7 @@ $(STAMP):
 	touch $@
 
 $(VLLM_STAMP):
-	@echo "Creating $(VLLM_VENV) from requirements-vllm.txt (about 3 minutes, once)"
+	@echo "Creating $(VLLM_VENV) from requirements-vllm.txt (about 10 minutes on a fresh machine, once)"
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt 2>&1 | grep -v "^WARNING: Location" || true
@@ -54,7 +54,13 @@ demo: venv
 
 # Everything: the main suite in .venv, then the vLLM tests in .venv-vllm (each venv built when missing).
 # Headless Chromium (one test renders the HTML report) comes from Debian when missing: .ci/ensure_chromium.
-test: test-main test-vllm
+# .venv-vllm installs (about 10 minutes on a fresh machine, mostly downloads) while the main suite runs.
+test: venv
+	@$(MAKE) --no-print-directory venv-vllm > $(VLLM_VENV)-build.log 2>&1 & build=$$!; \
+	sh .ci/ensure_chromium && $(PY) -m pytest -q -n 2 --dist loadgroup; main=$$?; \
+	wait $$build || { cat $(VLLM_VENV)-build.log; exit 1; }; \
+	$(MAKE) --no-print-directory test-vllm; vllm=$$?; \
+	exit $$(( main || vllm ))
 
 test-main: venv
 	sh .ci/ensure_chromium
