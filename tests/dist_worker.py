@@ -222,6 +222,17 @@ def main() -> None:
     with torch.no_grad():
         logps, _ = run.policy.completion_logprobs(batch, completion.completion_ids, completion.completion_mask)
     run.save(out / "checkpoint")
+    # what a rollout engine with its own weights (vLLM) is sent: gathered one tensor at a time on
+    # every rank (a collective), compared with the strategy's own full state dict on rank 0
+    from mmgrpo.lora import rollout_weights
+
+    sent = {name: tensor.clone() for name, tensor in rollout_weights(run.model, run.peft_model, run.strategy)}
+    full = run.strategy.full_state_dict(run.model)
+    if rank == 0:
+        gaps = [float((tensor - full[name]).abs().max()) for name, tensor in sent.items()]
+        trainable = sum(p.requires_grad for p in run.model.parameters())
+        (out / "rollout_weights.json").write_text(json.dumps({"sent": len(sent), "trainable": trainable,
+                                                              "max_gap": max(gaps)}))
     if rank == 0:
         torch.save({"batch": batch, "completion_ids": completion.completion_ids,
                     "completion_mask": completion.completion_mask, "logps": logps}, out / "logps.pt")

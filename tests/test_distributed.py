@@ -208,6 +208,10 @@ def test_two_ranks_match_one_process(parallel, one_process, one_process_batch_sc
         logps, _ = policy.completion_logprobs(saved["batch"], saved["completion_ids"], saved["completion_mask"])
     torch.testing.assert_close(logps, saved["logps"], atol=1e-5, rtol=0)
 
+    # the weights a vLLM engine is sent (gathered tensor by tensor) equal the strategy's full state dict
+    sent = json.loads((tmp_path / "rollout_weights.json").read_text())
+    assert sent["sent"] == sent["trainable"] > 0 and sent["max_gap"] == 0.0, sent
+
     # LoRA + bf16 through train(): only adapters saved (none in the frozen vision tower), and they trained
     from safetensors.torch import load_file
 
