@@ -89,12 +89,13 @@ def config(parallel: str, world_size: int, out: Path, *extra: str):
     accumulation = PER_RANK_PROMPTS * G * 2 // world_size // 2  # the same micro-batch size at any world size
     strategy = ["--parallel", parallel]
     if parallel == "zero3":  # a DeepSpeed JSON as ms-swift users write one; every weight partitioned
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ds_zero3.json").write_text(json.dumps({
+        ds_json = out.parent / f"{out.name}-ds_zero3.json"  # beside the run: train() wants an empty output_dir
+        ds_json.parent.mkdir(parents=True, exist_ok=True)
+        ds_json.write_text(json.dumps({
             "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # DeepSpeed keeps small weights whole by default
         }))
-        strategy = ["--deepspeed", str(out / "ds_zero3.json")]
+        strategy = ["--deepspeed", str(ds_json)]
     return TrainConfig.from_args([
         "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{WORKER}:length_reward",
         *strategy, "--num_generations", str(G), "--per_device_train_batch_size", "2",
