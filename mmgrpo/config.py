@@ -132,6 +132,9 @@ class AlgoConfig:
     """Reward names or `path/file.py:fn` plugins. Empty: the dataset's defaults."""
     reward_weights: list[float] | None = None
     """One weight per reward function (default 1.0 each)."""
+    reward_kwargs: str | None = None
+    """Options of named rewards, JSON: `{"cosine": {"cosine_max_len": 512}, "repetition": {"repetition_n_grams": 4}}`
+    (docs/rewards.md lists each reward's options)."""
     reward_errors: str = "raise"
     """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
     reward_timeout: float = 300.0

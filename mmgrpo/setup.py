@@ -31,6 +31,7 @@ from mmgrpo.models.loading import RUN_INFO_FILE, load_model, load_template, mode
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights
@@ -91,9 +92,19 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
             "(e.g. --reward_funcs vqa_accuracy format)."
         )
     weights = cfg.algo.reward_weights or [1.0] * len(names)
-    funcs = [get_reward(name) for name in names]
+    funcs = bound_rewards(cfg, names)
     return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, list(names),
                      cfg.algo.reward_timeout)
+
+
+def bound_rewards(cfg: TrainConfig, names: list[str]) -> list:
+    """Each reward with its --reward_kwargs options bound (and the run's max_completion_length where it takes it)."""
+    options = parse_reward_kwargs(cfg.algo.reward_kwargs)
+    stray = sorted(set(options) - set(names))
+    if stray:
+        raise ConfigError(f"--reward_kwargs names {', '.join(stray)}, not among the run's rewards ({', '.join(names)}).")
+    run_defaults = {"max_completion_length": cfg.rollout.max_completion_length}
+    return [bind_options(get_reward(name), name, options.get(name, {}), run_defaults) for name in names]
 
 
 class PromptEncoder:
