@@ -21,6 +21,7 @@ import math
 import textwrap
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,8 +148,10 @@ class AlgoConfig:
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = 0.28
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
+    delta: float | None = None
+    """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
     scale_rewards: str = "group"
-    """Advantage scaling: group (divide by group std) | batch | none (Dr. GRPO)."""
+    """Advantage scaling: group (divide by group std) | batch | none (what Dr. GRPO prescribes: use it with --loss_type dr_grpo)."""
     num_iterations: int = 1
     """Optimisation passes over each rollout batch (mu); >1 uses old log-probs in the ratio."""
     importance_sampling_level: str = "token"
@@ -186,9 +189,12 @@ class OptimConfig:
     adam_beta2: float = 0.99
     """AdamW beta2 (0.99 reacts faster than 0.999 to the shifting RL gradients)."""
     warmup_ratio: float = 0.0
-    """Fraction of max_steps with a linear warm-up."""
-    lr_scheduler_type: str = "cosine"
-    """`cosine` (to 10% of peak) or `constant` after warm-up."""
+    """Fraction of max_steps with a linear warm-up from 0 (ceil(ratio x steps) steps, as in HF)."""
+    lr_scheduler_type: str = "cosine_with_min_lr"
+    """HF's schedules by name: linear | cosine (to 0) | cosine_with_min_lr (to --lr_scheduler_kwargs min_lr_rate of the
+    peak, default 0.1) | constant (no warm-up) | constant_with_warmup."""
+    lr_scheduler_kwargs: str | None = None
+    """The schedule's options as JSON, e.g. `{"min_lr_rate": 0.05}` (cosine_with_min_lr), `{"num_cycles": 1.0}` (cosine)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 = off)."""
     per_device_train_batch_size: int = 8
@@ -457,8 +463,10 @@ def validate_common(cfg: RunOptions) -> None:
     """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
     if cfg.model.model_type is None:
         raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
+    from mmgrpo.optim import scheduler_kwargs
+
+    scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
     choices = {
-        "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
         "report_to": (cfg.report_to, ("tensorboard", "none")),
     }
@@ -506,6 +514,18 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
         raise ConfigError(
             f"--reward_weights has {len(cfg.algo.reward_weights)} values for {len(cfg.algo.reward_funcs)} --reward_funcs: give one weight per function."
+        )
+    epsilon_high = cfg.algo.epsilon if cfg.algo.epsilon_high is None else cfg.algo.epsilon_high
+    if cfg.algo.delta is not None and not cfg.algo.delta > 1 + epsilon_high:
+        raise ConfigError(f"--delta {cfg.algo.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")
+    if cfg.algo.delta is not None and cfg.algo.loss_type == "cispo":
+        raise ConfigError("--delta (dual clip) applies to the clipped PPO surrogate; --loss_type cispo has none. Drop --delta.")
+    if cfg.algo.loss_type == "dr_grpo" and cfg.algo.scale_rewards != "none":
+        # Dr. GRPO removes both biases: the length one (the loss) and the difficulty one (the std).
+        # Kept as asked, since scaling may be wanted on purpose; said at start-up.
+        warnings.warn(
+            f"--loss_type dr_grpo with --scale_rewards {cfg.algo.scale_rewards}: Dr. GRPO also drops the std scaling "
+            "of advantages; add --scale_rewards none for the algorithm of the paper (docs/algorithm.md).", stacklevel=2,
         )
     if cfg.algo.beta < 0 or cfg.algo.epsilon <= 0:
         raise ConfigError("--beta must be >= 0 and --epsilon > 0.")

@@ -71,7 +71,7 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
     return LossConfig(
         loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, beta=cfg.algo.beta,
         max_completion_length=cfg.rollout.max_completion_length,
-        importance_sampling_level=cfg.algo.importance_sampling_level,
+        importance_sampling_level=cfg.algo.importance_sampling_level, delta=cfg.algo.delta,
     )
 
 
