@@ -36,7 +36,8 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     """Model folder, hub id, or `tiny:<family>` for a tiny random checkpoint built offline."""
     model_type: str | None = None
-    """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). Inferred from `tiny:<family>` models."""
+    """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). None: inferred from `tiny:<family>`, a training checkpoint's
+    mmgrpo.json, or the checkpoint's config.json `model_type`."""
     max_pixels: int | None = None
     """Upper bound on an image's pixels after resizing (fewer visual tokens, less memory)."""
     min_pixels: int | None = None
@@ -461,8 +462,6 @@ def config_from_namespace(cls, ns: argparse.Namespace):
 
 def validate_common(cfg: RunOptions) -> None:
     """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
-    if cfg.model.model_type is None:
-        raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
     from mmgrpo.optim import scheduler_kwargs
 
     scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
