@@ -133,7 +133,27 @@ class AlgoConfig:
     reward_funcs: list[str] = field(default_factory=list)
     """Reward names or `path/file.py:fn` plugins. Empty: the dataset's defaults."""
     reward_weights: list[float] | None = None
-    """One weight per reward function (default 1.0 each)."""
+    """One weight per reward (default 1.0 each), in the order: --reward_funcs, then --reward_model(s), then the judge."""
+    reward_model: list[str] = field(default_factory=list)
+    """HF sequence-classification reward models (folders; `tiny:reward-qwen2` for a tiny one) scoring prompt + completion."""
+    reward_model_device: str | None = None
+    """Device of the reward models and the judge (e.g. `cuda:1`). None: this process's GPU, else the CPU."""
+    reward_model_batch_size: int = 16
+    """Completions per forward of a reward model, and per generate call of the judge."""
+    judge_model: str | None = None
+    """A vision-language model as a generative judge (docs/rewards.md): it sees the images, question, reference and
+    completion; its parsed reply is the reward `judge`."""
+    judge_model_type: str | None = None
+    """The judge's template (inferred from its checkpoint when not given)."""
+    judge_prompt: str | None = None
+    """A text file: the judge's prompt with {question}, {reference} and {completion}. None: the built-in one."""
+    judge_parse: str = "score"
+    """How the judge's reply becomes a reward: `score` (the last "Score: N" / --judge_score_max) or `verdict`
+    ("Verdict: correct|incorrect" -> 1|0). Unparsable: None for that sample, counted as judge/unparsed."""
+    judge_score_max: float = 10.0
+    """The top of the judge's score scale (`score` parsing)."""
+    judge_max_new_tokens: int = 64
+    """Longest judge reply in tokens (greedy)."""
     reward_kwargs: str | None = None
     """Options of named rewards, JSON: `{"cosine": {"cosine_max_len": 512}, "repetition": {"repetition_n_grams": 4}}`
     (docs/rewards.md lists each reward's options)."""
@@ -510,10 +530,15 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
-    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
+    num_rewards = len(cfg.algo.reward_funcs) + len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
+    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != num_rewards:
         raise ConfigError(
-            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {len(cfg.algo.reward_funcs)} --reward_funcs: give one weight per function."
+            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {num_rewards} rewards "
+            f"({len(cfg.algo.reward_funcs)} --reward_funcs, {len(cfg.algo.reward_model)} --reward_model"
+            f"{', 1 --judge_model' if cfg.algo.judge_model else ''}): give one weight per reward, in that order."
         )
+    if cfg.algo.judge_parse not in ("score", "verdict"):
+        raise ConfigError(f"--judge_parse {cfg.algo.judge_parse!r}: choose one of score, verdict.")
     epsilon_high = cfg.algo.epsilon if cfg.algo.epsilon_high is None else cfg.algo.epsilon_high
     if cfg.algo.delta is not None and not cfg.algo.delta > 1 + epsilon_high:
         raise ConfigError(f"--delta {cfg.algo.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")

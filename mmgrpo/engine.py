@@ -185,6 +185,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "rollout/staleness": (step - 1) - rollout.weight_version,
         **sampling_metrics,
         **loss_metrics,
+        **run.rewards.stats(),  # e.g. judge/unparsed
     }
     for name, values in zip(run.rewards.names, per_func):
         metrics[f"reward/{name}"] = float(values.nanmean())
@@ -290,6 +291,9 @@ def reward_columns(samples, encoded, template, G: int, completion_ids=None, comp
     columns["modality"] = [s.modality for s in samples for _ in range(G)]
     # Rewards get boxes in original-image pixels: the template owns the model's convention.
     columns["to_image_box"] = [template.box_mapper(enc) for enc in encoded for _ in range(G)]
+    # reward models and the judge: the conversation so far and the decoded images (shared, not copied)
+    columns["prompts"] = [s.messages for s in samples for _ in range(G)]
+    columns["images"] = [enc.images for enc in encoded for _ in range(G)]
     if completion_ids is not None:  # soft_overlong, cosine: lengths in tokens, as TRL passes them
         columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)]
     return columns

@@ -32,6 +32,7 @@ from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
+from mmgrpo.rewards.reward_model import build_model_rewards
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights
@@ -74,6 +75,10 @@ class RewardSet:
         total = torch.nansum(per_func * torch.tensor(self.weights)[:, None], dim=0)
         return per_func, total
 
+    def stats(self) -> dict[str, float]:
+        """Counters of the last call from rewards that keep them (the judge's judge/unparsed)."""
+        return {key: value for func in self.funcs if hasattr(func, "stats") for key, value in func.stats().items()}
+
 
 def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
     """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample)."""
@@ -91,9 +96,21 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
             f"no reward functions: dataset {getattr(dataset, 'name', '')} names none; pass --reward_funcs "
             "(e.g. --reward_funcs vqa_accuracy format)."
         )
-    weights = cfg.algo.reward_weights or [1.0] * len(names)
     funcs = bound_rewards(cfg, names)
-    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, list(names),
+    specs = list(names)
+    # reward models and the judge (mmgrpo/rewards/reward_model.py, judge.py): after the functions, for every sample
+    for model_reward in build_model_rewards(cfg.algo):
+        funcs.append(model_reward)
+        specs.append(model_reward.reward_name)
+        for route in (routes or {}).values():
+            route.append(model_reward.reward_name)
+    weights = cfg.algo.reward_weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ConfigError(
+            f"--reward_weights has {len(weights)} values for {len(funcs)} rewards ({', '.join(specs)}); "
+            "give one per reward: --reward_funcs, then --reward_model(s), then the judge."
+        )
+    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
                      cfg.algo.reward_timeout)
 
 
