@@ -287,8 +287,9 @@ class RunOptions:
     """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
     logging_steps: int = 1
     """Print and log every N steps."""
-    report_to: str = "tensorboard"
-    """`tensorboard` (event files in the run folder, beside metrics.jsonl) or `none` (metrics.jsonl only)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers beside metrics.jsonl: any of `tensorboard` `wandb` `mlflow` (with the completions table), or `none`
+    (docs/training.md; WANDB_MODE=offline and MLflow's file store need no network)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     bf16: bool = False
@@ -485,9 +486,11 @@ def validate_common(cfg: RunOptions) -> None:
     from mmgrpo.optim import scheduler_kwargs
 
     scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
+    from mmgrpo.trackers import report_targets
+
+    report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
     choices = {
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
-        "report_to": (cfg.report_to, ("tensorboard", "none")),
     }
     check_choices(choices)
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
