@@ -32,7 +32,7 @@ from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
-from mmgrpo.rewards.reward_model import build_model_rewards
+from mmgrpo.rewards.model_rewards import build_model_rewards
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights
@@ -98,7 +98,7 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
         )
     funcs = bound_rewards(cfg, names)
     specs = list(names)
-    # reward models and the judge (mmgrpo/rewards/reward_model.py, judge.py): after the functions, for every sample
+    # reward models and the judge (mmgrpo/rewards/model_rewards.py): after the functions, for every sample
     for model_reward in build_model_rewards(cfg.algo):
         funcs.append(model_reward)
         specs.append(model_reward.reward_name)

@@ -6,7 +6,6 @@ import math
 import shutil
 
 import pytest
-import torch
 from PIL import Image
 
 from mmgrpo.config import TrainConfig

@@ -12,7 +12,6 @@ from mmgrpo.eval.vqa_official import official_vqa_accuracy, process_digit_articl
 from mmgrpo.models import load_processor
 from mmgrpo.templates import get_template
 
-
 # ---- VQAv2 -----------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from mmgrpo.models.tiny import build_tiny, default_cache_dir
 
 BUILDER_VERSION = 1
+TINY_REWARD_MODEL = "tiny:reward-qwen2"  # the name --reward_model takes for it
 
 
 def build_tiny_reward_model(num_labels: int = 1, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:

@@ -87,7 +87,7 @@ def download_media(url: str, kind: str) -> Path:
         raise
     except urllib.error.HTTPError as err:
         raise DataError(f"{kind} URL {url}: HTTP {err.code} {err.reason}") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise DataError(f"{kind} URL {url}: no answer within {timeout:g} s ($MMGRPO_MEDIA_TIMEOUT); "
                         "download it yourself and give the path") from None
     except (urllib.error.URLError, OSError) as err:

@@ -20,7 +20,6 @@ import torch
 
 from mmgrpo.errors import ConfigError
 
-TINY_REWARD_MODEL = "tiny:reward-qwen2"  # a tiny random Qwen2 sequence classifier (tests, docs)
 
 
 def text_messages(messages: list[dict]) -> list[dict]:
@@ -51,10 +50,10 @@ class RewardModelReward:
 
         from mmgrpo.models.loading import checkpoint_path
 
+        from mmgrpo.models.tiny_reward import TINY_REWARD_MODEL, build_tiny_reward_model
+
         spec = path
         if path == TINY_REWARD_MODEL:
-            from mmgrpo.models.tiny_reward import build_tiny_reward_model
-
             path = str(build_tiny_reward_model())
         folder = checkpoint_path(path)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -112,20 +111,3 @@ def check_fits(path: str, tokenizer, model) -> None:
             "the tokenizer does not belong to this model."
         )
 
-
-def build_model_rewards(algo) -> list:
-    """The run's reward models (--reward_model, in order) and judge (--judge_model), loaded now so a
-    checkpoint that does not fit fails at start-up."""
-    rewards = [
-        RewardModelReward(path, device=algo.reward_model_device, batch_size=algo.reward_model_batch_size)
-        for path in algo.reward_model
-    ]
-    if algo.judge_model:
-        from mmgrpo.rewards.judge import JudgeReward
-
-        rewards.append(JudgeReward(
-            algo.judge_model, model_type=algo.judge_model_type, device=algo.reward_model_device,
-            prompt_file=algo.judge_prompt, parse=algo.judge_parse, score_max=algo.judge_score_max,
-            max_new_tokens=algo.judge_max_new_tokens, batch_size=algo.reward_model_batch_size,
-        ))
-    return rewards
