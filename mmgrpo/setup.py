@@ -31,8 +31,8 @@ from mmgrpo.models.loading import RUN_INFO_FILE, load_model, load_template, mode
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
-from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rewards.model_rewards import build_model_rewards
+from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights

@@ -21,7 +21,6 @@ import torch
 from mmgrpo.errors import ConfigError
 
 
-
 def text_messages(messages: list[dict]) -> list[dict]:
     """Messages with list content flattened to text, media parts as their tags."""
     out = []
@@ -49,7 +48,6 @@ class RewardModelReward:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from mmgrpo.models.loading import checkpoint_path
-
         from mmgrpo.models.tiny_reward import TINY_REWARD_MODEL, build_tiny_reward_model
 
         spec = path
