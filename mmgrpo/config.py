@@ -154,6 +154,8 @@ class AlgoConfig:
     """The top of the judge's score scale (`score` parsing)."""
     judge_max_new_tokens: int = 64
     """Longest judge reply in tokens (greedy)."""
+    judge_use_vllm: bool = False
+    """Run the judge on a colocated vLLM engine of its own (sized by the --vllm_* flags) instead of HF/shared-prefix."""
     reward_kwargs: str | None = None
     """Options of named rewards, JSON: `{"cosine": {"cosine_max_len": 512}, "repetition": {"repetition_n_grams": 4}}`
     (docs/rewards.md lists each reward's options)."""

@@ -99,7 +99,7 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
     funcs = bound_rewards(cfg, names)
     specs = list(names)
     # reward models and the judge (mmgrpo/rewards/model_rewards.py): after the functions, for every sample
-    for model_reward in build_model_rewards(cfg.algo):
+    for model_reward in build_model_rewards(cfg):
         funcs.append(model_reward)
         specs.append(model_reward.reward_name)
         for route in (routes or {}).values():

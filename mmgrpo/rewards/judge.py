@@ -5,8 +5,8 @@ and the completion, and whose reply, parsed, is the reward.
         [--judge_prompt my_prompt.txt] [--judge_parse score|verdict] [--judge_max_new_tokens 64]
 
 The judge runs through the same rollout engines as the policy (`build_rollout_engine` on a
-`Policy` of the judge model and its template: the shared-prefix engine where its family allows),
-greedy, one batched generate over all the step's completions (in chunks of
+`Policy` of the judge model and its template: the shared-prefix engine where its family allows;
+with --judge_use_vllm a colocated vLLM engine of its own, sized by the --vllm_* flags), greedy, one batched generate over all the step's completions (in chunks of
 --reward_model_batch_size), on --reward_model_device.
 
 The prompt (`--judge_prompt FILE`, default `DEFAULT_JUDGE_PROMPT`) is a text with the fields
@@ -96,7 +96,7 @@ class JudgeReward:
 
     def __init__(self, path: str, *, model_type: str | None = None, device: str | None = None,
                  prompt_file: str | None = None, parse: str = "score", score_max: float = 10.0,
-                 max_new_tokens: int = 64, batch_size: int = 16):
+                 max_new_tokens: int = 64, batch_size: int = 16, vllm: dict | None = None):
         from mmgrpo.forward.policy import Policy
         from mmgrpo.models.loading import load_model, load_template
         from mmgrpo.rewards.reward_model import default_device
@@ -119,8 +119,13 @@ class JudgeReward:
         path, _, self.template = load_template(path, model_type)
         if "image" not in self.template.modalities:
             raise ConfigError(f"--judge_model {path}: its family {self.template.name!r} takes no images; a judge must see them.")
-        model = load_model(path, template=self.template).to(torch.device(device or default_device()))
-        self.engine = build_rollout_engine(Policy(model.requires_grad_(False), self.template))
+        if vllm is not None:  # --judge_use_vllm: its own colocated vLLM engine (the judge's weights never change)
+            from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout
+
+            self.engine = VLLMColocateRollout(str(path), self.template, **vllm)
+        else:
+            model = load_model(path, template=self.template).to(torch.device(device or default_device()))
+            self.engine = build_rollout_engine(Policy(model.requires_grad_(False), self.template))
         self.parse, self.score_max = parse, score_max
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
         self.unparsed = 0
