@@ -7,9 +7,10 @@ from PIL import Image
 
 from mmgrpo.data.schema import LoadedSample
 from mmgrpo.eval import get_metric, run_eval
-from mmgrpo.eval.detection import Detection, coco_map, map_metric, parse_detections
+from mmgrpo.eval.detection import coco_map, map_metric
 from mmgrpo.eval.vqa_official import official_vqa_accuracy, process_digit_article, process_punctuation
 from mmgrpo.models import load_processor
+from mmgrpo.rewards.detections import Detection, parse_detections
 from mmgrpo.templates import get_template
 
 # ---- VQAv2 -----------------------------------------------------------------------------------
