@@ -127,3 +127,17 @@ def test_an_eval_run_keeps_mapped_boxes_for_the_corpus_map(qwen2_vl, tmp_path):
     assert result["metrics"]["map"] == 1.0 and result["metrics"]["sample_map50"] == 1.0
     record = json.loads((tmp_path / "eval" / "samples.jsonl").read_text().splitlines()[1])
     assert record["kept"]["detections"][0][0]["box"] == [10.0, 40.0, 20.0, 80.0]
+
+
+def test_the_iou_reward_maps_a_box_with_the_size_of_the_image_it_names(qwen2_vl):
+    from mmgrpo.rewards import iou_reward
+
+    sample = LoadedSample(id="two/1", messages=[{"role": "user", "content": "<image><image>Where is the dot?"}],
+                          images=[Image.new("RGB", (200, 100)), Image.new("RGB", (100, 400))], columns={})
+    mapper = qwen2_vl.box_mapper(qwen2_vl.encode_prompt(sample))
+    on_second = '<answer>{"bbox_2d": [100, 100, 200, 200], "image_index": 1}</answer>'
+    on_first = "<answer>[100, 100, 200, 200]</answer>"
+    on_missing = '<answer>{"bbox_2d": [100, 100, 200, 200], "image_index": 5}</answer>'
+    gold = [10, 40, 20, 80]  # image 1 is 100 x 400: 0-1000 coordinates [100, 100, 200, 200] -> [10, 40, 20, 80]
+    scores = iou_reward([on_second, on_first, on_missing], solution=[gold] * 3, to_image_box=[mapper] * 3)
+    assert scores[0] == pytest.approx(1.0) and scores[1] < 0.2 and scores[2] == 0.0
