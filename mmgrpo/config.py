@@ -21,6 +21,7 @@ import math
 import textwrap
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,8 @@ class ModelConfig:
     model: str = DEFAULT_MODEL
     """Model folder, hub id, or `tiny:<family>` for a tiny random checkpoint built offline."""
     model_type: str | None = None
-    """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). Inferred from `tiny:<family>` models."""
+    """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). None: inferred from `tiny:<family>`, a training checkpoint's
+    mmgrpo.json, or the checkpoint's config.json `model_type`."""
     max_pixels: int | None = None
     """Upper bound on an image's pixels after resizing (fewer visual tokens, less memory)."""
     min_pixels: int | None = None
@@ -131,7 +133,32 @@ class AlgoConfig:
     reward_funcs: list[str] = field(default_factory=list)
     """Reward names or `path/file.py:fn` plugins. Empty: the dataset's defaults."""
     reward_weights: list[float] | None = None
-    """One weight per reward function (default 1.0 each)."""
+    """One weight per reward (default 1.0 each), in the order: --reward_funcs, then --reward_model(s), then the judge."""
+    reward_model: list[str] = field(default_factory=list)
+    """HF sequence-classification reward models (folders; `tiny:reward-qwen2` for a tiny one) scoring prompt + completion."""
+    reward_model_device: str | None = None
+    """Device of the reward models and the judge (e.g. `cuda:1`). None: this process's GPU, else the CPU."""
+    reward_model_batch_size: int = 16
+    """Completions per forward of a reward model, and per generate call of the judge."""
+    judge_model: str | None = None
+    """A vision-language model as a generative judge (docs/rewards.md): it sees the images, question, reference and
+    completion; its parsed reply is the reward `judge`."""
+    judge_model_type: str | None = None
+    """The judge's template (inferred from its checkpoint when not given)."""
+    judge_prompt: str | None = None
+    """A text file: the judge's prompt with {question}, {reference} and {completion}. None: the built-in one."""
+    judge_parse: str = "score"
+    """How the judge's reply becomes a reward: `score` (the last "Score: N" / --judge_score_max) or `verdict`
+    ("Verdict: correct|incorrect" -> 1|0). Unparsable: None for that sample, counted as judge/unparsed."""
+    judge_score_max: float = 10.0
+    """The top of the judge's score scale (`score` parsing)."""
+    judge_max_new_tokens: int = 64
+    """Longest judge reply in tokens (greedy)."""
+    judge_use_vllm: bool = False
+    """Run the judge on a colocated vLLM engine of its own (sized by the --vllm_* flags) instead of HF/shared-prefix."""
+    reward_kwargs: str | None = None
+    """Options of named rewards, JSON: `{"cosine": {"cosine_max_len": 512}, "repetition": {"repetition_n_grams": 4}}`
+    (docs/rewards.md lists each reward's options)."""
     reward_errors: str = "raise"
     """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
     reward_timeout: float = 300.0
@@ -144,8 +171,10 @@ class AlgoConfig:
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = 0.28
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
+    delta: float | None = None
+    """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
     scale_rewards: str = "group"
-    """Advantage scaling: group (divide by group std) | batch | none (Dr. GRPO)."""
+    """Advantage scaling: group (divide by group std) | batch | none (what Dr. GRPO prescribes: use it with --loss_type dr_grpo)."""
     num_iterations: int = 1
     """Optimisation passes over each rollout batch (mu); >1 uses old log-probs in the ratio."""
     importance_sampling_level: str = "token"
@@ -183,9 +212,12 @@ class OptimConfig:
     adam_beta2: float = 0.99
     """AdamW beta2 (0.99 reacts faster than 0.999 to the shifting RL gradients)."""
     warmup_ratio: float = 0.0
-    """Fraction of max_steps with a linear warm-up."""
-    lr_scheduler_type: str = "cosine"
-    """`cosine` (to 10% of peak) or `constant` after warm-up."""
+    """Fraction of max_steps with a linear warm-up from 0 (ceil(ratio x steps) steps, as in HF)."""
+    lr_scheduler_type: str = "cosine_with_min_lr"
+    """HF's schedules by name: linear | cosine (to 0) | cosine_with_min_lr (to --lr_scheduler_kwargs min_lr_rate of the
+    peak, default 0.1) | constant (no warm-up) | constant_with_warmup."""
+    lr_scheduler_kwargs: str | None = None
+    """The schedule's options as JSON, e.g. `{"min_lr_rate": 0.05}` (cosine_with_min_lr), `{"num_cycles": 1.0}` (cosine)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (0 = off)."""
     per_device_train_batch_size: int = 8
@@ -257,8 +289,9 @@ class RunOptions:
     """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
     logging_steps: int = 1
     """Print and log every N steps."""
-    report_to: str = "tensorboard"
-    """`tensorboard` (event files in the run folder, beside metrics.jsonl) or `none` (metrics.jsonl only)."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Trackers beside metrics.jsonl: any of `tensorboard` `wandb` `mlflow` (with the completions table), or `none`
+    (docs/training.md; WANDB_MODE=offline and MLflow's file store need no network)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     bf16: bool = False
@@ -452,12 +485,14 @@ def config_from_namespace(cls, ns: argparse.Namespace):
 
 def validate_common(cfg: RunOptions) -> None:
     """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
-    if cfg.model.model_type is None:
-        raise ConfigError(f"--model_type is required for --model {cfg.model.model} (e.g. --model_type qwen2-vl).")
+    from mmgrpo.optim import scheduler_kwargs
+
+    scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
+    from mmgrpo.trackers import report_targets
+
+    report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
     choices = {
-        "lr_scheduler_type": (cfg.optim.lr_scheduler_type, ("cosine", "constant")),
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
-        "report_to": (cfg.report_to, ("tensorboard", "none")),
     }
     check_choices(choices)
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
@@ -500,9 +535,26 @@ def validate(cfg: TrainConfig) -> None:
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
-    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != len(cfg.algo.reward_funcs):
+    num_rewards = len(cfg.algo.reward_funcs) + len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
+    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != num_rewards:
         raise ConfigError(
-            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {len(cfg.algo.reward_funcs)} --reward_funcs: give one weight per function."
+            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {num_rewards} rewards "
+            f"({len(cfg.algo.reward_funcs)} --reward_funcs, {len(cfg.algo.reward_model)} --reward_model"
+            f"{', 1 --judge_model' if cfg.algo.judge_model else ''}): give one weight per reward, in that order."
+        )
+    if cfg.algo.judge_parse not in ("score", "verdict"):
+        raise ConfigError(f"--judge_parse {cfg.algo.judge_parse!r}: choose one of score, verdict.")
+    epsilon_high = cfg.algo.epsilon if cfg.algo.epsilon_high is None else cfg.algo.epsilon_high
+    if cfg.algo.delta is not None and not cfg.algo.delta > 1 + epsilon_high:
+        raise ConfigError(f"--delta {cfg.algo.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")
+    if cfg.algo.delta is not None and cfg.algo.loss_type == "cispo":
+        raise ConfigError("--delta (dual clip) applies to the clipped PPO surrogate; --loss_type cispo has none. Drop --delta.")
+    if cfg.algo.loss_type == "dr_grpo" and cfg.algo.scale_rewards != "none":
+        # Dr. GRPO removes both biases: the length one (the loss) and the difficulty one (the std).
+        # Kept as asked, since scaling may be wanted on purpose; said at start-up.
+        warnings.warn(
+            f"--loss_type dr_grpo with --scale_rewards {cfg.algo.scale_rewards}: Dr. GRPO also drops the std scaling "
+            "of advantages; add --scale_rewards none for the algorithm of the paper (docs/algorithm.md).", stacklevel=2,
         )
     if cfg.algo.beta < 0 or cfg.algo.epsilon <= 0:
         raise ConfigError("--beta must be >= 0 and --epsilon > 0.")

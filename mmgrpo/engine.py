@@ -71,7 +71,7 @@ def loss_config(cfg: TrainConfig) -> LossConfig:
     return LossConfig(
         loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, beta=cfg.algo.beta,
         max_completion_length=cfg.rollout.max_completion_length,
-        importance_sampling_level=cfg.algo.importance_sampling_level,
+        importance_sampling_level=cfg.algo.importance_sampling_level, delta=cfg.algo.delta,
     )
 
 
@@ -121,7 +121,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         completions = template.decode(completion_ids, completion_mask)
 
     with timers("reward"):
-        columns = reward_columns(samples, encoded, template, G)
+        columns = reward_columns(samples, encoded, template, G, completion_ids, completion_mask)
         per_func, rewards = run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
 
     with timers("plan"):
@@ -185,6 +185,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "rollout/staleness": (step - 1) - rollout.weight_version,
         **sampling_metrics,
         **loss_metrics,
+        **run.rewards.stats(),  # e.g. judge/unparsed
     }
     for name, values in zip(run.rewards.names, per_func):
         metrics[f"reward/{name}"] = float(values.nanmean())
@@ -278,8 +279,10 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
     return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
 
 
-def reward_columns(samples, encoded, template, G: int) -> dict[str, list]:
-    """Each sample's columns repeated for its G completions, plus what rewards may need."""
+def reward_columns(samples, encoded, template, G: int, completion_ids=None, completion_mask=None) -> dict[str, list]:
+    """Each sample's columns repeated for its G completions, plus what rewards may need:
+    `completion_ids` (each completion's own token ids, padding dropped), the sample id, modality,
+    and the box mapper."""
     columns: dict[str, list] = {}
     keys = sorted({k for s in samples for k in s.columns})
     for key in keys:
@@ -288,6 +291,11 @@ def reward_columns(samples, encoded, template, G: int) -> dict[str, list]:
     columns["modality"] = [s.modality for s in samples for _ in range(G)]
     # Rewards get boxes in original-image pixels: the template owns the model's convention.
     columns["to_image_box"] = [template.box_mapper(enc) for enc in encoded for _ in range(G)]
+    # reward models and the judge: the conversation so far and the decoded images (shared, not copied)
+    columns["prompts"] = [s.messages for s in samples for _ in range(G)]
+    columns["images"] = [enc.images for enc in encoded for _ in range(G)]
+    if completion_ids is not None:  # soft_overlong, cosine: lengths in tokens, as TRL passes them
+        columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)]
     return columns
 
 

@@ -2,14 +2,26 @@
 
     optimizer = make_optimizer(cfg.optim)(params)        # a factory: sharding strategies build it on the shards
     scheduler = make_scheduler(cfg.optim, optimizer, total_steps)
+
+Schedules are transformers' own, by their HF names (`--lr_scheduler_type`), with their options as
+`--lr_scheduler_kwargs` JSON; the warm-up is ceil(warmup_ratio x steps), as the HF Trainer counts it.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
 from functools import partial
 
 import torch
+
+from mmgrpo.errors import ConfigError
+
+# The HF schedule names mmgrpo accepts (transformers.SchedulerType values).
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+# cosine_with_min_lr without options decays to 10% of the peak (mmgrpo's `cosine` before HF's names).
+DEFAULT_SCHEDULER_KWARGS = {"cosine_with_min_lr": {"min_lr_rate": 0.1}}
 
 
 def make_optimizer(optim_cfg):
@@ -21,27 +33,61 @@ def make_optimizer(optim_cfg):
     )
 
 
-def lr_factor(optim_cfg, total_steps: int):
-    """step -> multiplier of the peak rate: linear warm-up over warmup_ratio of the steps, then
-    `cosine` (to 10% of the peak) or `constant`.
+def scheduler_kwargs(optim_cfg) -> dict:
+    """--lr_scheduler_kwargs (a JSON string, or a mapping from YAML) checked against the schedule's options.
 
     >>> from mmgrpo.config import OptimConfig
-    >>> factor = lr_factor(OptimConfig(warmup_ratio=0.25), total_steps=8)
-    >>> [round(factor(step), 3) for step in range(8)]
-    [0.333, 0.667, 1.0, 0.94, 0.775, 0.55, 0.325, 0.16]
+    >>> scheduler_kwargs(OptimConfig(lr_scheduler_type="cosine_with_min_lr"))
+    {'min_lr_rate': 0.1}
+    >>> scheduler_kwargs(OptimConfig(lr_scheduler_type="cosine", lr_scheduler_kwargs='{"num_cycles": 1.0}'))
+    {'num_cycles': 1.0}
     """
-    warmup = int(optim_cfg.warmup_ratio * total_steps)
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if optim_cfg.lr_scheduler_type == "constant":
-            return 1.0
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))  # cosine to 10% of peak
+    name, value = optim_cfg.lr_scheduler_type, optim_cfg.lr_scheduler_kwargs
+    if name not in LR_SCHEDULERS:
+        raise ConfigError(f"--lr_scheduler_type {name!r}: choose one of {', '.join(LR_SCHEDULERS)} (HF's names).")
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--lr_scheduler_kwargs is not valid JSON ({exc.msg}); give e.g. '{{\"min_lr_rate\": 0.1}}'.") from None
+    if value in (None, "", {}):
+        return dict(DEFAULT_SCHEDULER_KWARGS.get(name, {}))
+    if not isinstance(value, dict):
+        raise ConfigError(f"--lr_scheduler_kwargs must be a JSON object, got {value!r}.")
+    accepted = [
+        p for p in inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]).parameters
+        if p not in ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
+    ]
+    unknown = sorted(set(value) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"--lr_scheduler_kwargs: {', '.join(unknown)} is not an option of {name!r}; it takes: {', '.join(accepted) or 'none'}."
+        )
+    return dict(value)
 
-    return factor
+
+def warmup_steps(optim_cfg, total_steps: int) -> int:
+    """ceil(warmup_ratio x total steps), as the HF Trainer counts them."""
+    return math.ceil(optim_cfg.warmup_ratio * total_steps)
 
 
 def make_scheduler(optim_cfg, optimizer, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(optim_cfg, total_steps))
+    """transformers' schedule named by --lr_scheduler_type, stepped once per optimizer step.
+
+    >>> from mmgrpo.config import OptimConfig
+    >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    >>> sched = make_scheduler(OptimConfig(lr_scheduler_type="linear", warmup_ratio=0.25), opt, total_steps=8)
+    >>> rates = []
+    >>> for _ in range(8):
+    ...     rates.append(round(sched.get_last_lr()[0], 3)); opt.step(); sched.step()
+    >>> rates
+    [0.0, 0.5, 1.0, 0.833, 0.667, 0.5, 0.333, 0.167]
+    """
+    from transformers import get_scheduler
+
+    return get_scheduler(
+        optim_cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(optim_cfg, total_steps),
+        num_training_steps=total_steps, scheduler_specific_kwargs=scheduler_kwargs(optim_cfg),
+    )

@@ -5,6 +5,7 @@ output_dir/
     metrics.jsonl       one JSON object per step
     completions.jsonl   prompts, their G completions and every reward
     events.out.tfevents.*   TensorBoard scalars (same keys as metrics.jsonl)
+    wandb/ , mlruns/    --report_to wandb / mlflow (offline W&B runs, MLflow's file store; mmgrpo/trackers.py)
     checkpoint-N/       HF folders (safetensors) that from_pretrained loads
 """
 
@@ -41,14 +42,9 @@ class RunLogger:
         (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
-        self.tb = None
-        if getattr(cfg, "report_to", "tensorboard") == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        from mmgrpo.trackers import make_trackers
 
-                self.tb = SummaryWriter(str(self.dir), purge_step=None if resume_step is None else resume_step + 1)
-            except ImportError:  # tensorboard is optional outside the pinned set
-                pass
+        self.trackers = make_trackers(self.dir, cfg, resume_step)  # --report_to: tensorboard, wandb, mlflow
 
     def log_step(self, metrics: dict, records: list[dict] = (), print_it: bool = True) -> None:
         metrics = {k: _jsonable(v) for k, v in metrics.items()}
@@ -57,10 +53,8 @@ class RunLogger:
         for record in records:
             self.completions_file.write(json.dumps(record, default=str) + "\n")
         self.completions_file.flush()
-        if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, metrics["step"])
+        for tracker in self.trackers:
+            tracker.log(metrics, list(records), metrics["step"])
         if print_it:
             keys = ["reward", "kl", "loss", "completion_length", "time/step"]
             shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float)))
@@ -69,8 +63,8 @@ class RunLogger:
     def close(self) -> None:
         self.metrics_file.close()
         self.completions_file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class NullLogger:

@@ -31,6 +31,8 @@ from mmgrpo.models.loading import RUN_INFO_FILE, load_model, load_template, mode
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.model_rewards import build_model_rewards
+from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights
@@ -73,6 +75,10 @@ class RewardSet:
         total = torch.nansum(per_func * torch.tensor(self.weights)[:, None], dim=0)
         return per_func, total
 
+    def stats(self) -> dict[str, float]:
+        """Counters of the last call from rewards that keep them (the judge's judge/unparsed)."""
+        return {key: value for func in self.funcs if hasattr(func, "stats") for key, value in func.stats().items()}
+
 
 def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
     """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample)."""
@@ -90,10 +96,32 @@ def build_rewards(cfg: TrainConfig, dataset) -> RewardSet:
             f"no reward functions: dataset {getattr(dataset, 'name', '')} names none; pass --reward_funcs "
             "(e.g. --reward_funcs vqa_accuracy format)."
         )
-    weights = cfg.algo.reward_weights or [1.0] * len(names)
-    funcs = [get_reward(name) for name in names]
-    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, list(names),
+    funcs = bound_rewards(cfg, names)
+    specs = list(names)
+    # reward models and the judge (mmgrpo/rewards/model_rewards.py): after the functions, for every sample
+    for model_reward in build_model_rewards(cfg):
+        funcs.append(model_reward)
+        specs.append(model_reward.reward_name)
+        for route in (routes or {}).values():
+            route.append(model_reward.reward_name)
+    weights = cfg.algo.reward_weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ConfigError(
+            f"--reward_weights has {len(weights)} values for {len(funcs)} rewards ({', '.join(specs)}); "
+            "give one per reward: --reward_funcs, then --reward_model(s), then the judge."
+        )
+    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
                      cfg.algo.reward_timeout)
+
+
+def bound_rewards(cfg: TrainConfig, names: list[str]) -> list:
+    """Each reward with its --reward_kwargs options bound (and the run's max_completion_length where it takes it)."""
+    options = parse_reward_kwargs(cfg.algo.reward_kwargs)
+    stray = sorted(set(options) - set(names))
+    if stray:
+        raise ConfigError(f"--reward_kwargs names {', '.join(stray)}, not among the run's rewards ({', '.join(names)}).")
+    run_defaults = {"max_completion_length": cfg.rollout.max_completion_length}
+    return [bind_options(get_reward(name), name, options.get(name, {}), run_defaults) for name in names]
 
 
 class PromptEncoder:

@@ -59,8 +59,8 @@ def test_report_to_none_writes_metrics_only(tmp_path):
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward": 0.5}]
     assert not list(tmp_path.glob("events.out.tfevents.*"))
-    with pytest.raises(ConfigError, match="--report_to 'wandb'"):
-        TrainConfig.from_args([*FAST, "--report_to", "wandb"]).validate()
+    with pytest.raises(ConfigError, match="--report_to comet: 'comet' is not one of tensorboard, wandb, mlflow"):
+        TrainConfig.from_args([*FAST, "--report_to", "comet"]).validate()
 
 
 def test_one_step_changes_every_trainable_parameter(tmp_path):

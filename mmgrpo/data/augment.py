@@ -14,6 +14,10 @@
 | `color_jitter` | j in [0, 1) | brightness, contrast, saturation factors each uniform in [1 - j, 1 + j] |
 | `audio_noise` | std in [0, 1] | add Gaussian noise of this std to every waveform (samples lie in [-1, 1]) |
 | `audio_gain` | [low, high], 0 < low <= high | multiply every waveform by a gain uniform in [low, high] |
+| `synonyms` | a file (JSON or comma-separated groups) | the synonym table of the text augmentation (mmgrpo/data/text_augment.py) |
+| `synonym_prob` | probability in [0, 1] | replace each known, unprotected word of the user turns with a synonym |
+| `synonym_protect` | subset of [answers, option_letters, numbers] | kinds of words never replaced (default: all three) |
+| `protected_words` | list of words | more words never replaced |
 
 It runs in the DataLoader worker on each decoded sample, after `Sample.load_media` and before the
 template encodes it (mmgrpo/data/pipeline.py), for training only (evaluation reads samples
@@ -60,7 +64,8 @@ if TYPE_CHECKING:
 
 # torch and torchvision are imported where used: the registry imports this module to parse the
 # `augment:` block, and `mmgrpo datasets` should not wait for torch.
-KEYS = ("hflip", "vflip", "rotate", "crop", "color_jitter", "audio_noise", "audio_gain")
+KEYS = ("hflip", "vflip", "rotate", "crop", "color_jitter", "audio_noise", "audio_gain",
+        "synonyms", "synonym_prob", "synonym_protect", "protected_words")
 COLOUR_FACTORS = ("brightness", "contrast", "saturation")
 
 
@@ -75,6 +80,12 @@ class Augment:
     color_jitter: float = 0.0
     audio_noise: float = 0.0
     audio_gain: tuple[float, float] = (1.0, 1.0)
+    # text: synonym replacement (mmgrpo/data/text_augment.py); the table is read once, at parse time
+    synonyms: str | None = None  # the file it came from (for the record)
+    synonym_table: tuple = ()  # ((word, (synonym, ...)), ...): hashable, pickled to the workers
+    synonym_prob: float = 0.0
+    synonym_protect: tuple[str, ...] = ("answers", "option_letters", "numbers")
+    protected_words: tuple[str, ...] = ()
 
     @property
     def geometric(self) -> bool:
@@ -135,6 +146,14 @@ class Augment:
                     min(1.0, corners[:, 2].max() / size[0]), min(1.0, corners[:, 3].max() / size[1])]
         has_audio = bool(sample.audios) or any(getattr(v, "audio", None) is not None for v in sample.videos)
         params = self.draw(generator, visual=size is not None, audio=has_audio, keep=keep)
+        messages = sample.messages
+        if self.synonym_table and self.synonym_prob > 0:  # drawn after the media keys: their draws stay as they were
+            from mmgrpo.data.text_augment import augment_messages, protected_words
+
+            protected = protected_words(columns.get("solution"), self.synonym_protect, self.protected_words)
+            messages, swaps = augment_messages(sample.messages, dict(self.synonym_table), self.synonym_prob,
+                                               protected, generator, self.synonym_protect)
+            params["synonyms"] = swaps
         columns["augment"] = params
 
         import torch
@@ -162,7 +181,7 @@ class Augment:
             )
             moved = [[round(float(v), 2) for v in box] for box in moved.tolist()]
             columns["solution"] = moved[0] if _is_box(_as_list(columns["solution"])) else moved
-        return LoadedSample(id=sample.id, messages=sample.messages, images=images, videos=videos,
+        return LoadedSample(id=sample.id, messages=messages, images=images, videos=videos,
                             audios=audios, columns=columns)
 
 
@@ -217,7 +236,40 @@ def parse_augment(block, where: str) -> Augment:
         ):
             raise bad("audio_gain", "must be [low, high] with 0 < low <= high, e.g. [0.8, 1.2]")
         values["audio_gain"] = (float(gain[0]), float(gain[1]))
+    values.update(_parse_text_keys(block, where, bad))
     return Augment(**values)
+
+
+def _parse_text_keys(block: dict, where: str, bad) -> dict:
+    """The synonym-replacement keys of an `augment:` block (mmgrpo/data/text_augment.py)."""
+    from mmgrpo.data.text_augment import PROTECT_KINDS, load_synonyms
+
+    values = {}
+    if "synonym_prob" in block:
+        prob = block["synonym_prob"]
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise bad("synonym_prob", "must be a probability in [0, 1]")
+        if "synonyms" not in block:
+            raise ConfigError(f"{where}, key 'augment.synonym_prob': needs 'augment.synonyms', the synonym file")
+        values["synonym_prob"] = float(prob)
+    if "synonyms" in block:
+        if not isinstance(block["synonyms"], str):
+            raise bad("synonyms", "must be the path of a synonym file (.json, or comma-separated groups per line)")
+        table = load_synonyms(block["synonyms"], where)
+        values["synonyms"] = block["synonyms"]
+        values["synonym_table"] = tuple(sorted((word, tuple(syns)) for word, syns in table.items()))
+        values.setdefault("synonym_prob", 0.1)
+    if "synonym_protect" in block:
+        kinds = block["synonym_protect"]
+        if not isinstance(kinds, list) or not set(kinds) <= set(PROTECT_KINDS):
+            raise bad("synonym_protect", f"must be a list of {', '.join(PROTECT_KINDS)}")
+        values["synonym_protect"] = tuple(kinds)
+    if "protected_words" in block:
+        words = block["protected_words"]
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise bad("protected_words", "must be a list of words")
+        values["protected_words"] = tuple(words)
+    return values
 
 
 def _place(u: float, size: float, keep: tuple[float, float] | None) -> float:

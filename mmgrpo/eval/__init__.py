@@ -8,6 +8,7 @@
 See docs/evaluation.md.
 """
 
+from mmgrpo.eval import detection, vqa_official  # noqa: F401  (register `map`, `vqa_accuracy`)
 from mmgrpo.eval.compare import compare, compare_markdown, print_compare, write_compare
 from mmgrpo.eval.metrics import get_metric, list_metrics, pass_at_k, register_metric
 from mmgrpo.eval.report import write_report

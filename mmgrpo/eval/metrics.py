@@ -15,6 +15,8 @@ Text metrics look at the answer part of a completion, as the rewards do: the fir
 
 Names `--metrics` accepts (`get_metric`):
     exact_match  rouge_l  bleu  cider  iou  pass_at_k  mean_at_k
+    vqa_accuracy (the official VQAv2 script)  vqa_accuracy_lenient   (vqa_official.py)
+    map (COCO AP@[.5:.95] and map50 over several boxes)               (detection.py)
     pass@K, mean@K           pass@K over K completions (--num_samples >= K)
     pass@K:JUDGE             JUDGE = exact_match (default) or a reward name
     reward:NAME or NAME      any registered reward, as the mean reward per sample
@@ -56,18 +58,21 @@ class Metric:
     # depend on every sample), from the stored completions and `solution`s.
     corpus: bool = False
     needs_box: bool = False  # `solution` must be a box [x1, y1, x2, y2]
+    # keeps(completions of one sample, its columns) -> dict stored in samples.jsonl under "kept", whose
+    # keys reach the corpus metric as columns: what it needs that cannot be stored raw (mapped boxes)
+    keeps: Callable[[list[str], dict], dict] | None = None
 
 
 _METRICS: dict[str, Metric] = {}
 
 
-def register_metric(name: str, *, needs: tuple[str, ...] = (), corpus: bool = False, needs_box=False):
+def register_metric(name: str, *, needs: tuple[str, ...] = (), corpus: bool = False, needs_box=False, keeps=None):
     """Register `fn(completions, **columns) -> MetricValues` under `name` (a duplicate is an error)."""
 
     def decorator(fn):
         if name in _METRICS:
             raise ValueError(f"metric {name!r} is already registered")
-        _METRICS[name] = Metric(name, fn, needs, corpus, needs_box)
+        _METRICS[name] = Metric(name, fn, needs, corpus, needs_box, keeps)
         return fn
 
     return decorator

@@ -95,6 +95,7 @@ def run_eval(
                         "solution": sample.columns.get("solution"),
                         "scores": {name: values[i] for name, values in scores.items()},
                         "time_s": seconds,
+                        **_kept(metric_list, completions[i], {key: values[i] for key, values in columns.items()}),
                     }
                 )
             log.info("eval: %d samples done (%d from an earlier run)", len(writer.done_ids), skipped)
@@ -142,6 +143,8 @@ def _score_corpus(metrics: list[Metric], records: list[dict], store: bool = True
         return {}
     ids = [r["id"] for r in records]
     columns = {"solution": [r.get("solution") for r in records]}
+    for key in dict.fromkeys(key for r in records for key in r.get("kept", {})):  # e.g. mapped boxes (Metric.keeps)
+        columns[key] = [r.get("kept", {}).get(key) for r in records]
     completions = [r["completions"] for r in records]
     out = {}
     for metric in metrics:
@@ -153,6 +156,15 @@ def _score_corpus(metrics: list[Metric], records: list[dict], store: bool = True
                     record["scores"][name] = value
         out[metric.name] = values.corpus
     return out
+
+
+def _kept(metrics: list[Metric], completions: list[str], columns: dict) -> dict:
+    """{"kept": ...}: what corpus metrics keep of one sample for their score at the end (Metric.keeps)."""
+    kept = {}
+    for metric in metrics:
+        if metric.keeps is not None:
+            kept.update(metric.keeps(completions, columns))
+    return {"kept": kept} if kept else {}
 
 
 def _merged(values_by_metric: dict[str, dict]) -> dict[str, float]:

@@ -80,8 +80,8 @@ def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, m
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgrpo eval", description="Evaluate a model on a dataset split: eval.json + eval.md.")
     p.add_argument("--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>.")
-    p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family> and "
-                   "for checkpoints mmgrpo saved.")
+    p.add_argument("--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred when not given, from "
+                   "tiny:<family>, a checkpoint mmgrpo saved, or the checkpoint's config.json model_type.")
     p.add_argument("--template_plugin", nargs="*", default=[],
                    help="Python files or modules that register templates (docs/custom_template.md).")
     p.add_argument("--dataset", required=True, help="NAME[:split] (default split: test) or a data file.")

@@ -26,6 +26,7 @@ the global totals divided by the world size. Left as None, each is the micro-bat
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -44,16 +45,30 @@ Aggregate = Callable[..., Tensor]
 
 
 def clipped_surrogate(
-    ratio: Tensor, logps: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float
+    ratio: Tensor, logps: Tensor, advantages: Tensor, epsilon_low: float, epsilon_high: float,
+    delta: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """PPO's pessimistic clipped objective, negated: -min(ratio * A, clip(ratio) * A).
 
     A token is clipped (its gradient is zero) only where clipping makes the objective smaller:
     ratio > 1 + eps_high with A > 0, or ratio < 1 - eps with A < 0.
+
+    Dual clip (`delta`, TRL's name; > 1 + eps_high): the unclipped ratio is capped at delta, so
+    for A < 0 a token's loss is at most delta * |A| and a ratio above delta has no gradient (one
+    runaway token cannot blow up the update). For A > 0 nothing changes (clip already caps it).
+
+    >>> ratio, adv = torch.tensor([4.0, 4.0, 0.5]), torch.tensor([-1.0, 1.0, -1.0])
+    >>> clipped_surrogate(ratio, ratio.log(), adv, 0.2, 0.2)[0].tolist()
+    [4.0, -1.2000000476837158, 0.800000011920929]
+    >>> clipped_surrogate(ratio, ratio.log(), adv, 0.2, 0.2, delta=3.0)[0].tolist()
+    [3.0, -1.2000000476837158, 0.800000011920929]
     """
     clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    capped_ratio = ratio if delta is None else ratio.clamp(max=delta)
+    per_token_loss = -torch.minimum(capped_ratio * advantages, clipped_ratio * advantages)
     clipped_low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    if delta is not None:  # dual-clipped tokens lose their gradient too: counted as clipped low (A < 0)
+        clipped_low = clipped_low | ((ratio > delta) & (advantages < 0))
     clipped_high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return per_token_loss, clipped_low, clipped_high
 
@@ -174,6 +189,8 @@ class LossConfig:
     max_completion_length: int | None = None  # the constant denominator of dr_grpo
     # "token" (GRPO) or "sequence" (GSPO: one ratio per completion, the geometric mean of its token ratios)
     importance_sampling_level: str = "token"
+    # dual clip: the ratio is capped at delta for negative advantages (TRL's `delta`); None: off
+    delta: float | None = None
 
 
 def policy_loss(
@@ -247,9 +264,15 @@ def policy_loss(
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
     ratio = torch.exp(log_ratio)  # [N, T] or [N, 1]
 
-    per_token_loss, clipped_low, clipped_high = loss_spec.surrogate(
-        ratio, logps, advantages, epsilon, epsilon_high
-    )
+    if config.delta is not None:
+        if loss_spec.surrogate is not clipped_surrogate:
+            raise ConfigError(f"--delta (dual clip) applies to the clipped surrogate, not to --loss_type {loss_type}")
+        if not config.delta > 1 + epsilon_high:
+            raise ConfigError(f"--delta {config.delta} must be > 1 + epsilon_high ({1 + epsilon_high})")
+        surrogate = partial(clipped_surrogate, delta=config.delta)
+    else:
+        surrogate = loss_spec.surrogate
+    per_token_loss, clipped_low, clipped_high = surrogate(ratio, logps, advantages, epsilon, epsilon_high)
     per_token_loss = per_token_loss.expand_as(logps)  # [N, T]
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights.detach().to(per_token_loss.dtype)

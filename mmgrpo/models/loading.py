@@ -96,11 +96,58 @@ def saved_model_type(path: str) -> str | None:
         return None
 
 
+def infer_model_type(model: str) -> str:
+    """The template name of a checkpoint when --model_type is not given: `tiny:<family>` names its
+    own, a training checkpoint's `mmgrpo.json` records it, else the `model_type` of its config.json
+    picks the one template that declares it (`Template.hf_model_types`). None or several: a
+    ConfigError listing the choices."""
+    import json
+
+    from mmgrpo.templates import Template, known_templates, templates_for_hf_type
+
+    if model.startswith(TINY_PREFIX):
+        return model.removeprefix(TINY_PREFIX)
+    recorded = saved_model_type(model)
+    if recorded:
+        return recorded
+    folder = os.path.expanduser(resolve_model_path(model))
+    if os.path.isdir(folder):  # a half-written checkpoint (no mmgrpo.json yet): name what is wrong first
+        check_model_folder(folder)
+    config_file = os.path.join(folder, "config.json")
+    choices = ", ".join(known_templates())
+    if not os.path.isfile(config_file):
+        raise ConfigError(
+            f"--model {model}: no config.json to infer the model type from; give --model_type (one of {choices})."
+        )
+    try:
+        hf_type = json.loads(open(config_file).read()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model {model}: {config_file} is not readable JSON ({exc}); give --model_type.") from None
+    matches = templates_for_hf_type(hf_type) if hf_type else []
+    if len(matches) == 1:
+        return matches[0]
+    from mmgrpo.templates.base import _TEMPLATES
+
+    served = "; ".join(
+        f"{cls.name} ({', '.join(cls.__dict__.get('hf_model_types', ())) or 'declares none'})"
+        for cls in sorted(_TEMPLATES.values(), key=lambda c: c.name) if issubclass(cls, Template)
+    )
+    if matches:
+        raise ConfigError(
+            f"--model {model}: its config.json model_type {hf_type!r} is served by several templates "
+            f"({', '.join(matches)}); choose one with --model_type."
+        )
+    raise ConfigError(
+        f"--model {model}: its config.json model_type {hf_type!r} is not one a template declares; give --model_type "
+        f"(templates and the HF types they serve: {served}), or add a template (docs/custom_template.md)."
+    )
+
+
 def load_template(
     model: str, model_type: str | None, *, template_plugin=(), min_pixels=None, max_pixels=None, **options
 ):
     """(checkpoint path, processor, template) of a model: template plugins imported, the model type
-    resolved (`tiny:<family>` names its own), the processor loaded with the pixel limits written
+    resolved (given, or `infer_model_type`), the processor loaded with the pixel limits written
     into it (so a checkpoint saved from it resizes as training did), the template bound to it.
 
     options: the template's other options (video_fps, video_nframes, Qwen2.5-Omni's use_audio_in_video ...).
@@ -109,13 +156,7 @@ def load_template(
 
     for spec in template_plugin:  # registers templates for model_type; a bad file fails before any model loads
         load_template_plugin(spec)
-    if model_type is None and model.startswith(TINY_PREFIX):
-        model_type = model.removeprefix(TINY_PREFIX)
-    model_type = model_type or saved_model_type(model)
-    if model_type is None:
-        if os.path.isdir(os.path.expanduser(model)):  # a half-written checkpoint lacks mmgrpo.json: name what is wrong
-            check_model_folder(os.path.expanduser(model))
-        raise ConfigError(f"--model_type is required for --model {model} (e.g. --model_type qwen2-vl).")
+    model_type = model_type or infer_model_type(model)  # an explicit --model_type wins
     path = resolve_model_path(model)
     processor = load_processor(path)
     keep_pixel_limits(processor, min_pixels, max_pixels)

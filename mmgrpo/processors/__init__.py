@@ -22,7 +22,8 @@ __all__ = ["load_image", "load_video", "load_audio", "resolve_media_path", "desc
 def resolve_media_path(ref: str | os.PathLike, media_root: str | os.PathLike | None, kind: str) -> Path:
     """The file a path reference names: absolute as given, relative to `media_root` (or the cwd).
 
-    `file://` prefixes are stripped; URLs are refused (mmgrpo never downloads media).
+    `file://` prefixes are stripped; an http(s) URL is downloaded into the media cache
+    (`mmgrpo/processors/remote.py`) and that file returned; s3:// and gs:// are refused.
 
     >>> resolve_media_path("a/b.png", "/nowhere", "image")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -31,9 +32,13 @@ def resolve_media_path(ref: str | os.PathLike, media_root: str | os.PathLike | N
     text = os.fspath(ref)
     if text.startswith("file://"):
         text = text[len("file://") :]
-    if text.startswith(("http://", "https://", "s3://", "gs://")):
+    if text.startswith(("http://", "https://")):
+        from mmgrpo.processors.remote import download_media
+
+        return download_media(text, kind)
+    if text.startswith(("s3://", "gs://")):
         raise DataError(
-            f"{kind} reference {text!r} is a URL; mmgrpo does not download media: "
+            f"{kind} reference {text!r} is a bucket URL; mmgrpo downloads http(s) URLs only: "
             "download the file and give its path"
         )
     path = Path(text).expanduser()

@@ -1,6 +1,7 @@
 """Images: any reference a dataset may hold -> an RGB `PIL.Image`.
 
-A reference is one of: a path (relative to `media_root`, absolute, or `file://`), raw bytes,
+A reference is one of: a path (relative to `media_root`, absolute, or `file://`), an http(s) URL
+(downloaded once into a cache, mmgrpo/processors/remote.py), raw bytes,
 a base64 data URI (`data:image/png;base64,...`), a dict `{"bytes": ..., "path": ...}` (the
 Hugging Face `datasets` Image feature with decode=False), a `PIL.Image`, or a uint8 array [H, W, 3].
 
@@ -46,8 +47,8 @@ def load_image(ref, media_root: str | os.PathLike | None = None) -> PIL.Image.Im
     if isinstance(ref, str) and ref.startswith("data:"):
         return _decode(_data_uri_bytes(ref), describe_ref(ref))
     if isinstance(ref, (str, os.PathLike)):
-        path = resolve_media_path(ref, media_root, "image")
-        return _decode(path.read_bytes(), str(path))
+        path = resolve_media_path(ref, media_root, "image")  # an http(s) URL: its cached download
+        return _decode(path.read_bytes(), repr(os.fspath(ref)) if str(ref).startswith(("http://", "https://")) else str(path))
     raise DataError(
         f"unsupported image reference of type {type(ref).__name__}; give a path, bytes, "
         "a data URI, a {'bytes', 'path'} dict or a PIL image"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 
+from mmgrpo.errors import DataError
 from mmgrpo.rewards.registry import register_reward
 from mmgrpo.rewards.text import extract_answer
 
@@ -51,6 +52,29 @@ def parse_box(text: str) -> list[float] | None:
     """
     boxes = parse_boxes(text)
     return boxes[0] if boxes else None
+
+
+_IMAGE_INDEX = re.compile(r'"image_index"\s*:\s*(\d+)')
+
+
+def parse_box_on_image(text: str) -> tuple[list[float] | None, int]:
+    """The first box in `text` and the image it is on: the `"image_index"` (0-based) of the JSON
+    object holding the box, else 0. In a multi-image prompt the box is then mapped with the size
+    of that image, not always the first one's.
+
+    >>> parse_box_on_image('[{"bbox_2d": [1, 2, 3, 4], "image_index": 1}]'), parse_box_on_image("[1, 2, 3, 4]")
+    (([1.0, 2.0, 3.0, 4.0], 1), ([1.0, 2.0, 3.0, 4.0], 0))
+    """
+    match = _BOX.search(text)
+    if match is None:
+        return None, 0
+    box = [float(n) for n in match.groups() if n is not None]
+    start, end = text.rfind("{", 0, match.start()), text.find("}", match.end())
+    if start >= 0 and end >= 0 and "}" not in text[start : match.start()]:  # the box is inside this object
+        index = _IMAGE_INDEX.search(text[start : end + 1])
+        if index:
+            return box, int(index.group(1))
+    return box, 0
 
 
 def box_iou(a, b) -> float:
@@ -105,12 +129,16 @@ def _ious(completions: list[str], solution: list, to_image_box) -> list[float]:
         golds = gold_boxes(gold)
         if not golds:
             raise ValueError(f"the solution {gold!r} holds no [x1, y1, x2, y2] box")
-        box = parse_box(extract_answer(completion))
+        box, image_index = parse_box_on_image(extract_answer(completion))
         if box is None:
             scores.append(0.0)
             continue
         if to_image is not None:
-            box = [float(v) for v in to_image(box)]
+            try:
+                box = [float(v) for v in (to_image(box, image_index) if image_index else to_image(box))]
+            except DataError:  # the model named an image the prompt does not have: a miss, not bad data
+                scores.append(0.0)
+                continue
         scores.append(max(box_iou(box, g) for g in golds))
     return scores
 

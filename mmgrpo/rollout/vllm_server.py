@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         description="Serve rollouts with vLLM to `mmgrpo train --use_vllm --vllm_mode server` (docs/vllm.md).",
     )
     parser.add_argument("--model", required=True, help="The checkpoint the trainer starts from (or tiny:<family>).")
-    parser.add_argument("--model_type", default=None, help="Its template name (inferred from tiny:<family>).")
+    parser.add_argument("--model_type", default=None, help="Its template name (inferred from the checkpoint when not given).")
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1).")
     parser.add_argument("--port", type=int, default=8000, help="Port (default 8000).")
     parser.add_argument("--vllm_max_model_len", type=int, default=4096, help="Longest prompt + completion (default 4096).")
@@ -136,16 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from mmgrpo.models.loading import load_template
-    from mmgrpo.models.tiny import TINY_PREFIX
     from mmgrpo.rollout.vllm_colocate import llm_options
     from mmgrpo.rollout.vllm_requests import check_supported, kv_cache_error, require_vllm
 
-    model_type = args.model_type or (args.model.removeprefix(TINY_PREFIX) if args.model.startswith(TINY_PREFIX) else None)
-    if model_type is None:
-        from mmgrpo.errors import ConfigError
-
-        raise ConfigError(f"--model_type is required for --model {args.model} (e.g. --model_type qwen2-vl).")
-    path, _, template = load_template(args.model, model_type)
+    path, _, template = load_template(args.model, args.model_type)  # no --model_type: inferred from the checkpoint
+    model_type = template.name
     vllm = require_vllm()
     check_supported(str(path), template)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -28,6 +28,7 @@ from mmgrpo.templates.base import (
     get_template,
     known_templates,
     register_template,
+    templates_for_hf_type,
 )
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "known_templates",
     "load_template_plugin",
     "register_template",
+    "templates_for_hf_type",
 ]
 
 _LOADED_PLUGINS: dict[int, list[str]] = {}  # id(module) -> template names it registered

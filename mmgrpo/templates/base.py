@@ -83,6 +83,9 @@ class Template:
     """
 
     name: str = ""  # set by register_template
+    # the `model_type` values of the HF config.json this template serves: a checkpoint's own type
+    # picks its template when --model_type is not given (mmgrpo/models/loading.py:infer_model_type)
+    hf_model_types: tuple[str, ...] = ()
     box_convention: str = ""  # "rel1000" | "rel1" (fractions of the image) | "abs_input" | "" (no boxes)
     components: dict[str, str] = {}  # module paths: backbone, lm_head, and vision / audio / aligner / llm
     stop_tokens: tuple[str, ...] = ()  # tokens that end a completion (besides the tokenizer's eos)
@@ -602,6 +605,15 @@ def register_template(name: str):
 def known_templates() -> list[str]:
     """Registered template names, sorted."""
     return sorted(cls.name for cls in _TEMPLATES.values())
+
+
+def templates_for_hf_type(hf_model_type: str) -> list[str]:
+    """Names of the registered templates that declare `hf_model_type` in their `hf_model_types`.
+
+    >>> templates_for_hf_type("qwen2_5_vl"), templates_for_hf_type("bert")
+    (['qwen2.5-vl'], [])
+    """
+    return sorted(cls.name for cls in _TEMPLATES.values() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
 
 
 def get_template(model_type: str, processor, **kwargs) -> Template:

@@ -52,6 +52,8 @@ class SoftTokenImages:
 class Gemma3Template(Template):
     """Template of Gemma3 (4B and up, the image-text models); takes images only."""
 
+    hf_model_types = ("gemma3",)  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "rel1000"
     components = {
         "backbone": "model",  # vision tower + projector + LLM without lm_head

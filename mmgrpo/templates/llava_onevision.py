@@ -122,6 +122,8 @@ class LlavaOnevisionTemplate(Template):
     """Template of LLaVA-OneVision (llava-hf/llava-onevision-qwen2-*); options: video_fps,
     video_nframes (frame sampling). Image tiling follows the processor's saved settings."""
 
+    hf_model_types = ("llava_onevision",)  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "rel1"
     components = {
         "backbone": "model",  # vision tower + projector + LLM without lm_head

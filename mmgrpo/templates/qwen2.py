@@ -16,6 +16,8 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 class Qwen2Template(Template):
     """Template of the Qwen2 / Qwen2.5 text models; takes text only."""
 
+    hf_model_types = ("qwen2",)  # config.json model_type(s): --model_type is inferred from them
+
     components = {
         "backbone": "model",  # the decoder without lm_head: returns last_hidden_state
         "llm": "model",

@@ -53,6 +53,8 @@ class Qwen2_5OmniTemplate(Template):
     """Template of the Qwen2.5-Omni thinker; options: use_audio_in_video (default False), and
     min_pixels, max_pixels, video_min_pixels, video_max_pixels (per frame), video_fps, video_nframes."""
 
+    hf_model_types = ("qwen2_5_omni", "qwen2_5_omni_thinker")  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "abs_input"
     components = {
         "backbone": "model",  # vision + audio towers + LLM without lm_head: returns last_hidden_state

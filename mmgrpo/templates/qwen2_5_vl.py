@@ -19,5 +19,7 @@ from mmgrpo.templates.qwen2_vl import Qwen2VLTemplate
 class Qwen2_5_VLTemplate(Qwen2VLTemplate):
     """Template of Qwen2.5-VL; same options as Qwen2-VL's."""
 
+    hf_model_types = ("qwen2_5_vl",)  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "abs_input"
     seconds_key = "second_per_grid_ts"

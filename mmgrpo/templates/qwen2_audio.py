@@ -20,6 +20,8 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 class Qwen2AudioTemplate(Template):
     """Template of Qwen2-Audio(-Instruct); takes audio (16 kHz mono); media options do not apply."""
 
+    hf_model_types = ("qwen2_audio",)  # config.json model_type(s): --model_type is inferred from them
+
     components = {
         "backbone": "model",  # audio tower + LLM without lm_head: returns last_hidden_state
         "audio": "model.audio_tower",

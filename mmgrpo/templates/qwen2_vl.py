@@ -52,6 +52,8 @@ class Qwen2VLTemplate(Template):
     video_max_pixels (per frame), video_fps, video_nframes, video_max_frames (frame sampling,
     read by the data loader that decodes videos)."""
 
+    hf_model_types = ("qwen2_vl",)  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "rel1000"
     components = QWEN_VL_COMPONENTS
     stop_tokens = ("<|im_end|>", "<|endoftext|>")

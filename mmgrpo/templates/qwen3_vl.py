@@ -82,6 +82,8 @@ class Qwen3VLTemplate(Template):
     """Template of Qwen3-VL; options: min_pixels, max_pixels (per image), video_min_pixels,
     video_max_pixels (per clip), video_fps, video_nframes, video_max_frames."""
 
+    hf_model_types = ("qwen3_vl",)  # config.json model_type(s): --model_type is inferred from them
+
     box_convention = "rel1000"
     components = QWEN_VL_COMPONENTS  # model.visual also holds the deepstack mergers
     stop_tokens = ("<|im_end|>", "<|endoftext|>")

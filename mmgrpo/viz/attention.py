@@ -266,7 +266,7 @@ def attention_parser() -> argparse.ArgumentParser:
         "--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>."
     )
     p.add_argument(
-        "--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred for tiny:<family>."
+        "--model_type", help="Template name (qwen2-vl, qwen2.5-vl, ...); inferred from the checkpoint when not given."
     )
     p.add_argument("--dataset", required=True, help="NAME[:split] (default split: test) or a data file.")
     p.add_argument("--index", type=int, default=0, help="Row of the split to draw.")
