@@ -196,8 +196,8 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    eval_dataset: str | None = None
-    """Evaluate during training on this `NAME[:split]` (split default: test) or data file. None: never."""
+    eval_dataset: list[str] = field(default_factory=list)
+    """Evaluate during training on these `NAME[:split]` (split default: test) or data files. Empty: never."""
     eval_steps: int = 0
     """Evaluate every N steps, and after the last step. 0: only after the last step."""
     eval_metrics: list[str] = field(default_factory=list)
@@ -523,7 +523,7 @@ def validate(cfg: TrainConfig) -> None:
         validate_vllm(cfg)
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
-    if cfg.eval.eval_dataset is None and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
+    if not cfg.eval.eval_dataset and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
         raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
