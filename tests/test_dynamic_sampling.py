@@ -95,36 +95,32 @@ def test_the_bound_holds_and_the_step_goes_on_saying_so_once():
         fill_informative(first, draw, num_prompts=2, num_generations=G, max_resample_times=-1)
 
 
-def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tiny_qwen2_vl_path):
+def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_path):
     """Real tiny Qwen2-VL rollouts scored by the real `answer_format` reward: a random model never
     writes <answer>...</answer>, so every group is all-equal and the bound stops the step."""
-    from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.models.loading import load_model, load_processor
-    from mmgrpo.policy import Policy
-    from mmgrpo.rewards import get_reward
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.grpo.step_sampling import score
     from mmgrpo.rollout.base import SamplingParams
-    from mmgrpo.templates import get_template
+    from mmgrpo.setup import build_run
 
-    template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
-    policy = Policy(load_model(tiny_qwen2_vl_path).eval(), template)
-    dataset = resolve_dataset("shapes-color", "train")
-    reward = get_reward("answer_format")
+    run = build_run(TrainConfig.from_args([
+        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "answer_format",
+        "--num_generations", str(G), "--per_device_train_batch_size", "4", "--dataloader_num_workers", "0",
+        "--beta", "0", "--report_to", "none", "--output_dir", str(tmp_path / "run"),
+    ]))  # fmt: skip
+    dataset, template = run.dataset, run.template
     drawn = iter(range(0, 40, 2))
     torch.manual_seed(0)
 
-    def score() -> Round:
+    def draw() -> Round:
         start = next(drawn)
         prompts = [(dataset[i], template.encode_prompt(dataset[i].load_media())) for i in (start, start + 1)]
-        with torch.no_grad():
-            rollout = policy.generate(template.collate([enc for _, enc in prompts]),
-                                      SamplingParams(num_generations=G, max_new_tokens=4 + start))  # widths differ
-        texts = policy.decode(rollout)
-        rewards = torch.tensor(reward(texts), dtype=torch.float32)
-        return Round(prompts, rollout, texts, rewards[None, :], rewards)
+        rollout = run.rollout.generate([enc for _, enc in prompts], SamplingParams(num_generations=G, max_new_tokens=4 + start))
+        return score(run, prompts, rollout, G)  # widths differ per round
 
     with pytest.warns(UserWarning, match="only 0 of 2"):
-        batch, stats = fill_informative(score(), score, num_prompts=2, num_generations=G, max_resample_times=2,
-                                        pad_token_id=policy.pad_token_id)
+        batch, stats = fill_informative(draw(), draw, num_prompts=2, num_generations=G, max_resample_times=2,
+                                        pad_token_id=template.completion_pad_id)
     assert stats.rounds == 3 and stats.frac_reward_zero_std_drawn == [1.0, 1.0, 1.0]
     assert [s.id for s, _ in batch.prompts] == ["shapes-color/train/0", "shapes-color/train/1"]
     assert batch.rollout.completion_ids.shape[0] == 4 and batch.rollout.completion_ids.shape[1] <= 4  # round 0's
