@@ -171,8 +171,8 @@ def run_mmgrpo(spec: dict) -> dict:
         clock.start()  # models loaded; as TRL's clock, which starts when trainer.train() begins
         return run
 
-    def timed_step(run, prompts, step):
-        metrics, records = grpo_step(run, prompts, step)
+    def timed_step(run, prompts, step, *args, **kwargs):
+        metrics, records = grpo_step(run, prompts, step, *args, **kwargs)
         clock.step_end(step, reward=float(metrics["reward"]), frac_reward_zero_std=float(metrics["frac_reward_zero_std"]),
                        completion_length=float(metrics["completion_length"]))
         return metrics, records
@@ -274,16 +274,16 @@ def evaluate_checkpoints(paths: dict[int, str], task: str, limit: int, cache: di
     """Held-out accuracy of each checkpoint (greedy, the first `limit` test samples); the eval
     files go under `out`, one folder per evaluation."""
     from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.eval.run import evaluate, load_policy
+    from mmgrpo.eval.run import evaluate, load_for_eval
 
     dataset = resolve_dataset(task, "test")
     scores = {}
     for step, path in sorted(paths.items()):
         if (path, task) not in cache:
-            policy, template = load_policy(path, "qwen2-vl")
+            engine, template = load_for_eval(path, "qwen2-vl")
             folder = out / f"eval-{len(cache):04d}"
             shutil.rmtree(folder, ignore_errors=True)
-            result = evaluate(policy, template, dataset, folder, metrics=[METRIC], model_name=path,
+            result = evaluate(engine, template, dataset, folder, metrics=[METRIC], model_name=path,
                               max_new_tokens=40, limit=limit, show_progress=False)
             cache[path, task] = result["metrics"][METRIC]
         scores[step] = cache[path, task]

@@ -53,7 +53,8 @@ def _fabricate_run(run_dir, steps=20):
             if step % 5 == 0:
                 row["eval/iou_acc@0.5"] = 0.3 + 0.02 * step
                 row["eval/iou"] = 0.4 + 0.01 * step
-                row["time/eval"] = 30.0  # not training time: not in time/step, not on the seconds axis
+                row["time/eval"] = 30.0  # not training time: in the step's wall time, not on the seconds axis
+                row["time/step"] += 30.0  # the loop's time/step is the whole wall time, evaluation included
             f.write(json.dumps(row) + "\n")
 
     image = Image.new("RGB", (320, 240), "white")
@@ -144,7 +145,7 @@ def test_training_seconds_skip_evaluation_and_fill_missing_step_times():
     rows = [
         {"step": 1, "time/step": 2.0},
         {"step": 2, "time/rollout": 1.0, "time/update": 0.5, "time/eval": 40.0},  # no time/step logged
-        {"step": 3, "time/step": 1.0, "time/eval": 40.0},
+        {"step": 3, "time/step": 41.0, "time/eval": 40.0},  # time/step holds the evaluation
     ]
     assert training_seconds(rows) == [2.0, 3.5, 4.5]
 

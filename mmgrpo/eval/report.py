@@ -14,7 +14,7 @@ one file can be mailed or attached anywhere. A panel appears only if its keys we
     Clip ratios        clip_ratio/*
     Seconds per phase  time/<phase>, stacked; time/step (the whole step) as a line
     Held-out accuracy  eval/<metric> against the step and against the training seconds (the sum
-                       of time/step up to that step: every timed phase, evaluations excluded)
+                       of time/step - time/eval up to that step: evaluations excluded)
     Loss, Gradient norm, Learning rate, and one panel per prefix of any other numeric key
 """
 
@@ -126,22 +126,26 @@ def _panels(rows: list[dict]):
 
 
 def training_seconds(rows: list[dict]) -> list[float]:
-    """Cumulative training seconds at the end of each row's step: the sum of `time/step` so far
-    (every timed phase of the step; an evaluation's `time/eval` is not in it). A row without
+    """Cumulative training seconds at the end of each row's step: the sum so far of `time/step`
+    (the step's wall time, which holds an evaluation run in it) minus `time/eval`. A row without
     `time/step` adds the sum of its `time/<phase>` keys other than time/eval.
 
-    >>> training_seconds([{"time/step": 1.5}, {"time/step": 2.0, "time/eval": 9.0}, {"time/rollout": 1.0, "time/update": 0.5}])
+    >>> training_seconds([{"time/step": 1.5}, {"time/step": 11.0, "time/eval": 9.0}, {"time/rollout": 1.0, "time/update": 0.5}])
     [1.5, 3.5, 5.0]
     """
     total, out = 0.0, []
     for row in rows:
         step_seconds = row.get("time/step")
-        if not isinstance(step_seconds, int | float):
+        evaluating = row.get("time/eval")
+        evaluating = float(evaluating) if isinstance(evaluating, int | float) else 0.0
+        if isinstance(step_seconds, int | float):
+            step_seconds = max(0.0, float(step_seconds) - evaluating)
+        else:
             step_seconds = sum(
                 float(v) for k, v in row.items()
                 if k.startswith("time/") and k != "time/eval" and isinstance(v, int | float)
             )
-        total += float(step_seconds)
+        total += step_seconds
         out.append(total)
     return out
 
