@@ -34,6 +34,11 @@ TASKS = [
     ("shapes-count", "vqa_accuracy", "how many shapes (exact)"),
     ("shapes-ground", "iou_acc@0.5", "box of a named shape (Acc@IoU0.5)"),
 ]
+# The lift over the SFT start each task aims at (issue 15), met when the difference reaches it with
+# p < 0.01. Counting and boxes do not reach theirs with this ~1M-parameter model in the demo's
+# budget (docs/benchmarks.md, "Demo", says why); the table says so rather than hiding it.
+GOALS = {"shapes-color": 0.40, "shapes-count": 0.20, "shapes-ground": 0.10}
+SIGNIFICANCE = 0.01
 
 
 def parse_args(argv):
@@ -53,6 +58,19 @@ def cpu_seconds() -> float:
     """CPU seconds of this process and its finished children (data-loading workers) so far."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def goal_status(diff: float, p: float, goal: float) -> str:
+    """"yes" when the lift reaches the goal with p < 0.01; else what it fell short on.
+
+    >>> goal_status(0.45, 0.001, 0.40), goal_status(0.05, 0.001, 0.20), goal_status(-0.01, 0.5, 0.10)
+    ('yes', 'no (below goal)', 'no (worse)')
+    """
+    if diff >= goal and p < SIGNIFICANCE:
+        return "yes"
+    if diff < 0:
+        return "no (worse)"
+    return "no (below goal)" if diff < goal else "no (p >= 0.01)"
 
 
 def evaluate_all(model_path: str, out: Path, limit: int | None) -> dict[str, dict]:
@@ -112,14 +130,15 @@ def main(argv: list[str] | None = None) -> None:
 
     console.rule("6/6 compare")
     table = Table(title="held-out test accuracy: SFT start vs after GRPO")
-    for column in ("dataset", "metric", "SFT", "GRPO", "diff [95% CI]", "p"):
+    for column in ("dataset", "metric", "SFT", "GRPO", "diff [95% CI]", "p", "goal", "met"):
         table.add_column(column)
     for name, metric, _ in TASKS:
         result = compare(out / "eval_sft" / name, out / "eval_grpo" / name, seed=args.seed)
         write_compare(result, out / "compare" / f"{name}.json")
         row = next(r for r in result["metrics"] if r["metric"] == metric)
         table.add_row(name, metric, f"{row['a']:.3f}", f"{row['b']:.3f}",
-                      f"{row['diff']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]", f"{row['p']:.2g}")
+                      f"{row['diff']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]", f"{row['p']:.2g}",
+                      f"{GOALS[name]:+.2f}", goal_status(row["diff"], row["p"], GOALS[name]))
     console.print(table)
     report = write_report(run_dir)
     console.print(f"GRPO run report: {report}")
