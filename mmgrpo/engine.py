@@ -358,6 +358,10 @@ def train(cfg: TrainConfig) -> Path:
                         pipeline.start(prompts, sampling_params(cfg, step_seed(cfg, step, run.strategy.rank)))
                 with loop("rollout"):
                     prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
+                scored, sampled = None, {}
+                if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
+                    with loop("resample"):  # mmgrpo/grpo/step_sampling.py; before an async rollout starts
+                        prompts, rollout, scored, sampled = complete_batch(run, prompts, rollout, batches, step)
                 if cfg.rollout.async_generate and step < run.total_steps:
                     with loop("data"):
                         upcoming = next(batches)
@@ -365,10 +369,6 @@ def train(cfg: TrainConfig) -> Path:
                         pipeline.sync_weights()
                     with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
                         pipeline.start(upcoming, sampling_params(cfg, step_seed(cfg, step + 1, run.strategy.rank)))
-                scored, sampled = None, {}
-                if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
-                    with loop("resample"):  # mmgrpo/grpo/step_sampling.py
-                        prompts, rollout, scored, sampled = complete_batch(run, prompts, rollout, batches, step)
                 metrics, records = grpo_step(run, prompts, step, rollout, scored=scored, weights_rule=weights_rule)
                 metrics.update(run.strategy.all_reduce_metrics(sampled))
                 pipeline.policy_updated(step)

@@ -154,3 +154,12 @@ def test_dynamic_weights_by_dataset_are_logged(tmp_path):
         named = {k: v for k, v in m.items() if k.startswith("weights/")}
         assert set(named) <= {"weights/shapes-color", "weights/shapes-count"} and named
         assert all(0.25 <= v <= 4 for v in named.values())
+
+
+def test_dynamic_sampling_with_async_rollouts(tmp_path):
+    """The refill rounds run after the rollout begun last step is collected and before the next begins."""
+    out = train(config(tmp_path, "first_of_group", "--dynamic_sample", "--max_resample_times", "2", "--async_generate",
+                       "--max_steps", "3"))
+    metrics = metrics_of(out)
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
+    assert all(1 <= m["dynamic/rounds"] <= 3 for m in metrics)
