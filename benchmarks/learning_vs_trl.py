@@ -335,9 +335,14 @@ def summarize(task: str, runs: dict[str, list[list[dict]]], target: float) -> di
         common_steps = [{p["step"] for p in runs[s][i][1:]} for s in SYSTEMS for i in seeds]
         common = set.intersection(*common_steps)
         per_step = [statistics.mean(p["accuracy"] for p in points if p["step"] in common) for points in runs[system]]
+        cpu_to_target = [seconds_to(points, target, key="train_cpu_s") for points in runs[system]]
+        cpu_reached = [t for t in cpu_to_target if t is not None]
         out["systems"][system] = {
             "seconds_to_target": to_target,
             "median_seconds_to_target": statistics.median(reached) if len(reached) == len(to_target) else None,
+            # CPU seconds of the training process: what the load of a shared machine does not change
+            "cpu_seconds_to_target": cpu_to_target,
+            "median_cpu_seconds_to_target": statistics.median(cpu_reached) if len(cpu_reached) == len(cpu_to_target) else None,
             "accuracy_at_equal_time": [accuracy_at(points, t) for points, t in zip(runs[system], equal_time)],
             "final_accuracy": [points[-1]["accuracy"] for points in runs[system]],
             "mean_accuracy_over_steps": per_step,
@@ -384,6 +389,7 @@ def print_summary(summary: dict) -> None:
 
     print(f"\n{summary['task']} (target {summary['target']:.2f}; per seed, then the median)")
     for label, key, digits in (("seconds to target", "seconds_to_target", 1),
+                               ("CPU seconds to target", "cpu_seconds_to_target", 1),
                                ("accuracy at equal time", "accuracy_at_equal_time", 3),
                                ("final accuracy", "final_accuracy", 3),
                                ("mean accuracy over the common steps", "mean_accuracy_over_steps", 3),
@@ -404,11 +410,38 @@ def print_summary(summary: dict) -> None:
     else:
         print("  the target was not reached in every run of both systems: no time ratio "
               f"(mmgrpo median {ms}, TRL median {ts})")
+    mc, tc = m["median_cpu_seconds_to_target"], t["median_cpu_seconds_to_target"]
+    if mc and tc:
+        print(f"  TRL / mmgrpo CPU seconds to target: {tc / mc:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
+
+
+def summarize_work_dir(args) -> None:
+    """Summary and plots of the runs whose curves a --work_dir holds (seeds where both systems finished)."""
+    if not args.work_dir:
+        raise SystemExit("--summarize needs --work_dir (the folder of an earlier run)")
+    work, output = Path(args.work_dir), Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    summaries = []
+    for task in args.tasks:
+        seeds = [seed for seed in args.seeds if all((work / f"curve-{s}-{task}-seed{seed}.json").exists() for s in SYSTEMS)]
+        if not seeds:
+            print(f"{task}: no seed with both systems' runs in {work}")
+            continue
+        runs = {s: [json.loads((work / f"curve-{s}-{task}-seed{seed}.json").read_text())["curve"] for seed in seeds]
+                for s in SYSTEMS}
+        target = args.target if args.target is not None else TARGETS.get(task, 0.8)
+        summary = summarize(task, runs, target)
+        summary["runs"], summary["seeds"] = runs, seeds
+        summaries.append(summary)
+        plot(task, runs, target, output / f"{task}.png")
+        print_summary(summary)
+    (output / "summary.json").write_text(json.dumps({"tasks": summaries}, indent=1))
+    print(f"\nplots and summary.json in {output}")
 
 
 def run_worker(system: str, spec: dict, work: Path) -> dict:
@@ -449,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft_config", default=str(ROOT / "configs" / "demo_sft.yaml"), help="SFT config when no --sft_model")
     parser.add_argument("--work_dir", default=None, help="checkpoints, logs and results (default: a temporary folder)")
     parser.add_argument("--output_dir", default="runs/learning_vs_trl", help="summary.json and the PNG plots")
+    parser.add_argument("--summarize", action="store_true",
+                        help="train nothing: summarize and plot the runs already in --work_dir (e.g. an interrupted run)")
     parser.add_argument("--_worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--_spec", help=argparse.SUPPRESS)
     parser.add_argument("--_result", help=argparse.SUPPRESS)
@@ -461,6 +496,10 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from mmgrpo.runlog import console, progress_bar
+
+    if args.summarize:
+        summarize_work_dir(args)
+        return
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
