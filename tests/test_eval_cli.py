@@ -157,6 +157,9 @@ def test_train_evaluates_and_keeps_the_best_checkpoint(tmp_path, tiny_qwen2_vl_p
     evaluated = [row["step"] for row in rows if "eval/vqa_accuracy" in row]
     assert evaluated == [2, 4]
     assert all("eval/answer_format" in rows[s - 1] and rows[s - 1]["time/eval"] > 0 for s in evaluated)
+    for row in rows:  # the evaluation is counted once: inside the step's wall time, out of samples/s
+        assert 0 <= row["time/eval"] < row["time/step"]
+        assert row["samples_per_s"] == pytest.approx(4 / (row["time/step"] - row["time/eval"]), rel=1e-6)
     for step in evaluated:
         result = json.loads((out / "eval" / f"step-{step}" / "eval.json").read_text())
         assert result["split"] == "test" and result["counts"]["all"] == 8

@@ -10,7 +10,7 @@ completion per sample, up to --max_completion_length tokens, the model in eval m
 
     output_dir/eval/step-N/         eval.json, eval.md, samples.jsonl (as `mmgrpo eval` does)
     output_dir/metrics.jsonl        eval/<metric> in that step's line (TensorBoard gets them too),
-                                    and time/eval, the evaluation's seconds
+                                    and time/eval (the loop's timer), the evaluation's seconds
 
 With several eval datasets (`--eval_dataset shapes-color shapes-count`) each is evaluated in turn
 into output_dir/eval/step-N/<dataset>/ and logged as eval/<dataset>/<metric>; a best-model metric
@@ -77,7 +77,7 @@ class TrainingEval:
         return bool(self.evals) and (final or (every > 0 and step % every == 0))
 
     def maybe_evaluate(self, run, step: int, final: bool = False) -> dict[str, float]:
-        """Evaluate if this step is due: {"eval/<metric>": value, ..., "time/eval": s}, else {}."""
+        """Evaluate if this step is due: {"eval/<metric>": value, ...}, else {} (the loop times it as time/eval)."""
         from mmgrpo.eval.run import evaluate
         from mmgrpo.runlog import console
 
@@ -111,9 +111,9 @@ class TrainingEval:
         finally:
             run.model.train(was_training)
         logged = {f"eval/{name}": value for name, value in scores.items()}
-        logged["time/eval"] = time.perf_counter() - start
+        # time/eval is the loop's timer around this call (logging it here too counted it twice)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in logged.items() if isinstance(v, int | float))
-        console.log(f"eval at step {step} on {' + '.join(counts)} samples  {shown}")
+        console.log(f"eval at step {step} on {' + '.join(counts)} samples in {time.perf_counter() - start:.1f} s  {shown}")
         self.keep_best(run, step, scores)
         return logged
 
