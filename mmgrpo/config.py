@@ -105,6 +105,15 @@ class RolloutConfig:
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
     rollout engine samples from its own copy of the weights, one optimizer step old; see
     --vllm_importance_sampling_correction."""
+    # ---- which completions the step trains on (mmgrpo/grpo/step_sampling.py) ----
+    dynamic_sample: bool = False
+    """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
+    prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""
+    max_resample_times: int = 3
+    """--dynamic_sample: extra rollout rounds per step at most; then the step goes on with what it has (said once)."""
+    first_stage_generations: int = 0
+    """Two-stage generation: K < G completions per prompt first; only prompts whose K disagree or fail get the
+    other G - K (a prompt whose K all got the batch's best reward leaves the batch). 0: off."""
     # ---- vLLM (mmgrpo/rollout/vllm_*.py, docs/vllm.md) ----
     use_vllm: bool = False
     """Roll out with vLLM (TRL / ms-swift name): `pip install mmgrpo[vllm]` on GPUs. Off: the in-process engines."""
@@ -192,6 +201,11 @@ class AlgoConfig:
     """Upper bound of the importance sampling ratio (TRL's name; its newer name is vllm_importance_sampling_clip_max)."""
     modality_weights: list[str] = field(default_factory=list)
     """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
+    dynamic_modality_weights: bool = False
+    """Advantage weights from the training signal (mmgrpo/grpo/dynamic_weights.py): each modality's weight moves its
+    mean |advantage| towards the others', within [1/4, 4], logged as weights/<name>; on top of --modality_weights."""
+    dynamic_weights_by: str = "modality"
+    """--dynamic_modality_weights per `modality` or per `dataset` of a mixture."""
     max_tokens_per_microbatch: int = 0
     """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
     prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
@@ -228,8 +242,8 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    eval_dataset: str | None = None
-    """Evaluate during training on this `NAME[:split]` (split default: test) or data file. None: never."""
+    eval_dataset: list[str] = field(default_factory=list)
+    """Evaluate during training on these `NAME[:split]` (split default: test) or data files. Empty: never."""
     eval_steps: int = 0
     """Evaluate every N steps, and after the last step. 0: only after the last step."""
     eval_metrics: list[str] = field(default_factory=list)
@@ -531,6 +545,7 @@ def validate(cfg: TrainConfig) -> None:
         "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
+        "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
     })
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
@@ -573,9 +588,16 @@ def validate(cfg: TrainConfig) -> None:
         from mmgrpo.rollout.vllm_engine import validate_vllm
 
         validate_vllm(cfg)
+    if cfg.rollout.max_resample_times < 0:
+        raise ConfigError("--max_resample_times must be >= 0.")
+    if not 0 <= cfg.rollout.first_stage_generations < cfg.rollout.num_generations:
+        raise ConfigError(
+            f"--first_stage_generations {cfg.rollout.first_stage_generations}: give 0 (off) or a K from 1 to "
+            f"--num_generations - 1 ({cfg.rollout.num_generations - 1})."
+        )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
-    if cfg.eval.eval_dataset is None and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
+    if not cfg.eval.eval_dataset and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
         raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")

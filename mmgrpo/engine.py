@@ -31,15 +31,17 @@ from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
+from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.importance import sampling_importance_weights
 from mmgrpo.grpo.losses import LossConfig, policy_loss
+from mmgrpo.grpo.step_sampling import complete_batch
 from mmgrpo.lora import rollout_weights
 from mmgrpo.preflight import preflight
 from mmgrpo.resume import resume_run, save_run
 from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
-from mmgrpo.setup import Run, TrainState, build_run
+from mmgrpo.setup import Run, TrainState, build_run, dataset_of
 
 
 class Timers:
@@ -94,7 +96,8 @@ def step_seed(cfg: TrainConfig, step: int, rank: int) -> int:
 
 def sampling_params(cfg: TrainConfig, seed: int | None = None) -> SamplingParams:
     return SamplingParams(
-        num_generations=cfg.rollout.num_generations,
+        # two-stage generation rolls out K first (mmgrpo/grpo/step_sampling.py completes the groups)
+        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
         max_new_tokens=cfg.rollout.max_completion_length,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -103,9 +106,11 @@ def sampling_params(cfg: TrainConfig, seed: int | None = None) -> SamplingParams
     )
 
 
-def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None) -> tuple[dict, list[dict]]:
-    """One GRPO step on B prompts (their completions: `rollout`, else generated now).
-    Returns (metrics, completion records for the log)."""
+def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None, scored=None,
+              weights_rule=None) -> tuple[dict, list[dict]]:
+    """One GRPO step on B prompts (their completions: `rollout`, else generated now; their rewards:
+    `scored` = (per_func, rewards), else computed now; `weights_rule`: a DynamicWeights for
+    --dynamic_modality_weights). Returns (metrics, completion records for the log)."""
     cfg, policy, template = run.cfg, run.policy, run.template
     G = cfg.rollout.num_generations
     timers = Timers()
@@ -122,7 +127,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
 
     with timers("reward"):
         columns = reward_columns(samples, encoded, template, G, completion_ids, completion_mask)
-        per_func, rewards = run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
+        per_func, rewards = scored or run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
 
     with timers("plan"):
         loss_mask = completion_mask.clone()
@@ -152,6 +157,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         with timers("ref"):
             ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
 
+    weight_metrics = {}
     with timers("adv"):
         rewards_known = torch.nan_to_num(rewards, nan=0.0)
         batch_std = run.strategy.std_across_ranks(rewards_known) if cfg.algo.scale_rewards == "batch" else None
@@ -163,6 +169,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             advantages = advantages * torch.tensor(
                 [weights.get(samples[i // G].modality, 1.0) for i in range(num_rows)], device=advantages.device
             )
+        if weights_rule is not None:  # --dynamic_modality_weights (mmgrpo/grpo/dynamic_weights.py)
+            by_dataset = cfg.algo.dynamic_weights_by == "dataset"
+            keys = [dataset_of(s.id) if by_dataset else s.modality for s in samples for _ in range(G)]
+            dynamic, weight_metrics = weights_rule(keys, advantages)
+            advantages = advantages * dynamic
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
     with timers("update"):
@@ -184,6 +195,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         # optimizer steps between the weights that sampled and the policy that trains on them
         "rollout/staleness": (step - 1) - rollout.weight_version,
         **sampling_metrics,
+        **weight_metrics,
         **loss_metrics,
         **run.rewards.stats(),  # e.g. judge/unparsed
     }
@@ -327,6 +339,7 @@ def train(cfg: TrainConfig) -> Path:
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     state = TrainState()
+    weights_rule = DynamicWeights() if cfg.algo.dynamic_modality_weights else None
     batches = run.prompt_batches()
     pipeline = RolloutPipeline(
         run.rollout, lambda: rollout_weights(run.model, run.peft_model, run.strategy), asynchronous=cfg.rollout.async_generate
@@ -353,6 +366,10 @@ def train(cfg: TrainConfig) -> Path:
                         pipeline.start(prompts, sampling_params(cfg, step_seed(cfg, step, run.strategy.rank)))
                 with loop("rollout"):
                     prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
+                scored, sampled = None, {}
+                if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
+                    with loop("resample"):  # mmgrpo/grpo/step_sampling.py; before an async rollout starts
+                        prompts, rollout, scored, sampled = complete_batch(run, prompts, rollout, batches, step)
                 if cfg.rollout.async_generate and step < run.total_steps:
                     with loop("data"):
                         upcoming = next(batches)
@@ -360,7 +377,8 @@ def train(cfg: TrainConfig) -> Path:
                         pipeline.sync_weights()
                     with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
                         pipeline.start(upcoming, sampling_params(cfg, step_seed(cfg, step + 1, run.strategy.rank)))
-                metrics, records = grpo_step(run, prompts, step, rollout)
+                metrics, records = grpo_step(run, prompts, step, rollout, scored=scored, weights_rule=weights_rule)
+                metrics.update(run.strategy.all_reduce_metrics(sampled))
                 pipeline.policy_updated(step)
                 state.nonfinite_steps += metrics["skipped"]
                 metrics["nonfinite_steps"] = state.nonfinite_steps

@@ -157,6 +157,9 @@ def test_train_evaluates_and_keeps_the_best_checkpoint(tmp_path, tiny_qwen2_vl_p
     evaluated = [row["step"] for row in rows if "eval/vqa_accuracy" in row]
     assert evaluated == [2, 4]
     assert all("eval/answer_format" in rows[s - 1] and rows[s - 1]["time/eval"] > 0 for s in evaluated)
+    for row in rows:  # the evaluation is counted once: inside the step's wall time, out of samples/s
+        assert 0 <= row["time/eval"] < row["time/step"]
+        assert row["samples_per_s"] == pytest.approx(4 / (row["time/step"] - row["time/eval"]), rel=1e-6)
     for step in evaluated:
         result = json.loads((out / "eval" / f"step-{step}" / "eval.json").read_text())
         assert result["split"] == "test" and result["counts"]["all"] == 8
@@ -221,3 +224,22 @@ def test_eval_options_fail_before_training(tmp_path):
     assert not TrainConfig().eval.eval_dataset and not _evaluator(tmp_path, eval_dataset=None).due(
         1, final=True
     )
+
+
+def test_train_evaluates_several_datasets(tmp_path, tiny_qwen2_vl_path):
+    """--eval_dataset with two names: each evaluated into its own folder, keys eval/<dataset>/<metric>."""
+    out = tmp_path / "run"
+    main(["train", "--model", tiny_qwen2_vl_path, "--model_type", "qwen2-vl", "--dataset", "shapes-color",
+          "--max_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4",
+          "--max_completion_length", "8", "--beta", "0", "--dataloader_num_workers", "0",
+          "--eval_dataset", "shapes-color", "shapes-ground", "--eval_steps", "1", "--eval_limit", "4",
+          "--metric_for_best_model", "shapes-ground/iou", "--output_dir", str(out)])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        for dataset, metric in (("shapes-color", "vqa_accuracy"), ("shapes-ground", "iou_acc@0.5")):
+            result = json.loads((out / "eval" / f"step-{row['step']}" / dataset / "eval.json").read_text())
+            assert result["dataset"] == dataset and result["counts"]["all"] == 4
+            assert row[f"eval/{dataset}/{metric}"] == result["metrics"][metric]
+        assert "eval/vqa_accuracy" not in row  # several datasets: every key names its dataset
+    best = json.loads((out / "checkpoint-best" / "best.json").read_text())
+    assert best["metric"] == "shapes-ground/iou" and best["eval"] == f"eval/step-{best['step']}"

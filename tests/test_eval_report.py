@@ -18,7 +18,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.eval.report import write_report
+from mmgrpo.eval.report import eval_curves, training_seconds, write_report
 
 CHROMIUM = "/usr/bin/chromium"
 APT_HINT = "apt-get update && apt-get install -y chromium"
@@ -52,6 +52,9 @@ def _fabricate_run(run_dir, steps=20):
             }
             if step % 5 == 0:
                 row["eval/iou_acc@0.5"] = 0.3 + 0.02 * step
+                row["eval/iou"] = 0.4 + 0.01 * step
+                row["time/eval"] = 30.0  # not training time: in the step's wall time, not on the seconds axis
+                row["time/step"] += 30.0  # the loop's time/step is the whole wall time, evaluation included
             f.write(json.dumps(row) + "\n")
 
     image = Image.new("RGB", (320, 240), "white")
@@ -116,6 +119,35 @@ def test_report_embeds_every_plot_and_thumbnail(tmp_path):
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     # self-contained: nothing fetched from anywhere
     assert not re.search(r'(src|href)="(?!data:)', page)
+
+
+def test_held_out_curve_against_steps_and_training_seconds(tmp_path):
+    run_dir = _fabricate_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    curves = eval_curves(rows, ["eval/iou_acc@0.5", "eval/iou"])
+    # evaluated at steps 5, 10, 15, 20; each step took 4.8 s of training, the 30 s evals do not count
+    assert curves["eval/iou_acc@0.5"]["step"] == [5, 10, 15, 20]
+    assert curves["eval/iou_acc@0.5"]["seconds"] == pytest.approx([24.0, 48.0, 72.0, 96.0])
+    assert curves["eval/iou_acc@0.5"]["value"] == pytest.approx([0.4, 0.5, 0.6, 0.7])
+    assert curves["eval/iou"]["value"] == pytest.approx([0.45, 0.5, 0.55, 0.6])
+
+    page = write_report(run_dir).read_text()
+    with Image.open(run_dir / "report" / "eval.png") as figure:
+        assert figure.size == (960, 320)  # two plots side by side: by step and by seconds
+        pixels = np.asarray(figure.convert("L"))
+    # both halves hold a plot (dark axes, ticks and lines), not one plot and a blank
+    for half in (pixels[:, :480], pixels[:, 480:]):
+        assert (half < 128).mean() > 0.01
+    assert 'alt="Held-out accuracy" class="wide"' in page
+
+
+def test_training_seconds_skip_evaluation_and_fill_missing_step_times():
+    rows = [
+        {"step": 1, "time/step": 2.0},
+        {"step": 2, "time/rollout": 1.0, "time/update": 0.5, "time/eval": 40.0},  # no time/step logged
+        {"step": 3, "time/step": 41.0, "time/eval": 40.0},  # time/step holds the evaluation
+    ]
+    assert training_seconds(rows) == [2.0, 3.5, 4.5]
 
 
 def test_report_skips_absent_keys(tmp_path):

@@ -10,7 +10,11 @@ completion per sample, up to --max_completion_length tokens, the model in eval m
 
     output_dir/eval/step-N/         eval.json, eval.md, samples.jsonl (as `mmgrpo eval` does)
     output_dir/metrics.jsonl        eval/<metric> in that step's line (TensorBoard gets them too),
-                                    and time/eval, the evaluation's seconds
+                                    and time/eval (the loop's timer), the evaluation's seconds
+
+With several eval datasets (`--eval_dataset shapes-color shapes-count`) each is evaluated in turn
+into output_dir/eval/step-N/<dataset>/ and logged as eval/<dataset>/<metric>; a best-model metric
+is then named `<dataset>/<metric>` (default: the first dataset's first metric).
     output_dir/checkpoint-best/     the weights at the best evaluation so far by
                                     --metric_for_best_model, with best.json {"step", "metric", "value" ...}
 
@@ -48,29 +52,32 @@ class TrainingEval:
         self.cfg, self.options = cfg, cfg.eval
         self.output_dir = Path(cfg.output_dir)
         self.best_value: float | None = None
-        self.dataset = None
-        if self.options.eval_dataset is None:
-            return
-        self.dataset = resolve_dataset(
-            self.options.eval_dataset, split="test", extra_files=cfg.data.dataset_registry
-        )
-        if len(self.dataset) == 0:
-            raise ConfigError(f"--eval_dataset {self.options.eval_dataset}: the split is empty")
-        self.metrics = list(self.options.eval_metrics or self.dataset.reward_funcs or cfg.algo.reward_funcs)
-        if not self.metrics:
-            raise ConfigError(
-                f"--eval_dataset {self.options.eval_dataset} names no reward functions to score with: "
-                "pass --eval_metrics (e.g. --eval_metrics exact_match)."
-            )
-        for name in self.metrics:
-            get_metric(name)  # an unknown name fails now, not after the first eval_steps steps
+        self.dataset = None  # the first eval dataset
+        specs = self.options.eval_dataset
+        specs = [specs] if isinstance(specs, str) else list(specs or [])  # a YAML file may give one name
+        self.evals = []  # (dataset, its metrics, prefix of its keys: "" for a single dataset, else "<name>/")
+        for spec in specs:
+            dataset = resolve_dataset(spec, split="test", extra_files=cfg.data.dataset_registry)
+            if len(dataset) == 0:
+                raise ConfigError(f"--eval_dataset {spec}: the split is empty")
+            metrics = list(self.options.eval_metrics or dataset.reward_funcs or cfg.algo.reward_funcs)
+            if not metrics:
+                raise ConfigError(
+                    f"--eval_dataset {spec} names no reward functions to score with: "
+                    "pass --eval_metrics (e.g. --eval_metrics exact_match)."
+                )
+            for name in metrics:
+                get_metric(name)  # an unknown name fails now, not after the first eval_steps steps
+            self.evals.append((dataset, metrics, f"{dataset.name}/" if len(specs) > 1 else ""))
+        if self.evals:
+            self.dataset, self.metrics, _ = self.evals[0]
 
     def due(self, step: int, final: bool) -> bool:
         every = self.options.eval_steps
-        return self.dataset is not None and (final or (every > 0 and step % every == 0))
+        return bool(self.evals) and (final or (every > 0 and step % every == 0))
 
     def maybe_evaluate(self, run, step: int, final: bool = False) -> dict[str, float]:
-        """Evaluate if this step is due: {"eval/<metric>": value, ..., "time/eval": s}, else {}."""
+        """Evaluate if this step is due: {"eval/<metric>": value, ...}, else {} (the loop times it as time/eval)."""
         from mmgrpo.eval.run import evaluate
         from mmgrpo.runlog import console
 
@@ -81,29 +88,33 @@ class TrainingEval:
         start = time.perf_counter()
         was_training = run.model.training
         run.model.eval()
+        scores, counts = {}, []
         try:
-            with torch.autocast(run.device.type, dtype=torch.bfloat16) if run.bf16 else nullcontext():
-                result = evaluate(
-                    run.rollout,
-                    run.template,
-                    self.dataset,
-                    out,
-                    metrics=self.metrics,
-                    model_name=f"{self.cfg.output_dir} step {step}",
-                    num_samples=1,
-                    max_new_tokens=self.cfg.rollout.max_completion_length,
-                    batch_size=self.options.per_device_eval_batch_size,
-                    limit=self.options.eval_limit,
-                    media_kwargs=run.media_options(),
-                    show_progress=False,
-                )
+            for dataset, metrics, prefix in self.evals:
+                with torch.autocast(run.device.type, dtype=torch.bfloat16) if run.bf16 else nullcontext():
+                    result = evaluate(
+                        run.rollout,
+                        run.template,
+                        dataset,
+                        out / prefix,
+                        metrics=metrics,
+                        model_name=f"{self.cfg.output_dir} step {step}",
+                        num_samples=1,
+                        max_new_tokens=self.cfg.rollout.max_completion_length,
+                        batch_size=self.options.per_device_eval_batch_size,
+                        limit=self.options.eval_limit,
+                        media_kwargs=run.media_options(),
+                        show_progress=False,
+                    )
+                scores.update({f"{prefix}{name}": value for name, value in result["metrics"].items()})
+                counts.append(str(result["counts"].get("all", "?")))
         finally:
             run.model.train(was_training)
-        logged = {f"eval/{name}": value for name, value in result["metrics"].items()}
-        logged["time/eval"] = time.perf_counter() - start
+        logged = {f"eval/{name}": value for name, value in scores.items()}
+        # time/eval is the loop's timer around this call (logging it here too counted it twice)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in logged.items() if isinstance(v, int | float))
-        console.log(f"eval at step {step} on {result['counts'].get('all', '?')} samples  {shown}")
-        self.keep_best(run, step, result["metrics"])
+        console.log(f"eval at step {step} on {' + '.join(counts)} samples in {time.perf_counter() - start:.1f} s  {shown}")
+        self.keep_best(run, step, scores)
         return logged
 
     def keep_best(self, run, step: int, metrics: dict) -> None:
@@ -126,7 +137,7 @@ class TrainingEval:
             "metric": name,
             "value": value,
             "greater_is_better": self.options.greater_is_better,
-            "eval": str(Path("eval") / f"step-{step}" / "eval.json"),
+            "eval": str(Path("eval") / f"step-{step}" / ("eval.json" if len(self.evals) == 1 else "")),  # several: the folder
             "metrics": metrics,
         }
 

@@ -13,7 +13,8 @@ one file can be mailed or attached anywhere. A panel appears only if its keys we
     Completion length  completion_length, completion_length/*
     Clip ratios        clip_ratio/*
     Seconds per phase  time/<phase>, stacked; time/step (the whole step) as a line
-    Eval metrics       eval/<metric> (at the steps where they were logged)
+    Held-out accuracy  eval/<metric> against the step and against the training seconds (the sum
+                       of time/step - time/eval up to that step: evaluations excluded)
     Loss, Gradient norm, Learning rate, and one panel per prefix of any other numeric key
 """
 
@@ -40,12 +41,12 @@ PANELS = [
     ("Completion length", "completion_length", lambda k: k.split("/")[0] == "completion_length", False),
     ("Clip ratios", "clip_ratio", lambda k: k.startswith("clip_ratio"), False),
     ("Seconds per phase", "time", lambda k: k.startswith("time/"), True),
-    ("Eval metrics", "eval", lambda k: k.startswith("eval/"), False),
     ("Loss", "loss", lambda k: k == "loss", False),
     ("Gradient norm", "grad_norm", lambda k: k == "grad_norm", False),
     ("Learning rate", "learning_rate", lambda k: k == "learning_rate", False),
 ]
-_NOT_PLOTTED = {"step", "reward_std", "epoch"}  # step is the x axis; reward_std is the reward band
+_NOT_PLOTTED = {"step", "reward_std", "epoch"}
+WIDE = ' class="wide"'  # the held-out panel has two plots side by side  # step is the x axis; reward_std is the reward band
 
 
 def write_report(run_dir: str | os.PathLike, *, steps_shown: int = 4, samples_per_step: int = 2) -> Path:
@@ -109,6 +110,11 @@ def _panels(rows: list[dict]):
         claimed.update(panel_keys)
         if panel_keys:
             yield title, stem, _plot(rows, title, panel_keys, stacked)
+        if stem == "time":  # the held-out curve comes right after the seconds per phase
+            eval_keys = [k for k in keys if k.startswith("eval/")]
+            claimed.update(eval_keys)
+            if eval_keys:
+                yield "Held-out accuracy", "eval", _plot_eval(rows, eval_keys)
     # whatever else was logged: one panel per prefix ("perf/tokens_per_s" -> "perf")
     others: dict[str, list[str]] = {}
     for key in keys:
@@ -117,6 +123,71 @@ def _panels(rows: list[dict]):
     for prefix, panel_keys in others.items():
         stem = "other_" + "".join(c if c.isalnum() else "_" for c in prefix)
         yield prefix, stem, _plot(rows, prefix, panel_keys, False)
+
+
+def training_seconds(rows: list[dict]) -> list[float]:
+    """Cumulative training seconds at the end of each row's step: the sum so far of `time/step`
+    (the step's wall time, which holds an evaluation run in it) minus `time/eval`. A row without
+    `time/step` adds the sum of its `time/<phase>` keys other than time/eval.
+
+    >>> training_seconds([{"time/step": 1.5}, {"time/step": 11.0, "time/eval": 9.0}, {"time/rollout": 1.0, "time/update": 0.5}])
+    [1.5, 3.5, 5.0]
+    """
+    total, out = 0.0, []
+    for row in rows:
+        step_seconds = row.get("time/step")
+        evaluating = row.get("time/eval")
+        evaluating = float(evaluating) if isinstance(evaluating, int | float) else 0.0
+        if isinstance(step_seconds, int | float):
+            step_seconds = max(0.0, float(step_seconds) - evaluating)
+        else:
+            step_seconds = sum(
+                float(v) for k, v in row.items()
+                if k.startswith("time/") and k != "time/eval" and isinstance(v, int | float)
+            )
+        total += step_seconds
+        out.append(total)
+    return out
+
+
+def eval_curves(rows: list[dict], keys: list[str]) -> dict[str, dict[str, list]]:
+    """Each eval metric's points: {key: {"step": [...], "seconds": [...], "value": [...]}}.
+
+    >>> rows = [{"step": 1, "time/step": 2.0}, {"step": 2, "time/step": 2.0, "eval/acc": 0.5}]
+    >>> eval_curves(rows, ["eval/acc"])
+    {'eval/acc': {'step': [2], 'seconds': [4.0], 'value': [0.5]}}
+    """
+    seconds = training_seconds(rows)
+    curves = {}
+    for key in keys:
+        points = [(row["step"], s, row[key]) for row, s in zip(rows, seconds) if isinstance(row.get(key), int | float)]
+        curves[key] = {"step": [p[0] for p in points], "seconds": [p[1] for p in points], "value": [p[2] for p in points]}
+    return curves
+
+
+def _plot_eval(rows: list[dict], keys: list[str]) -> bytes:
+    """Held-out metrics against the step (left) and the training seconds (right)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9.6, 3.2), dpi=100)
+    FigureCanvasAgg(figure)
+    by_step, by_seconds = figure.subplots(1, 2, sharey=True)
+    for key, curve in eval_curves(rows, keys).items():
+        label = key.removeprefix("eval/")
+        by_step.plot(curve["step"], curve["value"], marker="o", markersize=4, label=label)
+        by_seconds.plot(curve["seconds"], curve["value"], marker="o", markersize=4, label=label)
+    by_step.set_xlabel("step")
+    by_step.set_title("Held-out accuracy by step")
+    by_seconds.set_xlabel("training seconds (evaluation excluded)")
+    by_seconds.set_title("by training time")
+    for axes in (by_step, by_seconds):
+        axes.grid(alpha=0.3)
+    by_step.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def _plot(rows: list[dict], title: str, keys: list[str], stacked: bool) -> bytes:
@@ -258,6 +329,7 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; padding: 0 1em; max
 h1 { font-size: 1.6em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ccc; }
 .plots { display: flex; flex-wrap: wrap; gap: 12px; }
 .plots img { width: 560px; max-width: 100%; border: 1px solid #eee; }
+.plots img.wide { width: 840px; }
 table { border-collapse: collapse; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 4px 8px; vertical-align: top; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -301,7 +373,8 @@ def _html(run_dir: Path, rows: list[dict], figures: list, samples: list[dict]) -
         if k.startswith("time/") and k != "time/step" and isinstance(v, int | float)
     )
     plots = "".join(
-        f'<img src="data:image/png;base64,{base64.b64encode(png).decode()}" alt="{html.escape(title)}">'
+        f'<img src="data:image/png;base64,{base64.b64encode(png).decode()}" alt="{html.escape(title)}"'
+        f'{WIDE if title == "Held-out accuracy" else ""}>'
         for title, png in figures
     )
     sample_html = (

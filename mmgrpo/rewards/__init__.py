@@ -1,7 +1,7 @@
 """Rewards: plain functions `f(completions: list[str], **columns) -> list[float | None]`.
 
 Built in (`--reward_funcs` names): format, answer_format, vqa_accuracy, iou, iou@0.5,
-math_accuracy, exact_match, cosine, repetition, soft_overlong. Your own: `--reward_funcs path/to/my_reward.py:my_fn`.
+math_accuracy, exact_match, number_closeness, giou, cosine, repetition, soft_overlong. Your own: `--reward_funcs path/to/my_reward.py:my_fn`.
 The engine calls `compute_rewards` once a step. See docs/rewards.md.
 """
 
@@ -9,6 +9,7 @@ from mmgrpo.rewards.format import answer_format_reward, format_reward, make_form
 from mmgrpo.rewards.iou import box_iou, iou_at_50_reward, iou_reward, parse_box, parse_boxes
 from mmgrpo.rewards.length import cosine, soft_overlong
 from mmgrpo.rewards.math import math_accuracy, math_equal
+from mmgrpo.rewards.numeric import number_closeness
 from mmgrpo.rewards.registry import compute_rewards, get_reward, list_rewards, register_reward, reward_name
 from mmgrpo.rewards.repetition import repetition
 from mmgrpo.rewards.text import exact_match, extract_answer, make_soft_overlong, normalize_text
@@ -31,6 +32,7 @@ __all__ = [
     "math_accuracy",
     "math_equal",
     "normalize_text",
+    "number_closeness",
     "normalize_vqa_answer",
     "parse_box",
     "parse_boxes",

@@ -99,6 +99,28 @@ def box_iou(a, b) -> float:
     return inter / union if union > 0 else 0.0
 
 
+def box_giou(a, b) -> float:
+    """Generalized IoU (Rezatofighi et al., 2019): IoU minus the share of the smallest box
+    enclosing both that neither covers. In (-1, 1]; unlike IoU it still ranks boxes that do not
+    overlap (a far box scores lower than a near one). -1.0 if either box is degenerate.
+
+    >>> box_giou([0, 0, 10, 10], [0, 0, 10, 10])
+    1.0
+    >>> box_giou([0, 0, 10, 10], [20, 0, 30, 10]), box_giou([0, 0, 10, 10], [40, 0, 50, 10])  # apart: 10, then 30
+    (-0.3333333333333333, -0.6)
+    """
+    ax1, ay1, ax2, ay2 = (float(v) for v in a)
+    bx1, by1, bx2, by2 = (float(v) for v in b)
+    if not all(math.isfinite(v) for v in (ax1, ay1, ax2, ay2, bx1, by1, bx2, by2)):
+        return -1.0
+    if ax2 <= ax1 or ay2 <= ay1 or bx2 <= bx1 or by2 <= by1:
+        return -1.0
+    inter = max(0.0, min(ax2, bx2) - max(ax1, bx1)) * max(0.0, min(ay2, by2) - max(ay1, by1))
+    union = (ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter
+    enclosing = (max(ax2, bx2) - min(ax1, bx1)) * (max(ay2, by2) - min(ay1, by1))
+    return inter / union - (enclosing - union) / enclosing
+
+
 def gold_boxes(solution) -> list[list[float]]:
     """The reference boxes of one sample: a box, a list of boxes, `{"bbox_2d": box}` dicts, or
     text holding boxes (e.g. "<answer>[1, 2, 3, 4]</answer>").
@@ -122,7 +144,9 @@ def gold_boxes(solution) -> list[list[float]]:
     raise ValueError(f"a box solution must be [x1, y1, x2, y2], a list of boxes or text; got {solution!r}")
 
 
-def _ious(completions: list[str], solution: list, to_image_box) -> list[float]:
+def _ious(completions: list[str], solution: list, to_image_box, overlap=box_iou, no_box: float = 0.0) -> list[float]:
+    """`overlap(answer box, reference)` per completion (the best over several references);
+    `no_box` where the answer holds no box."""
     mappers = to_image_box if to_image_box is not None else [None] * len(completions)
     scores = []
     for completion, gold, to_image in zip(completions, solution, mappers, strict=True):
@@ -131,15 +155,15 @@ def _ious(completions: list[str], solution: list, to_image_box) -> list[float]:
             raise ValueError(f"the solution {gold!r} holds no [x1, y1, x2, y2] box")
         box, image_index = parse_box_on_image(extract_answer(completion))
         if box is None:
-            scores.append(0.0)
+            scores.append(no_box)
             continue
         if to_image is not None:
             try:
                 box = [float(v) for v in (to_image(box, image_index) if image_index else to_image(box))]
             except DataError:  # the model named an image the prompt does not have: a miss, not bad data
-                scores.append(0.0)
+                scores.append(no_box)
                 continue
-        scores.append(max(box_iou(box, g) for g in golds))
+        scores.append(max(overlap(box, g) for g in golds))
     return scores
 
 
@@ -169,3 +193,20 @@ def iou_at_50_reward(completions: list[str], solution: list, to_image_box: list 
     [1.0, 0.0, 0.0]
     """
     return [float(v >= 0.5) for v in _ious(completions, solution, to_image_box)]
+
+
+@register_reward("giou")
+def giou_reward(completions: list[str], solution: list, to_image_box: list | None = None, **columns) -> list[float]:
+    """`giou`: generalized IoU of the first answer box with the reference, mapped to [0, 1] as
+    (GIoU + 1) / 2; no box or a degenerate one scores 0.0.
+
+    A shaped reward for grounding: where `iou` gives 0.0 to every box that misses the object, and
+    so no signal to a group whose G boxes all miss, `giou` still prefers the nearer box; over
+    boxes that overlap it orders them almost as IoU does.
+
+    >>> # the reference [0, 0, 10, 10]: exact, overlapping by half, 10 px away, 30 px away, no box
+    >>> [round(v, 3) for v in giou_reward(["[0, 0, 10, 10]", "[5, 0, 15, 10]", "[20, 0, 30, 10]",
+    ...                                     "[40, 0, 50, 10]", "no box"], solution=[[0, 0, 10, 10]] * 5)]
+    [1.0, 0.667, 0.333, 0.2, 0.0]
+    """
+    return [(g + 1.0) / 2.0 for g in _ious(completions, solution, to_image_box, overlap=box_giou, no_box=-1.0)]
