@@ -4,8 +4,7 @@ real files; transformers 5 holds the image size as a SizeDict, which once made t
 
 import PIL.Image
 
-from mmgrpo.models.loading import load_processor
-from mmgrpo.models.loading import keep_pixel_limits
+from mmgrpo.models.loading import keep_pixel_limits, load_processor
 from mmgrpo.templates import get_template
 
 
