@@ -57,6 +57,7 @@ class PromptInputs:
     audios: list = field(default_factory=list)  # float32 mono arrays
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
     input_sizes: list[tuple[int, int]] = field(default_factory=list)  # resized model input (width, height)
+    columns: dict = field(default_factory=dict)  # the sample's dataset columns (what tools may read)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,36 @@ class Template:
                     f"{n_media} {kind}(s); put one <{kind}> tag where each {kind} goes"
                 )
 
+    def render_tool_turn(self, results: list[list[dict]]) -> str:
+        """The text between a model turn that called tools and the next model turn.
+
+        results: one list of content parts per tool call ({"type": "text", "text": ...} or
+        {"type": "image"}). The model's turn ended with its stop token (kept in the trajectory as
+        sampled); this text is what `render` puts after that token: the tool messages (role
+        "tool") and the opening of the next model turn, so that a trajectory built turn by turn
+        has the ids a dataset row of the same conversation has. Derived from `render`; a family
+        whose `render` has no tool role overrides this.
+        """
+        marker = "\x00end of the model turn\x00"
+        messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+        messages += [{"role": "tool", "content": parts} for parts in results]
+        tail = self.render(messages, add_generation_prompt=True).split(marker, 1)[1]
+        for stop in self.stop_tokens:
+            if tail.startswith(stop):
+                return tail[len(stop):]
+        raise ConfigError(
+            f"template {self.name!r} cannot render tool results after a model turn (its assistant turn does not end "
+            f"with one of its stop tokens {list(self.stop_tokens)}); override render_tool_turn"
+        )
+
+    @property
+    def max_image_pixels(self) -> int | None:
+        """The most pixels an image is resized to (`max_pixels`, or the processor's own), if the family has a budget."""
+        size = getattr(self.media.get("image"), "size", None)
+        if isinstance(size, dict) and size.get("longest_edge"):
+            return int(size["longest_edge"])
+        return None
+
     # ----------------------------------------------------------------------------------------
     # Encoding
     # ----------------------------------------------------------------------------------------
@@ -207,13 +238,7 @@ class Template:
         self.check_media(sample)
         prompt_text = self.render(sample.messages, add_generation_prompt=True)
         mm, expansions, input_sizes = self.encode_media(sample)
-        if self.expand_in_text:
-            text = self.expand_text(prompt_text, expansions)
-            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-            prompt_ids = self.expand_placeholders(ids, expansions)
-        prompt_ids = torch.tensor(prompt_ids, dtype=torch.long)  # [prompt_len]
+        prompt_ids = self.tokenize_expanded(prompt_text, expansions)  # [prompt_len]
         mm.update(self.token_type_inputs(prompt_ids))
         return PromptInputs(
             id=sample.id,
@@ -225,7 +250,16 @@ class Template:
             audios=list(sample.audios),
             image_sizes=[tuple(image.size) for image in sample.images],
             input_sizes=input_sizes,
+            columns=dict(getattr(sample, "columns", {})),
         )
+
+    def tokenize_expanded(self, text: str, expansions: dict[str, list]) -> torch.Tensor:
+        """Rendered text (one placeholder per medium) -> ids [len] with each placeholder expanded."""
+        if self.expand_in_text:
+            ids = self.tokenizer(self.expand_text(text, expansions), add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.expand_placeholders(self.tokenizer(text, add_special_tokens=False)["input_ids"], expansions)
+        return torch.tensor(ids, dtype=torch.long)
 
     def encode_media(self, sample) -> tuple[dict, dict, list]:
         """Each modality's hook on the sample's media: (tensors, expansions per modality, input sizes)."""
@@ -405,7 +439,8 @@ class Template:
         batch: `collate` output for B prompts. completion_ids, completion_mask: [N, T] with
         N = B * G: the G completions of a prompt are contiguous (advantages depend on it), so each
         prompt row (and its media) is repeated G times. Per-token tensors get zeros over the
-        completion. With `model`, `position_ids` are added exactly as `generate` computes them
+        completion, except on the media tokens of a multi-turn trajectory's tool turns (whose
+        media the batch then carries after the prompt's: `templates/turns.py`). With `model`, `position_ids` are added exactly as `generate` computes them
         ([3, N, L + T] from the model's own mRoPE index for Qwen families; [N, L + T] from the
         attention mask otherwise). They are optional: without them the forward computes the
         same positions for media rows, and text-only rows differ only by a per-row shift,
@@ -422,10 +457,15 @@ class Template:
         inputs = dict(batch)
         inputs["input_ids"] = torch.cat([batch["input_ids"], completion_ids], dim=1)  # [N, L + T]
         inputs["attention_mask"] = torch.cat([batch["attention_mask"], completion_mask], dim=1)  # [N, L + T]
+        # A sampled completion is text (placeholders are never sampled): its types are 0. A
+        # multi-turn trajectory carries the media of tool turns: their tokens get their types.
+        completion_types = self.token_type_inputs(completion_ids)  # {key: [N, T]}
         for key in self.token_keys:
-            if key in batch:
-                zeros = torch.zeros_like(completion_ids, dtype=batch[key].dtype)  # [N, T]
-                inputs[key] = torch.cat([batch[key], zeros], dim=1)  # [N, L + T]
+            if key in batch or bool(completion_types[key].any()):
+                prompt_types = batch.get(key)
+                if prompt_types is None:
+                    prompt_types = torch.zeros_like(batch["input_ids"])
+                inputs[key] = torch.cat([prompt_types, completion_types[key].to(prompt_types.dtype)], dim=1)  # [N, L + T]
         if model is not None:
             inputs["position_ids"] = self.position_ids(model, inputs)
         return inputs

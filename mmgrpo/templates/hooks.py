@@ -204,16 +204,25 @@ def render_chatml(
 ) -> str:
     """ChatML: `<|im_start|>role\\n...<|im_end|>\\n` per turn, a default system turn if given.
 
-    `render_part` turns one typed content part ({"type": "image"} ...) into text.
+    `render_part` turns one typed content part ({"type": "image"} ...) into text. Tool results
+    (role "tool") render as in Qwen2.5's chat template: consecutive tool messages share one user
+    turn, each wrapped in `\\n<tool_response>\\n...\\n</tool_response>`.
     """
     from mmgrpo.templates.base import Template
 
     text = ""
     if default_system is not None and (not messages or messages[0]["role"] != "system"):
         text += f"<|im_start|>system\n{default_system}<|im_end|>\n"
-    for message in messages:
+    for i, message in enumerate(messages):
         body = "".join(render_part(part) for part in Template.content_parts(message["content"]))
-        text += f"<|im_start|>{message['role']}\n{body}<|im_end|>\n"
+        if message["role"] != "tool":
+            text += f"<|im_start|>{message['role']}\n{body}<|im_end|>\n"
+            continue
+        if i == 0 or messages[i - 1]["role"] != "tool":
+            text += "<|im_start|>user"
+        text += f"\n<tool_response>\n{body}\n</tool_response>"
+        if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+            text += "<|im_end|>\n"
     if add_generation_prompt:
         text += "<|im_start|>assistant\n"
     return text
