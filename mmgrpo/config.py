@@ -92,7 +92,8 @@ class RolloutConfig:
     num_generations: int = 8
     """G: completions sampled per prompt. Advantages are computed within each group of G."""
     max_completion_length: int = 256
-    """Longest completion in tokens; longer ones are cut (and count as truncated)."""
+    """Longest completion in tokens; longer ones are cut (and count as truncated). With --max_turns > 1 it bounds
+    the whole episode after the prompt: the model's turns and the tool turns between them (image tokens included)."""
     temperature: float = 1.0
     """Sampling temperature (log-probs are computed at the same temperature)."""
     top_p: float = 1.0
@@ -101,6 +102,14 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length from the loss (DAPO)."""
+    max_turns: int = 1
+    """Model turns per episode (ms-swift's name). 1: single-turn rollouts. More: a turn that calls a tool
+    (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) gets the tool's answer and another turn, up to
+    this many; only the model's own tokens are trained (docs/tools.md). Needs --tools."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call: registered names (`image_zoom_in_tool`) or `path/file.py:fn` plugins."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may run; a slower one is answered with an error message (counted in tools/errors)."""
     async_generate: bool = False
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
     rollout engine samples from its own copy of the weights, one optimizer step old; see
@@ -597,6 +606,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
+    validate_tools(cfg)
     if not cfg.eval.eval_dataset and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
     if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
@@ -635,6 +645,26 @@ def validate_run_limits(cfg: TrainConfig) -> None:
 
     if cfg.save_in_background and env_world_size() > 1:
         raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
+
+
+def validate_tools(cfg: TrainConfig) -> None:
+    """--max_turns, --tools and --tool_timeout agree, and every tool resolves (a typo fails now)."""
+    from mmgrpo.tools import get_tool
+
+    rollout = cfg.rollout
+    if rollout.max_turns < 1:
+        raise ConfigError(f"--max_turns {rollout.max_turns}: give 1 (single turn) or more.")
+    if rollout.max_turns > 1 and not rollout.tools:
+        raise ConfigError(f"--max_turns {rollout.max_turns} needs --tools (e.g. --tools image_zoom_in_tool): "
+                          "without tools nothing answers a turn.")
+    if rollout.tools and rollout.max_turns < 2:
+        raise ConfigError("--tools needs --max_turns 2 or more: the turn that calls a tool would end the episode.")
+    if not rollout.tool_timeout > 0:
+        raise ConfigError(f"--tool_timeout {rollout.tool_timeout}: give a number of seconds > 0.")
+    if rollout.max_turns > 1 and cfg.dist.strategy != "none":
+        raise ConfigError("--max_turns > 1 runs in one process for now: drop --parallel / --deepspeed (docs/tools.md).")
+    for spec in rollout.tools:
+        get_tool(spec)
 
 
 MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values

@@ -313,6 +313,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
         asynchronous=cfg.rollout.async_generate, peft_model=peft_model,
         vllm=(cfg, str(path)) if cfg.rollout.use_vllm else None,  # --use_vllm: vLLM loads `path` itself, then syncs
+        max_turns=cfg.rollout.max_turns, tools=cfg.rollout.tools, tool_timeout=cfg.rollout.tool_timeout,
     )
     return Run(
         cfg=cfg, dataset=dataset, rewards=rewards, processor=processor, template=template, model=model,

@@ -9,6 +9,7 @@
     sampling.py       the logit filters and the sampler of the in-process engines
     vllm_*.py         vLLM in the training process (vllm_colocate.py) or as a server (vllm_server.py,
                       vllm_client.py), chosen by --use_vllm --vllm_mode (vllm_engine.py)
+    multiturn.py      episodes with tool calls over any of them (--max_turns > 1)
 
 A new engine implements `generate` and `update_weights` and gets a branch in
 `build_rollout_engine` (docs/architecture.md).
@@ -21,10 +22,13 @@ import copy
 from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams, completion_mask_from_ids
 from mmgrpo.rollout.hf import HFRollout
+from mmgrpo.rollout.multiturn import MultiTurnRollout
 from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
+from mmgrpo.tools.environment import ToolEnvironment
 
 __all__ = [
     "HFRollout",
+    "MultiTurnRollout",
     "Rollout",
     "RolloutEngine",
     "SamplingParams",
@@ -36,7 +40,7 @@ __all__ = [
 
 def build_rollout_engine(
     policy, strategy=None, prepared=None, *, gather_for_generation: bool = True, asynchronous: bool = False,
-    peft_model=None, vllm=None,
+    peft_model=None, vllm=None, max_turns: int = 1, tools: list[str] = (), tool_timeout: float = 10.0,
 ) -> RolloutEngine:
     """The rollout engine for `policy` (its model and template), decided once.
 
@@ -48,7 +52,19 @@ def build_rollout_engine(
     asynchronous: the engine samples from its own copy of the model (LoRA: with the adapters
     merged), which `update_weights` refreshes, so rollouts can run while the policy trains.
     vllm: (cfg, model_path) where --use_vllm: vLLM colocated or as a server (its own weights, always).
+    max_turns > 1: the chosen engine samples each turn of episodes with `tools` (MultiTurnRollout).
     """
+    engine = choose_engine(
+        policy, strategy, prepared, gather_for_generation=gather_for_generation, asynchronous=asynchronous,
+        peft_model=peft_model, vllm=vllm,
+    )
+    if max_turns > 1:  # episodes with tools, each turn sampled by the engine chosen above
+        engine = MultiTurnRollout(engine, policy.template, ToolEnvironment.from_specs(list(tools), tool_timeout), max_turns)
+    return engine
+
+
+def choose_engine(policy, strategy, prepared, *, gather_for_generation, asynchronous, peft_model, vllm) -> RolloutEngine:
+    """The engine that samples one turn (see build_rollout_engine)."""
     model, template = policy.model, policy.template
     if vllm is not None:
         from mmgrpo.rollout.vllm_engine import build_vllm_engine

@@ -16,7 +16,7 @@ iterate it costs nothing, one that does receives the tensors one at a time.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +42,14 @@ class Rollout:
     truncated: torch.Tensor  # [B * G] bool: no EOS within max_new_tokens
     logps: torch.Tensor | None = None  # [B * G, T] the sampler's log-probs of the tokens (0 after EOS), if it gives them
     weight_version: int = 0  # the optimizer steps the sampling weights had seen
+    # Multi-turn episodes (mmgrpo/rollout/multiturn.py); a single-turn engine leaves these unset.
+    # A completion is then the whole trajectory after the prompt: the model's turns and the tool
+    # turns between them, all under completion_mask (the training forward runs them all).
+    loss_mask: torch.Tensor | None = None  # [B * G, T] 1 on the model's own tokens; None: all of completion_mask
+    completion_media: list[dict] | None = None  # per row: media tensors of the images inside its completion, in order
+    texts: list[str] | None = None  # per row: what rewards score (an episode's last model turn); None: decode the ids
+    columns: dict[str, list] = field(default_factory=dict)  # per-row reward columns (trajectory, tool_calls ...)
+    metrics: dict[str, float] = field(default_factory=dict)  # logged with the step (tools/...)
 
     @property
     def lengths(self) -> torch.Tensor:  # [B * G]
