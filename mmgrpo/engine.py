@@ -123,19 +123,24 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             with autocast(run.bf16, run.device):
                 rollout = run.rollout.generate(encoded, sampling_params(cfg))
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
-        completions = template.decode(completion_ids, completion_mask)
+        # multi-turn: rewards score each episode's last model turn (rollout.texts)
+        completions = rollout.texts if rollout.texts is not None else template.decode(completion_ids, completion_mask)
 
     with timers("reward"):
-        columns = reward_columns(samples, encoded, template, G, completion_ids, completion_mask)
+        columns = {**reward_columns(samples, encoded, template, G, completion_ids, completion_mask), **rollout.columns}
         per_func, rewards = scored or run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
 
     with timers("plan"):
-        loss_mask = completion_mask.clone()
+        # the model's own tokens: a multi-turn trajectory's tool turns are run by the forwards, never trained
+        model_mask = completion_mask if rollout.loss_mask is None else rollout.loss_mask
+        loss_mask = model_mask.clone()
         if cfg.rollout.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
         micro, padding = plan_micro_batches(cfg, policy.shared_prefix, encoded, completion_mask)
         # each micro-batch's prompts, collated once for the old, ref and update forwards
-        batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts) for mb in micro]
+        media = rollout.completion_media
+        batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts,
+                                        None if media is None else [media[r] for r in mb.rows]) for mb in micro]
         batches = [run.strategy.align_media(b, template) for b in batches]  # equal vision-tower calls on all ranks
 
     # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
@@ -149,7 +154,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             old_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask)
         if correct:
             is_weights, stats = sampling_importance_weights(
-                old_logps, rollout.logps.to(old_logps.device), completion_mask, cfg.algo.vllm_importance_sampling_mode,
+                old_logps, rollout.logps.to(old_logps.device), model_mask, cfg.algo.vllm_importance_sampling_mode,
                 cap=cfg.algo.vllm_importance_sampling_cap,
             )
             sampling_metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
@@ -198,6 +203,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         **weight_metrics,
         **loss_metrics,
         **run.rewards.stats(),  # e.g. judge/unparsed
+        **rollout.metrics,  # multi-turn: tools/calls_per_completion, tools/errors, tools/turns ...
     }
     for name, values in zip(run.rewards.names, per_func):
         metrics[f"reward/{name}"] = float(values.nanmean())
@@ -209,6 +215,9 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     metrics.update(timers.seconds)
     metrics = run.strategy.all_reduce_metrics(metrics)  # means over ranks (max of *_max and memory, sum of *_per_s)
     records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
+    if "trajectory" in rollout.columns:  # multi-turn: the whole episodes too
+        for p, record in enumerate(records):
+            record["trajectories"] = rollout.columns["trajectory"][p * G : (p + 1) * G]
     return metrics, records
 
 

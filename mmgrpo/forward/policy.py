@@ -29,6 +29,7 @@ from torch import nn
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
+from mmgrpo.templates.turns import with_completion_media
 
 
 @dataclass
@@ -107,11 +108,22 @@ class Policy:
 
     # ---- log-probs -----------------------------------------------------------------------
 
-    def forward_batch(self, prompts: list, counts: list[int]) -> ForwardBatch:
-        """Collate a micro-batch's prompts (PromptInputs) whose completions number `counts`."""
-        if self.shared_prefix:
+    def forward_batch(self, prompts: list, counts: list[int], completion_media: list[dict] | None = None) -> ForwardBatch:
+        """Collate a micro-batch's prompts (PromptInputs) whose completions number `counts`.
+
+        completion_media: per completion row, the media inside it (a multi-turn trajectory's tool
+        images, `Rollout.completion_media`). Rows with such media take the naive path, each row its
+        prompt with the prompt's media then its own: the shared-prefix forward runs the
+        completions through the text decoder only, against the prompt's keys and values, so an
+        image after the prompt would never reach the vision tower, and that image's tokens (and
+        the mRoPE positions after it) differ from row to row of a group.
+        """
+        with_media = completion_media is not None and any(completion_media)
+        if self.shared_prefix and not with_media:
             return ForwardBatch(self.to_device(self.template.collate(prompts)), list(counts), True)
         repeated = [p for p, count in zip(prompts, counts) for _ in range(count)]
+        if with_media:
+            repeated = [with_completion_media(self.template, p, media) for p, media in zip(repeated, completion_media)]
         return ForwardBatch(self.to_device(self.template.collate(repeated)), list(counts), False)
 
     def completion_logprobs(
