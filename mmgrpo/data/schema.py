@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 MEDIA_KINDS = ("images", "videos", "audios")
 MEDIA_TAGS = {"images": "<image>", "videos": "<video>", "audios": "<audio>"}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: a tool's answer in a multi-turn conversation
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 # Columns normalize_row consumes; every other column reaches Sample.columns unchanged.
 _STRUCTURAL = ("messages", "query", "system", *MEDIA_KINDS)

@@ -11,6 +11,8 @@ same dataset all end up reading one complete copy.
 - `shapes-count`: 1-6 shapes; "How many shapes are in the image?"; solution: the digit, e.g. "3".
 - `shapes-ground`: 2-3 shapes of distinct types; "Give the bounding box of the red circle as
   [x1, y1, x2, y2]."; solution: [x1, y1, x2, y2] in original-image pixels (x2, y2 exclusive).
+- `shapes-zoom`, `shapes-zoom-sft`: one small shape in a named cell of a large image, whose colour
+  needs the zoom tool (mmgrpo/data/synthetic_zoom.py, docs/tools.md).
 
 The video and audio datasets (`shapes-motion`, `shapes-motion-frames`, `tones-pitch`,
 `tones-count`) are made the same way by the generators of mmgrpo/data/synthetic_av.py.
@@ -32,7 +34,7 @@ import numpy as np
 import PIL.Image
 import PIL.ImageDraw
 
-from mmgrpo.data import synthetic_av
+from mmgrpo.data import synthetic_av, synthetic_zoom
 from mmgrpo.data.drawing import COLOURS, SHAPES
 from mmgrpo.data.drawing import draw_shape as _draw_shape
 from mmgrpo.data.drawing import jitter as _jitter
@@ -112,8 +114,9 @@ def generate(
 ) -> None:
     """Write `train.jsonl`, `test.jsonl` and each row's medium into `out_dir`.
 
-    A generator returns (medium, row): a PIL image, written as `images/<split>/<index>.png`, or a
-    medium of mmgrpo/data/synthetic_av.py, which writes itself (`videos/...mp4`, `audios/...wav`).
+    A generator returns (medium, row): a PIL image, written as `images/<split>/<index>.png`, a list
+    of them (`<index>_<k>.png`), or a medium of mmgrpo/data/synthetic_av.py, which writes itself
+    (`videos/...mp4`, `audios/...wav`).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +131,11 @@ def generate(
                     (out_dir / relative).parent.mkdir(parents=True, exist_ok=True)
                     medium.save(out_dir / relative, format="PNG")
                     row["images"] = [relative]
+                elif isinstance(medium, list):
+                    row["images"] = [f"images/{split}/{index:06d}_{k}.png" for k in range(len(medium))]
+                    (out_dir / "images" / split).mkdir(parents=True, exist_ok=True)
+                    for image, relative in zip(medium, row["images"]):
+                        image.save(out_dir / relative, format="PNG")
                 else:
                     row[medium.column] = [medium.save(out_dir, f"{medium.column}/{split}/{index:06d}")]
                 rows.write(json.dumps(row) + "\n")
@@ -203,6 +211,7 @@ def _shapes_ground(rng: np.random.Generator, size: int) -> tuple[PIL.Image.Image
 
 GENERATORS = {"shapes-color": _shapes_color, "shapes-count": _shapes_count, "shapes-ground": _shapes_ground}
 GENERATORS.update(synthetic_av.GENERATORS)  # shapes-motion (video), tones-pitch and tones-count (audio)
+GENERATORS.update(synthetic_zoom.GENERATORS)  # shapes-zoom: a small shape that needs the zoom tool
 
 
 def _canvas(rng: np.random.Generator, size: int) -> tuple[PIL.Image.Image, PIL.ImageDraw.ImageDraw]:
