@@ -26,6 +26,8 @@ from mmgrpo.templates import get_template
 from mmgrpo.templates.turns import ToolTurn, extend_prompt
 
 ZOOM = "image_zoom_in_tool"
+# the warm start is a 200-step SFT shared by the module's tests: one xdist worker runs them all
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multiturn")]
 PIXELS = ["--min_pixels", "3136", "--max_pixels", "3136"]  # every image (and crop) as 56 x 56: 4 visual tokens
 
 
