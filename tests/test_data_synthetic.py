@@ -19,6 +19,7 @@ AV_GENERATORS = {  # name -> (modality, train rows, test rows of the built-in en
     "tones-pitch": ("audio", 400, 200, 1),
     "tones-count": ("audio", 400, 200, 1),
 }
+ZOOM_GENERATORS = ["shapes-zoom", "shapes-zoom-sft"]  # one image per row; sft: a second (the crop) in a third of them
 
 
 def read_jsonl(path):
@@ -42,7 +43,7 @@ def cache(tmp_path_factory):
 
 
 def test_every_generator_is_tested():
-    assert sorted(GENERATORS) == sorted(IMAGE_GENERATORS + list(AV_GENERATORS))
+    assert sorted(GENERATORS) == sorted(IMAGE_GENERATORS + list(AV_GENERATORS) + ZOOM_GENERATORS)
 
 
 @pytest.mark.parametrize("name", IMAGE_GENERATORS)
@@ -92,7 +93,10 @@ def test_generation_is_deterministic(tmp_path, name):
     assert first.name == second.name
     first_bytes, second_bytes = folder_bytes(first), folder_bytes(second)
     files_per_row = AV_GENERATORS.get(name, (None, 0, 0, 1))[3]
-    assert len(first_bytes) == (40 + 20) * files_per_row + 3 and first_bytes == second_bytes
+    media = (40 + 20) * files_per_row
+    if name in ZOOM_GENERATORS:
+        media = sum(len(row["images"]) for split in ("train", "test") for row in read_jsonl(first / f"{split}.jsonl"))
+    assert len(first_bytes) == media + 3 and first_bytes == second_bytes
     assert len(read_jsonl(first / "train.jsonl")) == 40
     other = synthetic_dataset_dir(name, train_size=40, test_size=20, seed=1, cache_dir=tmp_path / "a")
     assert other != first and folder_bytes(other)["train.jsonl"] != first_bytes["train.jsonl"]
@@ -168,3 +172,23 @@ def test_video_and_audio_answers_match_the_media(cache):
         windows = loud[: len(loud) // 160 * 160].reshape(-1, 160).any(1)  # 10 ms windows
         beeps = int(windows[0]) + int((windows[1:] & ~windows[:-1]).sum())
         assert str(beeps) == row["solution"]
+
+
+def test_shapes_zoom_boxes_hold_the_shape_and_the_crop_shows_its_colour(tmp_path):
+    folder = synthetic_dataset_dir("shapes-zoom-sft", train_size=30, test_size=1, image_size=448, cache_dir=tmp_path)
+    rows = read_jsonl(folder / "train.jsonl")
+    assert {row["kind"] for row in rows} == {"answer", "call", "after_call"}
+    for row in rows:
+        image = np.asarray(PIL.Image.open(folder / row["images"][0]), dtype=int)
+        x1, y1, x2, y2 = (round(v * 448 / 1000) for v in row["zoom_box"])  # 0-1000 -> pixels
+        background = image[0, 0]
+        shape = np.abs(image - background).sum(-1) > 60  # [H, W] pixels of the shape
+        inside = shape[y1:y2, x1:x2].sum()
+        assert inside > 0 and inside == shape.sum()  # the whole shape lies in the named cell
+        assert row["cell"] == [y1 // 112 + 1, x1 // 112 + 1]
+        if row["kind"] == "after_call":
+            crop = np.asarray(PIL.Image.open(folder / row["images"][1]), dtype=int)
+            assert crop.shape == (112, 112, 3)
+            colours = crop.reshape(-1, 3)[np.abs(crop - background).sum(-1).reshape(-1) > 60]
+            nearest = min(COLOURS, key=lambda name: np.abs(colours.mean(0) - COLOURS[name]).sum())
+            assert nearest == row["solution"]
