@@ -661,6 +661,9 @@ def validate_tools(cfg: TrainConfig) -> None:
         raise ConfigError("--tools needs --max_turns 2 or more: the turn that calls a tool would end the episode.")
     if not rollout.tool_timeout > 0:
         raise ConfigError(f"--tool_timeout {rollout.tool_timeout}: give a number of seconds > 0.")
+    if rollout.max_turns > 1 and (rollout.dynamic_sample or rollout.first_stage_generations):
+        raise ConfigError("--max_turns > 1 does not combine with --dynamic_sample or --first_stage_generations yet "
+                          "(their rounds would drop the episodes' loss masks and tool images); drop one of them.")
     if rollout.max_turns > 1 and cfg.dist.strategy != "none":
         raise ConfigError("--max_turns > 1 runs in one process for now: drop --parallel / --deepspeed (docs/tools.md).")
     for spec in rollout.tools:
