@@ -117,7 +117,8 @@ def test_a_short_multi_turn_run_uses_the_zoom_tool_and_changes_the_weights(tool_
     out = train(TrainConfig.from_args([
         "--model", tool_caller, "--model_type", "qwen2-vl", "--dataset", str(zoom_data), *PIXELS,
         "--max_turns", "3", "--tools", ZOOM, "--reward_funcs", f"{plugin}:length", "--num_generations", "4",
-        "--per_device_train_batch_size", "8", "--max_completion_length", "400", "--max_steps", "1",
+        "--per_device_train_batch_size", "16", "--max_completion_length", "400", "--max_steps", "1",
+        "--temperature", "1.5",  # the warm start is near-deterministic: hotter sampling so that groups differ
         "--learning_rate", "1e-3", "--beta", "0", "--dataloader_num_workers", "0", "--output_dir", str(tmp_path / "run"),
     ]))  # fmt: skip
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
