@@ -20,7 +20,7 @@ import math
 import random
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 from mmgrpo.checkpoint import wait_for_saves
 from mmgrpo.config import TrainConfig, parse_modality_weights
 from mmgrpo.errors import ConfigError
+from mmgrpo.forward.policy import autocast
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
@@ -38,8 +39,10 @@ from mmgrpo.grpo.step_sampling import complete_batch
 from mmgrpo.lora import rollout_weights
 from mmgrpo.preflight import preflight
 from mmgrpo.resume import resume_run, save_run
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rewards.columns import reward_columns
+from mmgrpo.rollout.base import Rollout
 from mmgrpo.rollout.pipeline import RolloutPipeline
+from mmgrpo.rollout.sampling import sampling_params, step_seed
 from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
 from mmgrpo.setup import Run, TrainState, build_run, dataset_of
 
@@ -65,10 +68,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast(bf16: bool, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-
-
 def loss_config(cfg: TrainConfig) -> LossConfig:
     return LossConfig(
         loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, beta=cfg.algo.beta,
@@ -87,23 +86,6 @@ def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, com
     else:
         micro = fixed_micro_batches(completion_lengths, G, cfg.optim.per_device_train_batch_size)
     return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=shared_prefix)
-
-
-def step_seed(cfg: TrainConfig, step: int, rank: int) -> int:
-    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
-    return cfg.seed * 100_003 + step + 1_000_003 * rank
-
-
-def sampling_params(cfg: TrainConfig, seed: int | None = None) -> SamplingParams:
-    return SamplingParams(
-        # two-stage generation rolls out K first (mmgrpo/grpo/step_sampling.py completes the groups)
-        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
-        max_new_tokens=cfg.rollout.max_completion_length,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        seed=seed,
-    )
 
 
 def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None, scored=None,
@@ -298,26 +280,6 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
     run.scheduler.step()
     loss = sum(update_losses) / len(update_losses) if update_losses else float("nan")  # a NaN loss: never appended
     return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
-
-
-def reward_columns(samples, encoded, template, G: int, completion_ids=None, completion_mask=None) -> dict[str, list]:
-    """Each sample's columns repeated for its G completions, plus what rewards may need:
-    `completion_ids` (each completion's own token ids, padding dropped), the sample id, modality,
-    and the box mapper."""
-    columns: dict[str, list] = {}
-    keys = sorted({k for s in samples for k in s.columns})
-    for key in keys:
-        columns[key] = [s.columns.get(key) for s in samples for _ in range(G)]
-    columns["sample_id"] = [s.id for s in samples for _ in range(G)]
-    columns["modality"] = [s.modality for s in samples for _ in range(G)]
-    # Rewards get boxes in original-image pixels: the template owns the model's convention.
-    columns["to_image_box"] = [template.box_mapper(enc) for enc in encoded for _ in range(G)]
-    # reward models and the judge: the conversation so far and the decoded images (shared, not copied)
-    columns["prompts"] = [s.messages for s in samples for _ in range(G)]
-    columns["images"] = [enc.images for enc in encoded for _ in range(G)]
-    if completion_ids is not None:  # soft_overlong, cosine: lengths in tokens, as TRL passes them
-        columns["completion_ids"] = [ids[mask.bool()].tolist() for ids, mask in zip(completion_ids, completion_mask)]
-    return columns
 
 
 def completion_records(samples, completions, names, per_func, rewards, advantages, G, step, limit) -> list[dict]:

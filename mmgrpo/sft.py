@@ -19,9 +19,9 @@ import torch
 
 from mmgrpo.config import SFTConfig
 from mmgrpo.data.registry import mix_datasets
-from mmgrpo.engine import autocast, seed_everything
+from mmgrpo.engine import seed_everything
 from mmgrpo.errors import DataError
-from mmgrpo.forward.policy import Policy
+from mmgrpo.forward.policy import Policy, autocast
 from mmgrpo.models.loading import load_template
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import build_strategy

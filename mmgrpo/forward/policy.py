@@ -21,6 +21,7 @@ LoRA the same model with its adapters disabled). Nothing patches it afterwards.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -191,3 +192,7 @@ class Policy:
         )
         mask = completion_mask.to(logps.dtype)
         return logps * mask, (entropy * mask if entropy is not None else None)
+
+
+def autocast(bf16: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 
 from mmgrpo.grpo.dynamic_sampling import Round, concat_rounds, fill_informative, take_groups
+from mmgrpo.rewards.columns import reward_columns
 from mmgrpo.rollout.base import Rollout
 
 
 def score(run, prompts: list, rollout: Rollout, num_generations: int) -> Round:
     """Decode and score the completions of `prompts` (num_generations each, contiguous)."""
-    from mmgrpo.engine import reward_columns
-
     completions = run.template.decode(rollout.completion_ids, rollout.completion_mask)
     columns = reward_columns([s for s, _ in prompts], [e for _, e in prompts], run.template, num_generations,
                              rollout.completion_ids, rollout.completion_mask)
@@ -83,7 +82,8 @@ def settled_prompts(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 def second_stage(run, first: Round, step: int, round_index: int, stats: dict) -> Round:
     """Complete the groups of `first` (K completions each): settled prompts leave, the others get G - K more."""
-    from mmgrpo.engine import autocast, sampling_params
+    from mmgrpo.forward.policy import autocast
+    from mmgrpo.rollout.sampling import sampling_params
 
     cfg = run.cfg
     G, k = cfg.rollout.num_generations, cfg.rollout.first_stage_generations
@@ -102,14 +102,15 @@ def second_stage(run, first: Round, step: int, round_index: int, stats: dict) ->
 
 
 def second_seed(cfg, step: int, rank: int, round_index: int) -> int:
-    from mmgrpo.engine import step_seed
+    from mmgrpo.rollout.sampling import step_seed
 
     return step_seed(cfg, step, rank) + 7_919 * (2 * round_index + 1)
 
 
 def draw_round(run, batches, step: int, round_index: int, stats: dict) -> Round:
     """A further round of prompts for dynamic sampling: rolled out (both stages if on) and scored."""
-    from mmgrpo.engine import autocast, sampling_params
+    from mmgrpo.forward.policy import autocast
+    from mmgrpo.rollout.sampling import sampling_params
 
     cfg = run.cfg
     k = cfg.rollout.first_stage_generations or cfg.rollout.num_generations

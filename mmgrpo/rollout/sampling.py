@@ -64,3 +64,21 @@ def pick_tokens(
         return logits.argmax(-1)
     logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
     return sample_from(logits.softmax(-1), generator)
+
+
+def step_seed(cfg, step: int, rank: int) -> int:
+    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
+    return cfg.seed * 100_003 + step + 1_000_003 * rank
+
+
+def sampling_params(cfg, seed: int | None = None) -> SamplingParams:
+    """A TrainConfig's rollout options as the engines' SamplingParams."""
+    return SamplingParams(
+        # two-stage generation rolls out K first (mmgrpo/grpo/step_sampling.py completes the groups)
+        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
+        max_new_tokens=cfg.rollout.max_completion_length,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        seed=seed,
+    )
