@@ -65,19 +65,28 @@ def test_workers_die_with_a_sigkilled_trainer(tmp_path, started_from):
         workers = [int(pid) for pid in trainer.stdout.readline().split()]
         assert len(workers) == 2 and all(alive(pid) for pid in workers)
         time.sleep(0.5)  # both workers are now inside a 20 s sample
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(10)
-        deadline = time.monotonic() + 3.0
-        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(alive(pid) for pid in workers), "workers outlived their trainer"
+        kill_and_expect_workers_gone(trainer, workers)
     finally:
         trainer.kill()
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(workers)
+
+
+def kill_and_expect_workers_gone(trainer, workers: list[int]) -> None:
+    """SIGKILL the trainer; its workers must be gone within 3 s."""
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(10)
+    deadline = time.monotonic() + 3.0
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers), "workers outlived their trainer"
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def children(pid: int) -> list[int]:
@@ -107,16 +116,7 @@ def test_workers_die_with_a_sigkilled_mmgrpo_train(tmp_path):
             time.sleep(0.1)
         workers = children(trainer.pid)
         assert len(workers) >= 2 and all(alive(pid) for pid in workers)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(10)
-        deadline = time.monotonic() + 3.0
-        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(alive(pid) for pid in workers), "workers outlived their trainer"
+        kill_and_expect_workers_gone(trainer, workers)
     finally:
         trainer.kill()
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(workers)

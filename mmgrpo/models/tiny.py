@@ -669,10 +669,16 @@ def build_tiny(family: str, cache_dir: str | os.PathLike | None = None, **overri
     target = cache_dir / f"{family}-{recipe_hash(family, **overrides)}"
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=cache_dir))
+    return publish_checkpoint(target, lambda tmp: _write_checkpoint(recipe, dims, tmp))
+
+
+def publish_checkpoint(target: Path, write) -> Path:
+    """`write(folder)` into a private temp folder beside `target`, then rename it into place: the
+    first of concurrent builders wins and the others discard their copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_checkpoint(recipe, dims, tmp)
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(tmp, target)

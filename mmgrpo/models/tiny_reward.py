@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from mmgrpo.models.tiny import build_tiny, default_cache_dir
+from mmgrpo.models.tiny import build_tiny, default_cache_dir, publish_checkpoint
 
 BUILDER_VERSION = 1
 TINY_REWARD_MODEL = "tiny:reward-qwen2"  # the name --reward_model takes for it
@@ -36,16 +34,9 @@ def build_tiny_reward_model(num_labels: int = 1, cache_dir: str | os.PathLike | 
     config.architectures = ["Qwen2ForSequenceClassification"]
     torch.manual_seed(seed)
     model = Qwen2ForSequenceClassification(config).eval()
-    tmp = Path(tempfile.mkdtemp(prefix=".reward-qwen2-", dir=cache_dir))
-    try:
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+
+    return publish_checkpoint(target, write)
