@@ -307,6 +307,7 @@ def train(cfg: TrainConfig) -> Path:
     cfg.validate()
     plan = preflight(cfg)  # --output_dir and --resume_from_checkpoint, before any model loads
     run = build_run(cfg, resume_from=plan.resume_from)  # flags, rewards and data checked before any model loads
+    run.strategy.barrier()  # every rank has checked --output_dir before any rank writes there
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     state = TrainState()

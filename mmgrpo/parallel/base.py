@@ -190,7 +190,7 @@ class Strategy:
         dist.all_gather_object(every_rank, sorted(numeric))
         keys = sorted(set().union(*every_rank))
         values = torch.tensor([float(metrics[k]) if k in numeric else float("nan") for k in keys], dtype=torch.float64)
-        is_max = torch.tensor([k.endswith("_max") or k.startswith("memory/") for k in keys])
+        is_max = torch.tensor([k.endswith("_max") or k.startswith("memory/") for k in keys], dtype=torch.bool)
         finite = torch.nan_to_num(values, nan=0.0)
         sums = self._reduce(torch.where(is_max, 0.0, finite), dist.ReduceOp.SUM)
         counts = self._reduce(torch.where(is_max, 0.0, (~values.isnan()).double()), dist.ReduceOp.SUM)
