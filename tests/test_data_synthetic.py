@@ -11,6 +11,7 @@ from mmgrpo.data.registry import resolve_dataset
 from mmgrpo.data.synthetic import COLOURS, GENERATORS, synthetic_dataset_dir
 from mmgrpo.processors.audio import load_audio
 from mmgrpo.processors.video import load_video
+from mmgrpo.tools import zoom
 
 IMAGE_GENERATORS = ["shapes-color", "shapes-count", "shapes-ground"]
 AV_GENERATORS = {  # name -> (modality, train rows, test rows of the built-in entry, files per row)
@@ -19,7 +20,7 @@ AV_GENERATORS = {  # name -> (modality, train rows, test rows of the built-in en
     "tones-pitch": ("audio", 400, 200, 1),
     "tones-count": ("audio", 400, 200, 1),
 }
-ZOOM_GENERATORS = ["shapes-zoom", "shapes-zoom-sft"]  # one image per row; sft: a second (the crop) in a third of them
+ZOOM_GENERATORS = ["shapes-zoom", "shapes-zoom-sft"]  # one image per row; sft: a second (the crop) in most (KIND_WEIGHTS)
 
 
 def read_jsonl(path):
@@ -177,7 +178,8 @@ def test_video_and_audio_answers_match_the_media(cache):
 def test_shapes_zoom_boxes_hold_the_shape_and_the_crop_shows_its_colour(tmp_path):
     folder = synthetic_dataset_dir("shapes-zoom-sft", train_size=30, test_size=1, image_size=448, cache_dir=tmp_path)
     rows = read_jsonl(folder / "train.jsonl")
-    assert {row["kind"] for row in rows} == {"answer", "call", "after_call"}
+    kinds = [row["kind"] for row in rows]
+    assert set(kinds) == {"answer", "call", "after_call"} and kinds.count("after_call") > len(kinds) / 2
     for row in rows:
         image = np.asarray(PIL.Image.open(folder / row["images"][0]), dtype=int)
         x1, y1, x2, y2 = (round(v * 448 / 1000) for v in row["zoom_box"])  # 0-1000 -> pixels
@@ -189,6 +191,8 @@ def test_shapes_zoom_boxes_hold_the_shape_and_the_crop_shows_its_colour(tmp_path
         if row["kind"] == "after_call":
             crop = np.asarray(PIL.Image.open(folder / row["images"][1]), dtype=int)
             assert crop.shape == (112, 112, 3)
+            tool = zoom(PIL.Image.open(folder / row["images"][0]).convert("RGB"), [x1, y1, x2, y2], max_pixels=112 * 112)
+            assert (np.asarray(tool, dtype=int) == crop).all()  # what the tool returns at rollout, pixel for pixel
             colours = crop.reshape(-1, 3)[np.abs(crop - background).sum(-1).reshape(-1) > 60]
             nearest = min(COLOURS, key=lambda name: np.abs(colours.mean(0) - COLOURS[name]).sum())
             assert nearest == row["solution"]

@@ -39,7 +39,7 @@ from mmgrpo.data.drawing import COLOURS, SHAPES
 from mmgrpo.data.drawing import draw_shape as _draw_shape
 from mmgrpo.data.drawing import jitter as _jitter
 
-GENERATOR_VERSION = 1  # bump when the output of any generator changes: the cache folder changes with it
+GENERATOR_VERSION = 2  # bump when the output of any generator changes: the cache folder changes with it
 # What real annotators write besides the colour name (VQAv2 holds 10 answers per question).
 ANSWER_VARIANTS = {
     "red": ("dark red", "crimson", "maroon", "pink"),

@@ -10,8 +10,8 @@ the only thing in an image of its own.
 
 - `shapes-zoom`: the question only (GRPO). `solution` is the colour; `zoom_box` the cell in
   0-1000 coordinates (the Qwen2-VL / Qwen3-VL convention), `cell` its [row, column].
-- `shapes-zoom-sft`: the same images, each row one of three conversations that teach the format
-  of a warm start: (a) answer at once, (b) call the tool on the named cell, (c) after the call
+- `shapes-zoom-sft`: the same images, each row one of three conversations that teach a warm
+  start (weights `KIND_WEIGHTS`: 70% are (c)): (a) answer at once, (b) call the tool on the named cell, (c) after the call
   and the tool's answer (the crop as a second image), answer. (a) and (b) share their prompt,
   so the warm-started model calls the tool about half the time; GRPO decides whether that pays.
   The tool call in (b) and (c) writes the box in 0-1000: the warm start fits families with that
@@ -35,6 +35,10 @@ from mmgrpo.data.drawing import COLOURS, SHAPES, draw_shape, jitter
 
 GRID = 4  # cells per side; the question names one
 TOOL = "image_zoom_in_tool"
+# shapes-zoom-sft's kinds (answer at once, call, answer after the crop): "answer" and "call" share
+# their prompt, so their ratio sets how often the warm start calls the tool (half); most rows
+# teach reading the colour from the crop, the part the tiny model learns slowest
+KIND_WEIGHTS = (0.15, 0.15, 0.7)
 
 
 def _scene(rng: np.random.Generator, size: int) -> tuple[PIL.Image.Image, dict]:
@@ -82,7 +86,7 @@ def _shapes_zoom_sft(rng: np.random.Generator, size: int) -> tuple[list[PIL.Imag
     image, drawn = _scene(rng, size)
     zoom_box, answer = _normalised(drawn["box"], size), f"<answer>{drawn['colour']}</answer>"
     messages = [{"role": "user", "content": question(drawn["cell"])}]
-    kind = int(rng.integers(3))
+    kind = int(rng.choice(3, p=KIND_WEIGHTS))
     images = [image]
     if kind == 0:  # answer at once
         messages.append({"role": "assistant", "content": answer})
