@@ -28,6 +28,7 @@ import torch
 
 from mmgrpo.checkpoint import wait_for_saves
 from mmgrpo.config import TrainConfig, parse_modality_weights
+from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast
 from mmgrpo.grpo.advantages import get_advantage
@@ -42,9 +43,9 @@ from mmgrpo.resume import resume_run, save_run
 from mmgrpo.rewards.columns import reward_columns
 from mmgrpo.rollout.base import Rollout
 from mmgrpo.rollout.pipeline import RolloutPipeline
-from mmgrpo.rollout.sampling import sampling_params, step_seed
+from mmgrpo.rollout.sampling import step_seed
 from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
-from mmgrpo.setup import Run, TrainState, build_run, dataset_of
+from mmgrpo.setup import Run, TrainState, build_run
 
 
 class Timers:
@@ -103,7 +104,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     with timers("rollout"):
         if rollout is None:
             with autocast(run.bf16, run.device):
-                rollout = run.rollout.generate(encoded, sampling_params(cfg))
+                rollout = run.rollout.generate(encoded, run.sampling(prompts))
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
         # multi-turn: rewards score each episode's last model turn (rollout.texts)
         completions = rollout.texts if rollout.texts is not None else template.decode(completion_ids, completion_mask)
@@ -335,7 +336,7 @@ def train(cfg: TrainConfig) -> Path:
                     with loop("weight_sync"):
                         pipeline.sync_weights()  # an engine with its own weights gets the newest
                     with loop("rollout"), autocast(run.bf16, run.device):
-                        pipeline.start(prompts, sampling_params(cfg, step_seed(cfg, step, run.strategy.rank)))
+                        pipeline.start(prompts, run.sampling(prompts, step_seed(cfg, step, run.strategy.rank)))
                 with loop("rollout"):
                     prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
                 scored, sampled = None, {}
@@ -348,7 +349,7 @@ def train(cfg: TrainConfig) -> Path:
                     with loop("weight_sync"):
                         pipeline.sync_weights()
                     with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
-                        pipeline.start(upcoming, sampling_params(cfg, step_seed(cfg, step + 1, run.strategy.rank)))
+                        pipeline.start(upcoming, run.sampling(upcoming, step_seed(cfg, step + 1, run.strategy.rank)))
                 metrics, records = grpo_step(run, prompts, step, rollout, scored=scored, weights_rule=weights_rule)
                 metrics.update(run.strategy.all_reduce_metrics(sampled))
                 pipeline.policy_updated(step)

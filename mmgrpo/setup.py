@@ -23,6 +23,7 @@ import torch
 from mmgrpo.config import TrainConfig
 from mmgrpo.data.pipeline import cycle, make_prompt_loader, media_options
 from mmgrpo.data.registry import mix_datasets
+from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy
@@ -34,13 +35,10 @@ from mmgrpo.rewards import compute_rewards, get_reward, reward_name
 from mmgrpo.rewards.model_rewards import build_model_rewards
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
+from mmgrpo.rollout.base import SamplingParams
+from mmgrpo.rollout.sampling import sampling_params
 from mmgrpo.runlog import console
 from mmgrpo.train_state import restore_weights
-
-
-def dataset_of(sample_id: str) -> str:
-    """"shapes-color/train/12" -> "shapes-color" (dataset names may contain "/")."""
-    return sample_id.rsplit("/", 2)[0]
 
 
 @dataclass
@@ -178,6 +176,12 @@ class Run:
     def media_options(self) -> dict:
         return media_options(self.template, self.cfg.model)
 
+    def sampling(self, prompts: list, seed: int | None = None) -> SamplingParams:
+        """The rollout options for these (Sample, PromptInputs): each prompt's budget is its
+        dataset's `max_completion_length` (registry) or --max_completion_length."""
+        samples = [sample for sample, _ in prompts]
+        return sampling_params(self.cfg, seed, samples, self.dataset.completion_caps)
+
     def save(self, path: Path) -> None:
         """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
         save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
@@ -246,6 +250,44 @@ def check_modalities(dataset, template) -> None:
                 )
 
 
+def model_context(model_path) -> int | None:
+    """The longest sequence the model's positions cover (max_position_embeddings in config.json), if it says."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+        return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    except (OSError, ValueError, KeyError, TypeError):  # a plugin family's config: nothing to check against
+        return None
+
+
+def check_completion_budgets(cfg: TrainConfig, dataset, context: int | None) -> None:
+    """ConfigError where a completion budget cannot work: a dataset's own `max_completion_length`
+    above --max_completion_length (the run's longest: it sizes vLLM's max_model_len and the dr_grpo
+    normaliser), or a budget that leaves no room for a prompt in the model's context."""
+    longest = cfg.rollout.max_completion_length
+    for source in getattr(dataset, "sources", [dataset]):
+        cap, where = source.max_completion_length, f"dataset {source.name!r} ({source.source_file})"
+        if cap is None:
+            continue
+        if context is not None and cap >= context:
+            raise ConfigError(
+                f"{where}: max_completion_length {cap} exceeds the model's context of {context} tokens "
+                "(max_position_embeddings in its config.json), with no room for the prompt; lower it in the registry entry"
+            )
+        if cap > longest:
+            raise ConfigError(
+                f"{where}: max_completion_length {cap} is above --max_completion_length {longest}, the run's "
+                f"longest completion; raise --max_completion_length to at least {cap} (a dataset's own budget "
+                "only shortens it)"
+            )
+    if context is not None and longest >= context:
+        raise ConfigError(
+            f"--max_completion_length {longest} leaves no room for a prompt in the model's context of {context} tokens "
+            "(max_position_embeddings in its config.json); lower it"
+        )
+
+
 def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) -> torch.nn.Module:
     """The frozen copy of the starting weights that the KL term compares with, in the compute dtype.
 
@@ -290,6 +332,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     rewards = build_rewards(cfg, dataset)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
     check_modalities(dataset, template)  # audio for a vision-only family: an error before loading
+    check_completion_budgets(cfg, dataset, model_context(path))
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     strategy = build_strategy(cfg)  # process group up (torchrun), device and precision picked

@@ -12,10 +12,11 @@ import json
 import pytest
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.engine import grpo_step, sampling_params, train
+from mmgrpo.engine import grpo_step, train
 from mmgrpo.lora import rollout_weights
 from mmgrpo.rollout import SharedPrefixRollout
 from mmgrpo.rollout.pipeline import RolloutPipeline
+from mmgrpo.rollout.sampling import sampling_params
 from mmgrpo.setup import build_run
 
 REWARD = '''

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.engine import sampling_params, train
+from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo import dynamic_sampling
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.step_sampling import complete_batch, settled_prompts
+from mmgrpo.rollout.sampling import sampling_params
 from mmgrpo.setup import build_run
 
 REWARDS = '''

@@ -46,6 +46,7 @@ _ALLOWED_KEYS = {
     "system_prompt",
     "reward_funcs",
     "max_pixels",
+    "max_completion_length",
     "augment",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
@@ -69,6 +70,7 @@ class DatasetEntry:
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     reward_funcs: list[str] = field(default_factory=list)
     max_pixels: int | None = None
+    max_completion_length: int | None = None  # this dataset's completion budget (None: the run's flag)
     augment: Augment | None = None  # the `augment:` block (mmgrpo/data/augment.py), training only
 
 
@@ -89,6 +91,8 @@ class DatasetView:
         description: str = "",
         row_indices: list[int] | None = None,
         augment: Augment | None = None,
+        max_completion_length: int | None = None,
+        source_file: str | None = None,
     ):
         self.name, self.split, self.rows = name, split, rows
         self.columns = dict(columns or {})
@@ -99,6 +103,13 @@ class DatasetView:
         self.description = description
         self.row_indices = row_indices  # rows of `rows` in this split (split_column), None for all
         self.augment = augment
+        self.max_completion_length = max_completion_length
+        self.source_file = source_file  # the registry file that defined it (None for a path)
+
+    @property
+    def completion_caps(self) -> dict[str, int]:
+        """{dataset name: its own completion budget} where the registry gives one."""
+        return {self.name: self.max_completion_length} if self.max_completion_length else {}
 
     def __len__(self) -> int:
         return len(self.rows) if self.row_indices is None else len(self.row_indices)
@@ -163,6 +174,11 @@ class MixedDataset:
         pixel_limits = [source.max_pixels for source in sources if source.max_pixels]
         self.max_pixels = min(pixel_limits) if pixel_limits else None
         self.system_prompt = None  # each source applies its own
+
+    @property
+    def completion_caps(self) -> dict[str, int]:
+        """{dataset name: its own completion budget} for the sources whose registry entry gives one."""
+        return {name: cap for source in self.sources for name, cap in source.completion_caps.items()}
 
     def __len__(self) -> int:
         return len(self.source_ids)
@@ -350,6 +366,12 @@ def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
     ):
         raise bad("max_pixels", f"must be a positive integer, got {max_pixels!r}")
     entry.max_pixels = max_pixels
+    max_completion = raw.get("max_completion_length")
+    if max_completion is not None and (
+        not isinstance(max_completion, int) or isinstance(max_completion, bool) or max_completion <= 0
+    ):
+        raise bad("max_completion_length", f"must be a positive number of tokens, got {max_completion!r}")
+    entry.max_completion_length = max_completion
     if raw.get("augment") is not None:
         entry.augment = parse_augment(raw["augment"], where)
     return entry
@@ -525,6 +547,8 @@ def _view_of_entry(entry: DatasetEntry, split: str) -> DatasetView:
         description=entry.description,
         row_indices=row_indices,
         augment=entry.augment,
+        max_completion_length=entry.max_completion_length,
+        source_file=entry.source_file,
     )
 
 

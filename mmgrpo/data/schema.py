@@ -37,6 +37,11 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 _STRUCTURAL = ("messages", "query", "system", *MEDIA_KINDS)
 
 
+def dataset_of(sample_id: str) -> str:
+    """"shapes-color/train/12" -> "shapes-color" (dataset names may contain "/")."""
+    return sample_id.rsplit("/", 2)[0]
+
+
 @dataclass
 class Sample:
     """A dataset row in the one schema mmgrpo understands (media not yet decoded)."""

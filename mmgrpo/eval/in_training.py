@@ -5,7 +5,7 @@
         --metric_for_best_model vqa_accuracy --output_dir runs/x
 
 Each evaluation is `mmgrpo eval` run on the training run's own rollout engine and template: greedy, one
-completion per sample, up to --max_completion_length tokens, the model in eval mode meanwhile
+completion per sample, up to --max_completion_length tokens (or the dataset's own), the model in eval mode meanwhile
 (then back in train mode). It writes
 
     output_dir/eval/step-N/         eval.json, eval.md, samples.jsonl (as `mmgrpo eval` does)
@@ -100,7 +100,8 @@ class TrainingEval:
                         metrics=metrics,
                         model_name=f"{self.cfg.output_dir} step {step}",
                         num_samples=1,
-                        max_new_tokens=self.cfg.rollout.max_completion_length,
+                        # the dataset's own budget (registry), as in training, else the run's
+                        max_new_tokens=dataset.max_completion_length or self.cfg.rollout.max_completion_length,
                         batch_size=self.options.per_device_eval_batch_size,
                         limit=self.options.eval_limit,
                         media_kwargs=run.media_options(),

@@ -88,7 +88,8 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", nargs="*", default=None, help="Metrics (default: the dataset's reward functions).")
     p.add_argument("--num_samples", type=int, default=1, help="Completions per sample (1 = greedy; k for pass@k/mean@k).")
     p.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature when --num_samples > 1.")
-    p.add_argument("--max_completion_length", type=int, default=64, help="Longest completion in tokens.")
+    p.add_argument("--max_completion_length", type=int, default=None,
+                   help="Longest completion in tokens (default: the dataset's registry max_completion_length, else 64).")
     p.add_argument("--batch_size", type=int, default=32, help="Samples per generate call.")
     p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N samples.")
     p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit after resizing.")
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> dict:
     media_kwargs = media_options(template, args)
     result = evaluate(
         engine, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
-        num_samples=args.num_samples, max_new_tokens=args.max_completion_length, temperature=args.temperature,
+        num_samples=args.num_samples, max_new_tokens=args.max_completion_length or dataset.max_completion_length or 64, temperature=args.temperature,
         batch_size=args.batch_size, resume=args.resume, limit=args.limit, media_kwargs=media_kwargs,
     )
     for name, value in result["metrics"].items():

@@ -83,7 +83,6 @@ def settled_prompts(rewards: torch.Tensor, k: int) -> torch.Tensor:
 def second_stage(run, first: Round, step: int, round_index: int, stats: dict) -> Round:
     """Complete the groups of `first` (K completions each): settled prompts leave, the others get G - K more."""
     from mmgrpo.forward.policy import autocast
-    from mmgrpo.rollout.sampling import sampling_params
 
     cfg = run.cfg
     G, k = cfg.rollout.num_generations, cfg.rollout.first_stage_generations
@@ -93,7 +92,7 @@ def second_stage(run, first: Round, step: int, round_index: int, stats: dict) ->
     stats["two_stage/settled_prompts"] = stats.get("two_stage/settled_prompts", 0) + int(settled.sum())
     stats["two_stage/saved_completions"] = stats.get("two_stage/saved_completions", 0) + (len(first.prompts) - len(open_)) * (G - k)
     first = take_groups(first, open_, k)
-    sampling = sampling_params(cfg, second_seed(cfg, step, run.strategy.rank, round_index))
+    sampling = run.sampling(first.prompts, second_seed(cfg, step, run.strategy.rank, round_index))
     sampling.num_generations = G - k
     with autocast(run.bf16, run.device):
         rollout = run.rollout.generate([e for _, e in first.prompts], sampling)
@@ -110,12 +109,11 @@ def second_seed(cfg, step: int, rank: int, round_index: int) -> int:
 def draw_round(run, batches, step: int, round_index: int, stats: dict) -> Round:
     """A further round of prompts for dynamic sampling: rolled out (both stages if on) and scored."""
     from mmgrpo.forward.policy import autocast
-    from mmgrpo.rollout.sampling import sampling_params
 
     cfg = run.cfg
     k = cfg.rollout.first_stage_generations or cfg.rollout.num_generations
     prompts = next(batches)
-    sampling = sampling_params(cfg, second_seed(cfg, step, run.strategy.rank, round_index) + 1)
+    sampling = run.sampling(prompts, second_seed(cfg, step, run.strategy.rank, round_index) + 1)
     sampling.num_generations = k
     with autocast(run.bf16, run.device):
         rollout = run.rollout.generate([e for _, e in prompts], sampling)

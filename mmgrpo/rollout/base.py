@@ -33,6 +33,22 @@ class SamplingParams:
     # Seeds this rollout's draws (its own generator where the engine has one, so a rollout in a
     # background thread draws the same numbers as in step); None: the global generator as it is.
     seed: int | None = None
+    # Each prompt's own budget, each <= max_new_tokens (datasets of a mixture with their own
+    # `max_completion_length`); None: max_new_tokens for every prompt.
+    max_new_tokens_per_prompt: list[int] | None = None
+
+    def budget(self, prompt_index: int) -> int:
+        """The most tokens prompt `prompt_index`'s completions may have."""
+        if self.max_new_tokens_per_prompt is None:
+            return self.max_new_tokens
+        return self.max_new_tokens_per_prompt[prompt_index]
+
+    def row_budgets(self, device=None) -> torch.Tensor | None:
+        """[B * G] each completion's budget (the G of a prompt contiguous), None when all are max_new_tokens."""
+        if self.max_new_tokens_per_prompt is None:
+            return None
+        budgets = torch.tensor(self.max_new_tokens_per_prompt, dtype=torch.long, device=device)
+        return budgets.repeat_interleave(self.num_generations)
 
 
 @dataclass
@@ -95,6 +111,33 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
             params[name].copy_(tensor)
             count += 1
     return count
+
+
+def cut_to_budgets(rollout: Rollout, sampling: SamplingParams, pad_token_id: int) -> Rollout:
+    """Every completion cut after its prompt's budget (`SamplingParams.max_new_tokens_per_prompt`):
+    what an engine that decoded all rows to `max_new_tokens` returns, as if each row had stopped
+    at its own budget (the first tokens of a sample do not depend on the budget). A row cut here
+    had no EOS within its budget, so it counts as truncated. Unchanged when there are no budgets.
+
+    >>> rollout = Rollout(torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8]]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+    ...                   torch.tensor([False, True]))
+    >>> cut = cut_to_budgets(rollout, SamplingParams(1, 4, max_new_tokens_per_prompt=[2, 3]), pad_token_id=0)
+    >>> cut.completion_ids.tolist(), cut.truncated.tolist()
+    ([[5, 6, 0], [5, 6, 7]], [True, True])
+    """
+    budgets = sampling.row_budgets(rollout.completion_ids.device)
+    if budgets is None:
+        return rollout
+    positions = torch.arange(rollout.completion_ids.shape[1], device=budgets.device)  # [T]
+    within = positions[None, :] < budgets[:, None]  # [N, T]
+    mask = rollout.completion_mask * within
+    rollout.truncated = rollout.truncated | (rollout.completion_mask.sum(1) > budgets)
+    width = max(1, int(mask.sum(1).max())) if mask.numel() else 0
+    rollout.completion_mask = mask[:, :width]
+    rollout.completion_ids = rollout.completion_ids.masked_fill(mask == 0, pad_token_id)[:, :width]
+    if rollout.logps is not None:
+        rollout.logps = (rollout.logps * mask)[:, :width]
+    return rollout
 
 
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from mmgrpo.rollout.base import (
     SamplingParams,
     collate_on_device,
     completion_mask_from_ids,
+    cut_to_budgets,
     load_named_tensors,
 )
 
@@ -67,7 +68,7 @@ class HFRollout:
         with self.scope():
             rollout = self.call(self._generate, batch, sampling)
         rollout.weight_version = self.weight_version
-        return rollout
+        return cut_to_budgets(rollout, sampling, self.pad_token_id)
 
     def update_weights(self, named_tensors, version: int) -> None:
         """On the policy's own module: nothing to load, only the version. On a copy

@@ -15,7 +15,7 @@ its interface. One call runs every episode of the batch turn by turn:
 
 An episode ends when a model turn calls no tool (its answer), when its turn `max_turns` is done
 (a call in it is not run: counted in `tools/max_turns_reached`), or when the token budget is
-spent. The budget, `max_new_tokens` (= `--max_completion_length`), covers the whole trajectory
+spent. The budget, `max_new_tokens` (= `--max_completion_length`, or the dataset's own), covers the whole trajectory
 after the prompt: the model's tokens and the tool turns' (image tokens included), so the
 training forward's length stays bounded. A turn that reaches it, or a tool turn that does not
 fit in what is left, ends the episode as truncated.
@@ -47,6 +47,7 @@ class Episode:
     """One completion's turns so far."""
 
     prompt: object  # PromptInputs of the next model turn (the sample's, extended after each tool turn)
+    budget: int  # tokens the whole episode may have after the prompt (its dataset's max_completion_length)
     pieces: list = field(default_factory=list)  # (ids [n], is the model's, sampler logps [n] | None)
     model_texts: list[str] = field(default_factory=list)
     tool_texts: list[str] = field(default_factory=list)
@@ -93,10 +94,10 @@ class MultiTurnRollout:
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B prompts -> B x G episodes, the G of a prompt contiguous (see the module docstring)."""
-        group, budget = sampling.num_generations, sampling.max_new_tokens
+        group = sampling.num_generations
         first = self.inner.generate(prompts, sampling)
-        episodes = [Episode(prompts[row // group]) for row in range(len(prompts) * group)]
-        self._add_model_turns(episodes, first, budget)
+        episodes = [Episode(prompts[row // group], sampling.budget(row // group)) for row in range(len(prompts) * group)]
+        self._add_model_turns(episodes, first)
         tool_seconds = 0.0
         for turn in range(2, self.max_turns + 1):
             waiting = []
@@ -109,18 +110,19 @@ class MultiTurnRollout:
                 if not results:  # an answer: the episode is over
                     episode.done = True
                     continue
-                self._add_tool_turn(episode, results, budget)
+                self._add_tool_turn(episode, results)
                 if not episode.done:
                     waiting.append(episode)
             if not waiting:
                 break
-            left = max(budget - episode.length for episode in waiting)
+            left = [episode.budget - episode.length for episode in waiting]
             params = SamplingParams(
-                num_generations=1, max_new_tokens=left, temperature=sampling.temperature, top_p=sampling.top_p,
+                num_generations=1, max_new_tokens=max(left), temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, greedy=sampling.greedy,
                 seed=None if sampling.seed is None else sampling.seed + 7919 * turn,
+                max_new_tokens_per_prompt=None if min(left) == max(left) else left,
             )
-            self._add_model_turns(waiting, self.inner.generate([episode.prompt for episode in waiting], params), budget)
+            self._add_model_turns(waiting, self.inner.generate([episode.prompt for episode in waiting], params))
         for episode in episodes:  # a call in the last allowed turn is not run
             if not episode.done and parse_tool_calls(episode.model_texts[-1]):
                 episode.max_turns_reached = True
@@ -129,11 +131,11 @@ class MultiTurnRollout:
 
     # ---- turns ------------------------------------------------------------------------------
 
-    def _add_model_turns(self, episodes: list[Episode], rollout: Rollout, budget: int) -> None:
-        """Row i of `rollout` is episode i's next model turn, cut where the budget ends."""
+    def _add_model_turns(self, episodes: list[Episode], rollout: Rollout) -> None:
+        """Row i of `rollout` is episode i's next model turn, cut where the episode's budget ends."""
         lengths = rollout.completion_mask.sum(1).tolist()
         for row, episode in enumerate(episodes):
-            left = budget - episode.length
+            left = episode.budget - episode.length
             length = min(int(lengths[row]), left)
             ids = rollout.completion_ids[row, :length]
             logps = None if rollout.logps is None else rollout.logps[row, :length]
@@ -142,7 +144,7 @@ class MultiTurnRollout:
             if bool(rollout.truncated[row]) or length < lengths[row]:
                 episode.done = episode.truncated = True
 
-    def _add_tool_turn(self, episode: Episode, results: list[ToolResult], budget: int) -> None:
+    def _add_tool_turn(self, episode: Episode, results: list[ToolResult]) -> None:
         """Count the calls, encode their results as a tool turn and extend the episode's prompt;
         an episode whose tool turn leaves no room for a model token ends, truncated."""
         turn = self._encode(results)
@@ -150,7 +152,7 @@ class MultiTurnRollout:
         for result in results:
             if result.error:
                 episode.errors[result.error] += 1
-        if episode.length + len(turn.ids) >= budget:
+        if episode.length + len(turn.ids) >= episode.budget:
             episode.done = episode.truncated = True
             return
         model_ids = episode.pieces[-1][0]

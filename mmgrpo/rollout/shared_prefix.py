@@ -52,6 +52,7 @@ from mmgrpo.rollout.base import (
     SamplingParams,
     collate_on_device,
     completion_mask_from_ids,
+    cut_to_budgets,
     load_named_tensors,
 )
 from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
@@ -133,7 +134,7 @@ class SharedPrefixRollout:
         with self.scope():
             rollout, logps = self.call(self.sample, batch, sampling)
         rollout.logps, rollout.weight_version = logps, self.weight_version
-        return rollout
+        return cut_to_budgets(rollout, sampling, self.pad_token_id)
 
     def update_weights(self, named_tensors, version: int) -> None:
         """On the policy's own module: nothing to load, only the version. On a copy
@@ -191,6 +192,7 @@ class SharedPrefixRollout:
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)  # [N, T]
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [N]
+        budgets = params.row_budgets(device)  # [N] a mixture's per-dataset budgets, or None
         for step in range(max_new):
             token = pick_tokens(logits, suppress, params, generator)  # [N]
             token = torch.where(finished, self.pad_token_id, token)
@@ -198,6 +200,8 @@ class SharedPrefixRollout:
             scaled = logits / temperature if temperature != 1.0 else logits
             logps[:, step] = scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
             finished |= torch.isin(token, eos)
+            if budgets is not None:  # a row at its budget stops (cut_to_budgets marks it truncated)
+                finished |= budgets <= step + 1
             if step == max_new - 1 or ((step + 1) % self.check_every == 0 and bool(finished.all())):
                 break
             logits = self.lm_head(advance(token, step)).float()  # [N, V]

@@ -134,7 +134,7 @@ def sampling_options(sampling: SamplingParams, template, prompt_index: int = 0, 
     """
     options = dict(
         n=1 if sampling.greedy else sampling.num_generations,
-        max_tokens=sampling.max_new_tokens,
+        max_tokens=sampling.budget(prompt_index),
         temperature=0.0 if sampling.greedy else sampling.temperature,
         top_p=1.0 if sampling.greedy else sampling.top_p,
         top_k=0 if sampling.greedy else sampling.top_k,
