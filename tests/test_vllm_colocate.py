@@ -108,6 +108,26 @@ def test_a_skipped_sync_is_detected(full_run):
     torch.testing.assert_close(ours.logps[mask], trainer_logps[mask], atol=2e-5, rtol=0)
 
 
+def test_each_prompt_stops_at_its_own_budget(full_run):
+    """A mixture's per-dataset budgets reach vLLM as each request's max_tokens: the greedy rows
+    stop there (truncated, no EOS within it) and begin as the uncapped rows do."""
+    run, prompts = full_run
+    engine = run.rollout
+    engine.update_weights(rollout_weights(run.model, run.peft_model, run.strategy), 4)
+    encoded = [enc for _, enc in prompts]
+    budgets = [3, 8] * (len(encoded) // 2) + [3] * (len(encoded) % 2)
+    capped = engine.generate(encoded, SamplingParams(2, 8, greedy=True, max_new_tokens_per_prompt=budgets))
+    uncapped = engine.generate(encoded, SamplingParams(2, 8, greedy=True))
+    rows = torch.tensor(budgets).repeat_interleave(2)
+    lengths = capped.completion_mask.sum(1)
+    assert bool((lengths <= rows).all()) and bool((lengths[rows == 3] == 3).any())
+    for row in range(len(rows)):
+        n = int(lengths[row])
+        assert torch.equal(capped.completion_ids[row, :n], uncapped.completion_ids[row, :n])
+        ended = bool(uncapped.completion_mask[row].sum() <= rows[row]) and not bool(uncapped.truncated[row])
+        assert bool(capped.truncated[row]) == (not ended)
+
+
 def test_frozen_parts_are_not_sent_and_stay(full_run):
     run, _ = full_run
     sent = [name for name, _ in rollout_weights(run.model, run.peft_model, run.strategy)]

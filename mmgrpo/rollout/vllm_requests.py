@@ -188,7 +188,11 @@ def rollout_from_completions(rows: list[dict], template, max_new_tokens: int, we
         ids[i, : len(row["ids"])] = torch.tensor(row["ids"], dtype=torch.long)
         if row["logps"]:
             logps[i, : len(row["logps"])] = torch.tensor(row["logps"], dtype=torch.float32)
-    mask, truncated = completion_mask_from_ids(ids, template.eos_token_ids)
+    # the padding may be an EOS id itself: the first EOS is looked for only within each row's own tokens
+    # (a row stopped at its budget has none and is truncated)
+    within = torch.arange(width)[None, :] < torch.tensor([len(row["ids"]) for row in rows])[:, None]  # [N, T]
+    mask, truncated = completion_mask_from_ids(ids.masked_fill(~within, -1), template.eos_token_ids)
+    mask = mask * within
     ids = ids.masked_fill(mask == 0, template.completion_pad_id)
     logps = logps.masked_fill(mask == 0, 0.0)
     return Rollout(completion_ids=ids, completion_mask=mask, truncated=truncated, logps=logps,
