@@ -166,8 +166,8 @@ def run_mmgrpo(spec: dict) -> dict:
     clock = TrainingClock()
     build_run, grpo_step = engine.build_run, engine.grpo_step
 
-    def build_and_start(cfg):
-        run = build_run(cfg)
+    def build_and_start(cfg, *args, **kwargs):
+        run = build_run(cfg, *args, **kwargs)
         clock.start()  # models loaded; as TRL's clock, which starts when trainer.train() begins
         return run
 

@@ -42,7 +42,10 @@ class RolloutPipeline:
             raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
         self.engine, self.weights, self.asynchronous = engine, weights, asynchronous
         self.version = 0  # optimizer steps the policy's weights have taken
-        self.generate_seconds = 0.0  # in the engine's generate calls since `take_generate_seconds` (background when async)
+        # seconds the engine spent on the rollouts taken by `result` since `take_generate_seconds`
+        # (background when async); counted when a rollout is taken, so a step reports its own rollout's
+        self.generate_seconds = 0.0
+        self._seconds = 0.0  # of the rollout in flight, written by the thread that generates it
         self._thread: threading.Thread | None = None
         self._result: Rollout | BaseException | None = None
         self._prompts: list | None = None
@@ -79,6 +82,7 @@ class RolloutPipeline:
             self._thread = None
         prompts, result = self._prompts, self._result
         self._prompts = self._result = None
+        self.generate_seconds, self._seconds = self.generate_seconds + self._seconds, 0.0
         if isinstance(result, BaseException):
             raise result
         return prompts, result
@@ -107,7 +111,7 @@ class RolloutPipeline:
         self._prompts, self._result, self.version = prompts, rollout, version
 
     def take_generate_seconds(self) -> float:
-        """Seconds the engine spent generating since the last call."""
+        """Seconds the engine spent generating the rollouts taken since the last call."""
         seconds, self.generate_seconds = self.generate_seconds, 0.0
         return seconds
 
@@ -122,7 +126,7 @@ class RolloutPipeline:
             self._result = self.engine.generate(encoded, sampling)
         except BaseException as error:  # raised in the training thread by `result`
             self._result = error
-        self.generate_seconds += time.perf_counter() - start
+        self._seconds = time.perf_counter() - start
 
     def sync_weights(self) -> None:
         """Load the policy's newest weights into the engine (once per version). Not while a rollout runs."""
