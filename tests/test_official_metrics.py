@@ -24,13 +24,22 @@ def test_leave_one_out_average_of_min_one_matches_over_three():
         assert official_vqa_accuracy("dog", answers) == pytest.approx(expected), matches
 
 
-def test_nothing_is_processed_when_the_ten_answers_agree():
-    assert official_vqa_accuracy("2.", ["2"] * 10) == 0.0  # "2." stays "2." ...
-    assert official_vqa_accuracy("2.", ["2"] * 9 + ["two"]) == 1.0  # ... but is "2" once the humans disagree
-    assert official_vqa_accuracy("two", ["2"] * 10) == 0.0
-    assert official_vqa_accuracy("YES", ["yes"] * 10) == 1.0  # the comparison is lower-cased either way
-    assert official_vqa_accuracy("the cat", ["cat"] * 10) == 0.0
-    assert official_vqa_accuracy("  yes\n", ["yes"] * 10) == 1.0  # newlines, tabs and ends always cleaned
+def test_the_prediction_is_always_processed_the_humans_only_when_they_disagree():
+    # the prediction: punctuation, lower case, number words, articles, contractions, every time
+    assert official_vqa_accuracy("2.", ["2"] * 10) == 1.0
+    assert official_vqa_accuracy("Two", ["2"] * 10) == 1.0
+    assert official_vqa_accuracy("The cat", ["cat"] * 10) == 1.0
+    assert official_vqa_accuracy("YES", ["yes"] * 10) == 1.0
+    assert official_vqa_accuracy("  yes\n", ["yes"] * 10) == 1.0  # newlines, tabs and ends cleaned
+    # ten identical human answers are compared as written: case, number words and punctuation kept
+    assert official_vqa_accuracy("two", ["two"] * 10) == 0.0
+    assert official_vqa_accuracy("yes", ["Yes"] * 10) == 0.0
+    assert official_vqa_accuracy("3", ["3."] * 10) == 0.0
+    # once they disagree, the human answers get punctuation processing and nothing else
+    assert official_vqa_accuracy("3", ["3."] * 9 + ["three"]) == 1.0  # "3." -> "3"; "three" stays
+    assert official_vqa_accuracy("three", ["three"] * 9 + ["3"]) == pytest.approx(0.3)  # only "3" matches "3"
+    assert official_vqa_accuracy("yes", ["Yes"] * 9 + ["yes"]) == pytest.approx(0.3)  # no lower case for them
+    assert official_vqa_accuracy("dog", ["a dog"] * 5 + ["dog"] * 5) == pytest.approx(1.0)  # articles stay theirs
 
 
 def test_punctuation_rules():
@@ -55,12 +64,14 @@ def test_word_rules():
 
 def test_the_metric_is_official_and_the_lenient_one_has_its_own_name():
     completions = [["<answer>Yes.</answer>"], ["<think>hm</think>two"]]
-    solution = [["yes"] * 10, [{"answer": "2"}] * 9 + [{"answer": "two"}]]
-    assert get_metric("vqa_accuracy").fn(completions, solution=solution).scores == {"vqa_accuracy": [0.0, 1.0]}
+    solution = [["Yes"] * 10, [{"answer": "two"}] * 9 + [{"answer": "2"}]]
+    # official: "yes" against ten unprocessed "Yes"; "2" against one "2" of ten
+    assert get_metric("vqa_accuracy").fn(completions, solution=solution).scores == {"vqa_accuracy": [0.0, 0.3]}
     lenient = get_metric("vqa_accuracy_lenient").fn(completions, solution=solution).scores
     assert lenient == {"vqa_accuracy_lenient": [1.0, 1.0]}
     # one reference string counts as ten humans who gave it
-    assert get_metric("vqa_accuracy").fn([["red"], ["Red."]], solution=["red", "red"]).scores["vqa_accuracy"] == [1.0, 0.0]
+    scores = get_metric("vqa_accuracy").fn([["red"], ["Red."], ["blue"]], solution=["red"] * 3).scores
+    assert scores["vqa_accuracy"] == [1.0, 1.0, 0.0]
 
 
 # ---- detection mAP ---------------------------------------------------------------------------

@@ -1,15 +1,16 @@
-"""The `vqa_accuracy` evaluation metric: the official VQAv2 evaluation, quirks included.
+"""The official VQAv2 accuracy, quirks included, and its lenient sibling.
 
 Figures from this metric compare with published VQAv2 numbers. Per question, as the official
-script (`vqaEval.py`, Agrawal et al.) computes it:
+script (`vqaEval.py` of the VQA API, Agrawal et al.) computes it:
 
-1. the prediction and the human answers: newlines and tabs become spaces, ends stripped;
-2. ONLY if the human answers are not all identical, the answers and the prediction are
-   processed: punctuation (`process_punctuation`), then number words, articles and
-   contractions (`process_digit_article`). When all ten agree nothing is processed: "2." does
-   not match ten "2"s, while it does match when one human wrote "two";
+1. the prediction: newlines and tabs become spaces, ends stripped, then ALWAYS processed:
+   punctuation (`process_punctuation`), then lower case, number words, articles and contractions
+   (`process_digit_article`);
+2. the human answers: ONLY if they are not all identical, punctuation processing and nothing
+   else (no lower case, no number words, no whitespace cleaning). When all ten agree they are
+   compared as written: "two" never matches ten "two"s (the prediction became "2");
 3. each human answer is left out in turn; against the other nine, the prediction scores
-   min(1, matches / 3), comparing lower-cased strings; the score is the mean of the ten.
+   min(1, exact matches / 3); the score is the mean of the ten.
 
 The quirks kept (they change scores, so they stay):
 - the period rule's regex is written `(?!<=\\d)(\\.)(?!\\d)`: a look-AHEAD for "<=", so it never
@@ -20,17 +21,21 @@ The quirks kept (they change scores, so they stay):
 - "none" maps to "0" like the number words; apostrophes, colons and periods are not in the
   punctuation list;
 - the contraction table's keys with capitals ("Im", "Ive", "Id've") never match after
-  lower-casing, and "somebody'd" maps to "somebodyd": the table is the official one, as written.
+  lower-casing, and "somebody'd" maps to "somebodyd": the table is the official one, as written;
+- human answers are compared case-sensitively ("Yes" among them never matches; VQAv2's
+  annotations are lower case already).
 
 What the script never sees, decided here: the prediction graded is the answer part of a
 completion (`<answer>...</answer>`, as every metric); a sample with a single reference string
 counts as ten humans who gave it; with answer dicts `{"answer": ...}` only the text is read.
-The lenient normalisation (always processed, the `vqa_accuracy` reward) is the
+The lenient normalisation (both sides always processed, the `vqa_accuracy` reward) is the
 `vqa_accuracy_lenient` metric.
 
-    >>> official_vqa_accuracy("two", ["2"] * 10)         # all agree: no processing
+    >>> official_vqa_accuracy("Two.", ["2"] * 10)        # the prediction is always processed
+    1.0
+    >>> official_vqa_accuracy("two", ["two"] * 10)       # the humans' words are not, when they agree
     0.0
-    >>> official_vqa_accuracy("two", ["2"] * 9 + ["two"])  # they disagree: both sides processed
+    >>> official_vqa_accuracy("two", ["2"] * 9 + ["2."])  # they disagree: punctuation only
     1.0
 """
 
@@ -83,21 +88,19 @@ def process_digit_article(text: str) -> str:
 
 
 def official_vqa_accuracy(prediction: str, answers) -> float:
-    """VQAv2 accuracy of one prediction against the human answers, as the official script scores it.
+    """One question's accuracy against its human answers (usually ten).
 
-    >>> ten = ["red"] * 2 + ["Red"] + ["blue"] * 7
+    >>> ten = ["red"] * 3 + ["blue"] * 7
     >>> official_vqa_accuracy("RED", ten)   # 3 matches: leaving one of them out leaves 2 -> (3 * 2/3 + 7 * 1) / 10
     0.9
-    >>> official_vqa_accuracy("blue.", ten), official_vqa_accuracy("2.", ["2"] * 10)
+    >>> official_vqa_accuracy("blue.", ten), official_vqa_accuracy("red", ["Red"] * 10)
     (1.0, 0.0)
     """
-    answers = [clean_whitespace(a) for a in answers]
-    prediction = clean_whitespace(prediction)
+    prediction = process_digit_article(process_punctuation(clean_whitespace(prediction)))
+    answers = list(answers)
     if len(set(answers)) > 1:
-        answers = [process_digit_article(process_punctuation(a)) for a in answers]
-        prediction = process_digit_article(process_punctuation(prediction))
-    prediction = prediction.lower()
-    matches = [answer.lower() == prediction for answer in answers]
+        answers = [process_punctuation(answer) for answer in answers]
+    matches = [answer == prediction for answer in answers]
     # leave-one-out: the official loop drops each answer record (distinct ids) in turn
     per_left_out = [min(1.0, (sum(matches) - left_out) / 3) for left_out in matches]
     return sum(per_left_out) / len(per_left_out) if per_left_out else 0.0
