@@ -19,8 +19,8 @@ from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo import dynamic_sampling
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
-from mmgrpo.grpo.step_sampling import complete_batch, settled_prompts
 from mmgrpo.rollout.sampling import sampling_params
+from mmgrpo.rollout.step_sampling import complete_batch, settled_prompts
 from mmgrpo.setup import build_run
 
 REWARDS = '''
@@ -43,7 +43,8 @@ def config(tmp_path, reward: str, *extra) -> TrainConfig:
     plugin.write_text(REWARDS)
     return TrainConfig.from_args([
         "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:{reward}",
-        "--num_generations", "4", "--per_device_train_batch_size", "16",  # B = 4 prompts "--max_completion_length", "6",
+        "--num_generations", "4", "--per_device_train_batch_size", "16",  # B = 4 prompts
+        "--max_completion_length", "6",
         "--dataloader_num_workers", "0", "--beta", "0", "--max_steps", "2", "--report_to", "none",
         "--output_dir", str(tmp_path / "run"), *extra,
     ])  # fmt: skip
