@@ -36,7 +36,6 @@ from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fr
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.importance import sampling_importance_weights
 from mmgrpo.grpo.losses import LossConfig, policy_loss
-from mmgrpo.grpo.step_sampling import complete_batch
 from mmgrpo.lora import rollout_weights
 from mmgrpo.preflight import preflight
 from mmgrpo.resume import resume_run, save_run
@@ -44,7 +43,8 @@ from mmgrpo.rewards.columns import reward_columns
 from mmgrpo.rollout.base import Rollout
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.rollout.sampling import step_seed
-from mmgrpo.runlog import NullLogger, RunLogger, progress_bar
+from mmgrpo.rollout.step_sampling import complete_batch
+from mmgrpo.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
 from mmgrpo.setup import Run, TrainState, build_run
 
 
@@ -341,7 +341,7 @@ def train(cfg: TrainConfig) -> Path:
                     prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
                 scored, sampled = None, {}
                 if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
-                    with loop("resample"):  # mmgrpo/grpo/step_sampling.py; before an async rollout starts
+                    with loop("resample"):  # mmgrpo/rollout/step_sampling.py; before an async rollout starts
                         prompts, rollout, scored, sampled = complete_batch(run, prompts, rollout, batches, step)
                 if cfg.rollout.async_generate and step < run.total_steps:
                     with loop("data"):
@@ -361,7 +361,8 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("save"):
                     if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
-                                 background=cfg.save_in_background and not final)
+                                 background=cfg.save_in_background and not final,
+                                 step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
                 for phase in ("data", "weight_sync", "rollout", "eval", "save"):  # the same columns every step
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
                 # generating, overlapped with training when async (time/rollout is then the wait)

@@ -10,7 +10,7 @@ A run writes into `--output_dir`; what is already there decides what may happen:
 |---|---|---|
 | absent or empty | - | a new run |
 | not empty | none | refused: a second run would mix its metrics and checkpoints with the first |
-| not empty | `--resume_from_checkpoint latest` or a path | the run continues: `metrics.jsonl` and `completions.jsonl` keep the steps up to the checkpoint's (later lines, from the run that crashed, are dropped) |
+| not empty | `--resume_from_checkpoint latest` or a path | the run continues: `metrics.jsonl` and `completions.jsonl` keep the steps up to the checkpoint's (later lines, from the run that crashed, are dropped; the checkpoint's own step, if a kill came between its save and its log lines, is restored from the checkpoint) |
 | not empty | `--overwrite_output_dir` | mmgrpo's files of the earlier run are deleted (config.yaml, metrics.jsonl, completions.jsonl, TensorBoard events, checkpoint-*, eval/, report.html, report/); any other file stays |
 
 Also refused here: an output folder that is a file, lies under a file, or cannot be written.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mmgrpo.checkpoint import check_checkpoint, checkpoint_step, list_checkpoints, repair_interrupted
 from mmgrpo.errors import ConfigError
-from mmgrpo.train_state import TrainingState, read_training_state
+from mmgrpo.train_state import STEP_LOG_FILE, TrainingState, read_training_state
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
 RUN_GLOBS = ("events.out.tfevents.*", "checkpoint-*")
@@ -62,6 +62,7 @@ class OutputPlan:
         if self.mode == "resume":
             for name in STEP_LOGS:
                 trim_step_log(self.output_dir / name, self.resume_step)
+            restore_step_log(self.output_dir, self.resume_from, self.resume_step)
 
 
 def preflight(cfg) -> OutputPlan:
@@ -135,6 +136,38 @@ def run_files(out: Path) -> list[Path]:
     for pattern in RUN_GLOBS:
         found.update(out.glob(pattern))
     return sorted(found)
+
+
+def restore_step_log(out: Path, checkpoint: Path, step: int) -> bool:
+    """Append the checkpoint's own step lines (STEP_LOG_FILE) to the step logs when
+    metrics.jsonl stops short of `step`: the run was killed after the save and before the loop
+    logged the step. Those lines lack only the save's timings. True when something was restored."""
+    saved = Path(checkpoint) / STEP_LOG_FILE
+    if not saved.is_file() or _last_step(out / STEP_LOGS[0]) >= step:
+        return False
+    lines = json.loads(saved.read_text())
+    for name in STEP_LOGS:
+        trim_step_log(out / name, step - 1)  # completions of the step written before its metrics line
+        with open(out / name, "a") as f:
+            f.write(lines.get(name, ""))
+            f.flush()
+            os.fsync(f.fileno())
+    return True
+
+
+def _last_step(path: Path) -> int:
+    """The highest "step" in a JSON-lines step log (0 when there is none)."""
+    if not path.is_file():
+        return 0
+    steps = [0]
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    return max(steps)
 
 
 def trim_step_log(path: Path, last_step: int) -> None:

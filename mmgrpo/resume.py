@@ -31,13 +31,23 @@ from mmgrpo.checkpoint import PendingSave
 from mmgrpo.errors import CheckpointError
 from mmgrpo.models.loading import RUN_INFO_FILE
 from mmgrpo.rollout.base import Rollout
-from mmgrpo.train_state import TrainingState, load_training_checkpoint, save_training_checkpoint
+from mmgrpo.train_state import (
+    STEP_LOG_FILE,
+    TrainingState,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 
 ROLLOUT_FILE = "rollout_in_flight.pt"
 
 
-def save_run(run, path: Path, state, batches, pipeline, *, background: bool = False) -> PendingSave:
+def save_run(run, path: Path, state, batches, pipeline, *, background: bool = False,
+             step_log: dict[str, str] | None = None) -> PendingSave:
     """Write checkpoint `path` of a run after step `state.step` (every rank calls it).
+
+    step_log: the step's lines of metrics.jsonl and completions.jsonl (`runlog.step_log_lines`,
+    timings of the save aside). The loop logs a step after its save; a kill between the two would
+    lose the step's lines, so the checkpoint keeps them and a resume restores them.
 
     background: copy what is saved, then write it in a thread (one process; the final save is
     awaited by the caller). A NaN/inf weight is a CheckpointError and nothing is written.
@@ -51,6 +61,8 @@ def save_run(run, path: Path, state, batches, pipeline, *, background: bool = Fa
         extra={"model": cfg.model.model, "rollout_in_flight": in_flight is not None},
     )
     extra_files: dict[str, object] = {RUN_INFO_FILE: json.dumps({"model_type": run.template.name}) + "\n"}
+    if step_log is not None:
+        extra_files[STEP_LOG_FILE] = json.dumps(step_log) + "\n"
     if in_flight is not None:
         extra_files[ROLLOUT_FILE] = {k: v for k, v in dataclasses.asdict(in_flight[1]).items() if v is not None}
     return save_training_checkpoint(

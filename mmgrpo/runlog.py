@@ -31,6 +31,16 @@ def _jsonable(value):
     return value
 
 
+def step_log_lines(metrics: dict, records=()) -> dict[str, str]:
+    """A step's lines in each step log, as `RunLogger.log_step` writes them (a checkpoint keeps
+    its step's too: mmgrpo.preflight.restore_step_log)."""
+    metrics = {k: _jsonable(v) for k, v in metrics.items()}
+    return {
+        "metrics.jsonl": json.dumps(metrics) + "\n",
+        "completions.jsonl": "".join(json.dumps(record, default=str) + "\n" for record in records),
+    }
+
+
 class RunLogger:
     """resume_step: a resumed run continues after this step; TensorBoard hides the crashed run's
     events of later steps (SummaryWriter purge_step). The step logs are trimmed by
@@ -48,11 +58,11 @@ class RunLogger:
 
     def log_step(self, metrics: dict, records: list[dict] = (), print_it: bool = True) -> None:
         metrics = {k: _jsonable(v) for k, v in metrics.items()}
-        self.metrics_file.write(json.dumps(metrics) + "\n")
-        self.metrics_file.flush()
-        for record in records:
-            self.completions_file.write(json.dumps(record, default=str) + "\n")
+        lines = step_log_lines(metrics, records)
+        self.completions_file.write(lines["completions.jsonl"])
         self.completions_file.flush()
+        self.metrics_file.write(lines["metrics.jsonl"])  # last: a step with its metrics line is logged whole
+        self.metrics_file.flush()
         for tracker in self.trackers:
             tracker.log(metrics, list(records), metrics["step"])
         if print_it:

@@ -5,6 +5,7 @@
         optimizer.pt, scheduler.pt                        torch state dicts (one process)
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
         training_state.json                               step, epoch, counters, best eval metric, data position
+        step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
         checkpoint_complete.json                          written last (mmgrpo/checkpoint.py)
 
 The loop's two calls:
@@ -45,6 +46,7 @@ from mmgrpo.errors import CheckpointError
 STATE_FILE = "training_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: mmgrpo.preflight.restore_step_log
 
 
 def rng_file(rank: int) -> str:

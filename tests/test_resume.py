@@ -6,6 +6,7 @@ checkpoint; and with --async_generate, whose rollout in flight at a save is kept
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,3 +126,26 @@ def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted
     assert best["step"] in (3, 6, 9, 12)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-12", "checkpoint-8", "checkpoint-best"]
     assert killed_in_save or mode == "background"  # a foreground save of the tiny model is long enough to be caught
+
+
+@pytest.mark.slow
+def test_a_kill_between_a_save_and_its_log_line_loses_no_line(inputs, tmp_path):
+    """The loop logs step N after checkpoint-N is written; killed in between, the resumed run gets
+    step N's lines from the checkpoint (completions of the step written before its metrics line too)."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    finish(start(inputs, whole, "--max_steps", "4"))
+    # the folder as such a kill leaves it: checkpoint-2 complete, the logs at step 1, step 2's
+    # completions half written, nothing later
+    killed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", killed / "checkpoint-2")
+    assert (killed / "checkpoint-2" / "step_log.json").is_file()
+    lines = {name: (whole / name).read_text().splitlines(keepends=True) for name in ("metrics.jsonl", "completions.jsonl")}
+    step_of = lambda line: json.loads(line)["step"]  # noqa: E731
+    (killed / "metrics.jsonl").write_text("".join(line for line in lines["metrics.jsonl"] if step_of(line) == 1))
+    partial = [line for line in lines["completions.jsonl"] if step_of(line) <= 2][:-1]
+    (killed / "completions.jsonl").write_text("".join(partial) + partial[-1][:10])  # and a torn line
+    finish(start(inputs, killed, "--max_steps", "4", "--resume_from_checkpoint", "latest"))
+
+    assert metrics(killed) == metrics(whole)
+    assert [step_of(line) for line in (killed / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert (killed / "completions.jsonl").read_text() == "".join(lines["completions.jsonl"])
