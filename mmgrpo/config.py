@@ -114,7 +114,7 @@ class RolloutConfig:
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
     rollout engine samples from its own copy of the weights, one optimizer step old; see
     --vllm_importance_sampling_correction."""
-    # ---- which completions the step trains on (mmgrpo/grpo/step_sampling.py) ----
+    # ---- which completions the step trains on (mmgrpo/rollout/step_sampling.py) ----
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
     prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""

@@ -99,8 +99,8 @@ def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_pa
     """Real tiny Qwen2-VL rollouts scored by the real `answer_format` reward: a random model never
     writes <answer>...</answer>, so every group is all-equal and the bound stops the step."""
     from mmgrpo.config import TrainConfig
-    from mmgrpo.grpo.step_sampling import score
     from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout.step_sampling import score
     from mmgrpo.setup import build_run
 
     run = build_run(TrainConfig.from_args([

@@ -185,21 +185,6 @@ def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def prompt_rows(rows: slice, num_generations: int) -> tuple[list[int], list[int]]:
-    """The prompts that completion rows `rows` belong to (G contiguous rows per prompt) and how
-    many of those rows each has: a micro-batch's `num_generations` argument.
-
-    >>> prompt_rows(slice(5, 13), 4)  # rows 5..12 of groups of 4
-    ([1, 2, 3], [3, 4, 1])
-    """
-    first, last = rows.start // num_generations, (rows.stop - 1) // num_generations
-    prompts = list(range(first, last + 1))
-    counts = [
-        min(rows.stop, (p + 1) * num_generations) - max(rows.start, p * num_generations) for p in prompts
-    ]
-    return prompts, counts
-
-
 def shared_prefix_hidden(
     model: nn.Module,
     template,

@@ -86,7 +86,7 @@ def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
         if min(per_prompt) == budget:  # one budget for the whole batch
             per_prompt = None
     return SamplingParams(
-        # two-stage generation rolls out K first (mmgrpo/grpo/step_sampling.py completes the groups)
+        # two-stage generation rolls out K first (mmgrpo/rollout/step_sampling.py completes the groups)
         num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
         max_new_tokens=budget,
         temperature=cfg.rollout.temperature,
