@@ -137,6 +137,15 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     return model, peft_model
 
 
+def sibling_group(hf_name: str) -> str:
+    """The modules a rollout engine may fuse into one layer: a parameter's module's parent.
+
+    >>> sibling_group("model.layers.0.self_attn.q_proj.weight"), sibling_group("model.layers.0.mlp.up_proj.bias")
+    ('model.layers.0.self_attn', 'model.layers.0.mlp')
+    """
+    return hf_name.rpartition(".")[0].rpartition(".")[0]
+
+
 def rollout_weights(model: nn.Module, peft_model, strategy):
     """(HF name, full tensor) of the weights a rollout engine with its own copy (vLLM, an async copy)
     must reload after training changed some: in full training the trainable parameters; with LoRA
@@ -154,10 +163,7 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
     gathered from the shards where the strategy shards (a collective on every rank).
     """
     params = dict(model.named_parameters())
-
-    def parent(hf_name: str) -> str:  # parameter -> its module -> that module's parent
-        return hf_name.rpartition(".")[0].rpartition(".")[0]
-
+    parent = sibling_group
     if peft_model is None:
         adapted = {}
         changed = [n for n, p in params.items() if p.requires_grad]

@@ -4,7 +4,8 @@
     rollout = engine.generate(prompts, sampling)        # prompts + media over HTTP, ids + log-probs back
     engine.update_weights(named_tensors, version)       # safetensors chunks, then a version tag
 
-Weights travel as safetensors chunks of at most `chunk_bytes` (never the whole model at once): through
+Weights travel as safetensors chunks of about `chunk_bytes` (never the whole model at once; a fused
+layer's weights in one chunk): through
 /dev/shm when the server is on this host, in the request body otherwise. Every request has a timeout,
 so a server that died or hangs is a one-line error (`RolloutServerError`), not a hang; the run stops
 there and the checkpoints it saved stay as they are.
@@ -27,6 +28,30 @@ from mmgrpo.rollout.vllm_requests import check_prompt_lengths, rollout_from_comp
 from mmgrpo.rollout.vllm_wire import encode_prompts, model_identity
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def weight_chunks(named_tensors, chunk_bytes: int):
+    """(name, tensor) pairs as dicts of CPU tensors, each closed once it holds `chunk_bytes`, but
+    only between sibling groups (`mmgrpo.lora.sibling_group`): the server's vLLM reloads a fused
+    layer (qkv_proj, gate_up_proj) from the weights of one call, so q/k/v never straddle two chunks.
+
+    >>> t = torch.zeros(4)   # 16 bytes
+    >>> names = ["l0.attn.q.weight", "l0.attn.k.weight", "l0.attn.v.weight", "l0.mlp.up.weight", "l1.attn.q.weight"]
+    >>> [list(c) for c in weight_chunks(((n, t) for n in names), chunk_bytes=16)]
+    [['l0.attn.q.weight', 'l0.attn.k.weight', 'l0.attn.v.weight'], ['l0.mlp.up.weight'], ['l1.attn.q.weight']]
+    """
+    from mmgrpo.lora import sibling_group
+
+    chunk, size, group = {}, 0, None
+    for name, tensor in named_tensors:
+        if chunk and size >= chunk_bytes and sibling_group(name) != group:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor.detach().to("cpu").contiguous()
+        size += tensor.numel() * tensor.element_size()
+        group = sibling_group(name)
+    if chunk:
+        yield chunk
 
 
 class RolloutServerError(MMGRPOError):
@@ -70,15 +95,8 @@ class VLLMServerRollout:
                                         reply["weight_version"])
 
     def update_weights(self, named_tensors, version: int) -> None:
-        """Send (name, tensor) pairs in chunks of at most `chunk_bytes`, then tag them `version`."""
-        chunk, size = {}, 0
-        for name, tensor in named_tensors:
-            chunk[name] = tensor.detach().to("cpu").contiguous()
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.chunk_bytes:
-                self._send_chunk(chunk)
-                chunk, size = {}, 0
-        if chunk:
+        """Send (name, tensor) pairs in chunks of about `chunk_bytes`, then tag them `version`."""
+        for chunk in weight_chunks(named_tensors, self.chunk_bytes):
             self._send_chunk(chunk)
         self._post("/weights/finish", b"", query=f"version={version}")
         self.weight_version = version
