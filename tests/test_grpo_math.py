@@ -24,6 +24,7 @@ from mmgrpo.grpo import (
     register_loss,
 )
 from mmgrpo.grpo import losses as losses_module
+from mmgrpo.grpo.importance import IS_MODES, sampling_importance_weights
 
 LN = math.log
 
@@ -479,3 +480,35 @@ def test_rloo_hand_values():
     assert scaled[0] == pytest.approx(1.0 / (0.5 + 1e-4))
     with pytest.raises(ConfigError, match="unknown advantage estimator 'nope'.*rloo"):
         get_advantage("nope")
+
+
+def test_sampling_importance_weights_in_every_mode_by_hand():
+    # token ratios (trainer / sampler): row 0: 1, 5, [pad]; row 1: 3, 0.2, 1.5
+    trainer = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.9, 0.1, 0.6]]))
+    sampler = torch.log(torch.tensor([[0.5, 0.1, 0.1], [0.3, 0.5, 0.4]]))
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    weights = {mode: sampling_importance_weights(trainer, sampler, mask, mode, cap=4.0)[0] for mode in IS_MODES}
+    assert torch.allclose(weights["token_truncate"][mask.bool()], torch.tensor([1.0, 4.0, 3.0, 0.2, 1.5]))
+    assert torch.allclose(weights["token_mask"][mask.bool()], torch.tensor([1.0, 0.0, 3.0, 0.2, 1.5]))
+    # sequence: row 0 = 1 * 5 = 5 (the pad's ratio 9 does not count); row 1 = 3 * 0.2 * 1.5 = 0.9
+    assert torch.allclose(weights["sequence_truncate"], torch.tensor([[4.0], [0.9]]))
+    assert torch.allclose(weights["sequence_mask"], torch.tensor([[0.0], [0.9]]))
+    # a floor applies too; without cap and floor, truncation leaves the ratio as it is
+    floored, _ = sampling_importance_weights(trainer, sampler, mask, "token_truncate", cap=4.0, floor=0.5)
+    assert torch.allclose(floored[mask.bool()], torch.tensor([1.0, 4.0, 3.0, 0.5, 1.5]))
+    free, _ = sampling_importance_weights(trainer, sampler, mask, "sequence_truncate", cap=None)
+    assert torch.allclose(free, torch.tensor([[5.0], [0.9]]))
+
+
+def test_sampling_importance_stats_and_missing_sampler_logps():
+    trainer = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    sampler = torch.log(torch.tensor([[0.5, 0.1], [0.3, 0.1]]))
+    sampler[1, 1] = float("nan")  # a token the sampler gave no log-prob for: weight 1
+    weights, stats = sampling_importance_weights(trainer, sampler, torch.ones(2, 2), "token_truncate", cap=10.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 5.0], [3.0, 1.0]]))
+    gaps = torch.tensor([0.0, math.log(5), math.log(3), 0.0])
+    assert stats["logp_diff_mean"].item() == pytest.approx(gaps.mean().item(), rel=1e-5)
+    assert stats["logp_diff_max"].item() == pytest.approx(math.log(5), rel=1e-5)
+    assert (stats["is_ratio_min"].item(), stats["is_ratio_max"].item()) == pytest.approx((1.0, 5.0), rel=1e-5)
+    with pytest.raises(ConfigError, match="token_truncate"):
+        sampling_importance_weights(trainer, sampler, torch.ones(2, 2), "token_clip")
