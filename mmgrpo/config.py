@@ -317,6 +317,8 @@ class RunOptions:
     (docs/training.md; WANDB_MODE=offline and MLflow's file store need no network)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
+    full_determinism: bool = False
+    """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace, cuDNN): two runs with one seed, or a resumed run and the uninterrupted one, then agree on a GPU as they do on the CPU; some kernels get slower (HF's name)."""
     bf16: bool = False
     """bfloat16 autocast (fp32 master weights). Use on GPUs that support it."""
     torch_threads: int | None = None

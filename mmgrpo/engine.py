@@ -17,6 +17,7 @@ rest of the step's wall time, so the time/* values add up to time/step.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 import warnings
@@ -67,6 +68,17 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def deterministic_kernels(on: bool) -> None:
+    """--full_determinism: kernels that give the same result every time (before any CUDA work:
+    cuBLAS reads its workspace setting when its first handle is made). An op with no such kernel
+    warns once and stays as it is (warn_only), rather than stopping the run."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
@@ -307,6 +319,7 @@ def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
     cfg.validate()
     plan = preflight(cfg)  # --output_dir and --resume_from_checkpoint, before any model loads
+    deterministic_kernels(cfg.full_determinism)
     run = build_run(cfg, resume_from=plan.resume_from)  # flags, rewards and data checked before any model loads
     run.strategy.barrier()  # every rank has checked --output_dir before any rank writes there
     seed_everything(cfg.seed)

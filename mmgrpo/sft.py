@@ -19,7 +19,7 @@ import torch
 
 from mmgrpo.config import SFTConfig
 from mmgrpo.data.registry import mix_datasets
-from mmgrpo.engine import seed_everything
+from mmgrpo.engine import deterministic_kernels, seed_everything
 from mmgrpo.errors import DataError
 from mmgrpo.forward.policy import Policy, autocast
 from mmgrpo.models.loading import load_template
@@ -68,6 +68,7 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
 def sft(cfg: SFTConfig) -> Path:
     """Supervised training as configured (one process); returns the final HF folder."""
     cfg.validate()
+    deterministic_kernels(cfg.full_determinism)
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
     check_modalities(dataset, template)

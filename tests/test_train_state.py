@@ -164,3 +164,23 @@ load_training_checkpoint(f"{out}/checkpoint-3", rank=rank, world_size=2)
 json.dump(torch.rand(4).tolist(), open(f"{out}/restored-{rank}.json", "w"))
 dist.destroy_process_group()
 '''
+
+
+def test_full_determinism_turns_on_deterministic_kernels(monkeypatch):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import deterministic_kernels
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert TrainConfig.from_args(["--full_determinism", "true"]).full_determinism
+    assert not TrainConfig.from_args([]).full_determinism
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    try:
+        deterministic_kernels(False)
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        deterministic_kernels(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
