@@ -163,7 +163,6 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
     gathered from the shards where the strategy shards (a collective on every rank).
     """
     params = dict(model.named_parameters())
-    parent = sibling_group
     if peft_model is None:
         adapted = {}
         changed = [n for n, p in params.items() if p.requires_grad]
@@ -171,10 +170,10 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
         adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
                    if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {})}
         changed = [n.replace(".base_layer.", ".") for n in adapted]
-    groups = {parent(n) for n in changed}
+    groups = {sibling_group(n) for n in changed}
     for name in params:
         hf_name = name.replace(".base_layer.", ".")
-        if ".lora_" in name or parent(hf_name) not in groups:
+        if ".lora_" in name or sibling_group(hf_name) not in groups:
             continue
         if name not in adapted:
             yield from ((hf_name, tensor) for _, tensor in strategy.full_tensors(model, [name]))

@@ -23,6 +23,7 @@ import urllib.request
 import torch
 
 from mmgrpo.errors import ConfigError, MMGRPOError
+from mmgrpo.lora import sibling_group
 from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.vllm_requests import check_prompt_lengths, rollout_from_completions, sampling_options
 from mmgrpo.rollout.vllm_wire import encode_prompts, model_identity
@@ -40,16 +41,15 @@ def weight_chunks(named_tensors, chunk_bytes: int):
     >>> [list(c) for c in weight_chunks(((n, t) for n in names), chunk_bytes=16)]
     [['l0.attn.q.weight', 'l0.attn.k.weight', 'l0.attn.v.weight'], ['l0.mlp.up.weight'], ['l1.attn.q.weight']]
     """
-    from mmgrpo.lora import sibling_group
-
     chunk, size, group = {}, 0, None
     for name, tensor in named_tensors:
-        if chunk and size >= chunk_bytes and sibling_group(name) != group:
+        this_group = sibling_group(name)
+        if chunk and size >= chunk_bytes and this_group != group:
             yield chunk
             chunk, size = {}, 0
         chunk[name] = tensor.detach().to("cpu").contiguous()
         size += tensor.numel() * tensor.element_size()
-        group = sibling_group(name)
+        group = this_group
     if chunk:
         yield chunk
 
