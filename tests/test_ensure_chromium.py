@@ -4,6 +4,7 @@ install when it is missing and this user may install; otherwise one line saying 
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,20 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "ensure_chromium"
 
 
-def run(*prefix, **env):
-    return subprocess.run([*prefix, "sh", str(SCRIPT)], capture_output=True, text=True, timeout=30,
+def run(*prefix, script=SCRIPT, **env):
+    return subprocess.run([*prefix, "sh", str(script)], capture_output=True, text=True, timeout=30,
                           env={**os.environ, "MMGRPO_DRY_RUN": "1", **env})
+
+
+def readable_by_anyone(script: Path) -> Path:
+    """A copy of `script` that another user can read: the checkout may lie in a folder only its
+    owner can enter (`mktemp -d` makes such folders), and so may pytest's tmp_path."""
+    folder = Path(tempfile.mkdtemp(prefix="mmgrpo-chromium-"))
+    folder.chmod(0o755)
+    copy = folder / script.name
+    shutil.copy(script, copy)
+    copy.chmod(0o644)
+    return copy
 
 
 def test_present_means_nothing_to_do(tmp_path):
@@ -33,10 +45,15 @@ def test_missing_is_installed_from_debian_as_root():
 
 @pytest.mark.skipif(not shutil.which("apt-get") or os.geteuid() != 0 or not shutil.which("runuser"),
                     reason="needs root to run the script as an unprivileged user on Debian")
-def test_an_unprivileged_user_is_told_what_to_run(tmp_path):
-    done = run("runuser", "-u", "nobody", "--", "env", CHROMIUM_BIN="no-such-chromium")
+def test_an_unprivileged_user_is_told_what_to_run():
+    script = readable_by_anyone(SCRIPT)
+    try:
+        done = run("runuser", "-u", "nobody", "--", "env", script=script, CHROMIUM_BIN="no-such-chromium")
+        skipped = run("runuser", "-u", "nobody", "--", "env", script=script, CHROMIUM_BIN="no-such-chromium",
+                      MMGRPO_SKIP_BROWSER="1")
+    finally:
+        shutil.rmtree(script.parent)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("make test: headless Chromium is needed by tests/test_eval_report.py: run sudo sh -c 'apt-get")
     assert done.stderr.strip().endswith("or MMGRPO_SKIP_BROWSER=1 make test to skip that test")
-    skipped = run("runuser", "-u", "nobody", "--", "env", CHROMIUM_BIN="no-such-chromium", MMGRPO_SKIP_BROWSER="1")
     assert (skipped.returncode, skipped.stderr) == (0, "")
