@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 import types
 import typing
@@ -365,14 +366,28 @@ class SFTConfig(RunOptions):
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-3, per_device_train_batch_size=32))
+    eval: EvalConfig = field(default_factory=EvalConfig)
     max_steps: int = 200
     """Optimizer steps of supervised training (each: per_device_train_batch_size x gradient_accumulation_steps samples). -1: by epochs."""
+    max_completion_length: int = 64
+    """Tokens generated per answer by the evaluations during SFT (a dataset's own budget in the registry wins)."""
+    stop_at: str | None = None
+    """Stop at the first evaluation where an eval metric reaches a value, `METRIC>=VALUE` or `METRIC<=VALUE`
+    (e.g. `shapes-color/vqa_accuracy>=0.5`): a warm start that reads the task yet leaves GRPO room to lift it.
+    Needs --eval_dataset and --eval_steps. None: train all --max_steps."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
         from mmgrpo.parallel.launch import env_world_size
 
         validate_common(self)
+        validate_eval(self.eval)
+        if self.stop_at is not None:
+            parse_stop_at(self.stop_at)
+            if not self.eval.eval_dataset or self.eval.eval_steps < 1:
+                raise ConfigError(f"--stop_at {self.stop_at!r} needs --eval_dataset NAME and --eval_steps N (how often to check).")
+        if self.max_completion_length < 1:
+            raise ConfigError("--max_completion_length must be >= 1.")
         if env_world_size() > 1:
             raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
         if self.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)
@@ -524,6 +539,26 @@ def validate_common(cfg: RunOptions) -> None:
         raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
 
 
+def parse_stop_at(spec: str) -> tuple[str, str, float]:
+    """`METRIC>=VALUE` or `METRIC<=VALUE` -> (metric, comparison, value); a ConfigError otherwise.
+
+    >>> parse_stop_at("shapes-color/vqa_accuracy>=0.5")
+    ('shapes-color/vqa_accuracy', '>=', 0.5)
+    """
+    match = re.fullmatch(r"\s*([^<>=\s]+)\s*(>=|<=)\s*([-+0-9.eE]+)\s*", spec)
+    value = None
+    if match:
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            pass
+    if value is None or not math.isfinite(value):
+        raise ConfigError(
+            f"--stop_at {spec!r}: write METRIC>=VALUE or METRIC<=VALUE, e.g. --stop_at 'shapes-color/vqa_accuracy>=0.5'."
+        )
+    return match.group(1), match.group(2), value
+
+
 def check_choices(choices: dict[str, tuple[str, tuple[str, ...]]]) -> None:
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
@@ -609,11 +644,16 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
     validate_tools(cfg)
-    if not cfg.eval.eval_dataset and (cfg.eval.eval_steps or cfg.eval.eval_limit or cfg.eval.metric_for_best_model):
-        raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
-    if cfg.eval.eval_steps < 0 or (cfg.eval.eval_limit is not None and cfg.eval.eval_limit < 1):
-        raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
+    validate_eval(cfg.eval)
     validate_run_limits(cfg)
+
+
+def validate_eval(options: EvalConfig) -> None:
+    """The in-training evaluation's flags (GRPO and SFT)."""
+    if not options.eval_dataset and (options.eval_steps or options.eval_limit or options.metric_for_best_model):
+        raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
+    if options.eval_steps < 0 or (options.eval_limit is not None and options.eval_limit < 1):
+        raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
 
 
 def validate_run_limits(cfg: TrainConfig) -> None:

@@ -3,8 +3,9 @@
     make demo                       # or: .venv/bin/mmgrpo demo --output_dir runs/demo
 
 1. build `tiny:qwen2-vl` offline (random weights, ~1M parameters)
-2. SFT warm start on the shapes mixture (configs/demo_sft.yaml): learns the answer format and
-   begins to read the image
+2. SFT warm start in two stages: counting and boxes with the answer format (configs/demo_sft.yaml),
+   then the whole mixture until held-out colour accuracy reaches 0.40 (configs/demo_sft_colour.yaml,
+   `--stop_at`), so GRPO starts every seed from the same colour accuracy
 3. evaluate the SFT model on each held-out test split (the baseline)
 4. GRPO on the mixture (configs/demo_grpo.yaml), each dataset scored by its own rewards, with
    held-out evaluations during training (the report draws them against steps and seconds)
@@ -39,15 +40,17 @@ TASKS = [
 # budget (docs/benchmarks.md, "Demo", says why); the table says so rather than hiding it.
 GOALS = {"shapes-color": 0.40, "shapes-count": 0.20, "shapes-ground": 0.10}
 SIGNIFICANCE = 0.01
+SFT_CONFIGS = [str(CONFIGS / "demo_sft.yaml"), str(CONFIGS / "demo_sft_colour.yaml")]
+GRPO_CONFIGS = [str(CONFIGS / "demo_grpo.yaml")]
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="mmgrpo demo", description=__doc__.strip().splitlines()[0])
     p.add_argument("--output_dir", default="runs/demo", help="Where every stage writes its folder.")
-    p.add_argument("--sft_config", default=str(CONFIGS / "demo_sft.yaml"), help="SFT stage config.")
-    p.add_argument("--grpo_config", default=str(CONFIGS / "demo_grpo.yaml"), help="GRPO stage config.")
-    p.add_argument("--sft_steps", type=int, default=None, help="Override the SFT steps (smaller for a smoke run).")
-    p.add_argument("--grpo_steps", type=int, default=None, help="Override the GRPO steps.")
+    p.add_argument("--sft_config", nargs="+", default=SFT_CONFIGS, help="SFT stage configs, run in turn, each from the model the one before wrote.")
+    p.add_argument("--grpo_config", nargs="+", default=GRPO_CONFIGS, help="GRPO stage configs, run in turn, each from the model the one before wrote.")
+    p.add_argument("--sft_steps", type=int, default=None, help="Override each SFT stage's steps (smaller for a smoke run).")
+    p.add_argument("--grpo_steps", type=int, default=None, help="Override each GRPO stage's steps.")
     p.add_argument("--eval_limit", type=int, default=None, help="Evaluate only the first N test samples per dataset.")
     p.add_argument("--seed", type=int, default=0, help="Seed of every stage.")
     p.add_argument("--torch_threads", type=int, default=1, help="torch threads of every stage (see above).")
@@ -71,6 +74,22 @@ def goal_status(diff: float, p: float, goal: float) -> str:
     if diff < 0:
         return "no (worse)"
     return "no (below goal)" if diff < goal else "no (p >= 0.01)"
+
+
+def stage_argv(args, kind: str, config: str, number: int, count: int, out: Path) -> list[str]:
+    """The flags of one SFT or GRPO stage: its config, seed, threads, and its folder under `out`:
+    <kind> when the demo has one such stage, else <kind>-N."""
+    folder = out / (kind if count == 1 else f"{kind}-{number}")
+    steps = args.sft_steps if kind == "sft" else args.grpo_steps
+    return ["--config", config, "--output_dir", str(folder), "--seed", str(args.seed),
+            "--torch_threads", str(args.torch_threads)] + (["--max_steps", str(steps)] if steps else [])
+
+
+def shrink_evals(cfg, limit: int | None):
+    """A smoke run (--eval_limit) evaluates little during training too."""
+    if limit and cfg.eval.eval_dataset:
+        cfg.eval.eval_limit = min(limit, cfg.eval.eval_limit or limit)
+    return cfg
 
 
 def evaluate_all(model_path: str, out: Path, limit: int | None) -> dict[str, dict]:
@@ -100,30 +119,33 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.torch_threads)
     out = Path(args.output_dir)
     start = time.perf_counter()
-    common = ["--output_dir", "", "--seed", str(args.seed), "--torch_threads", str(args.torch_threads)]
-    common[1] = str(out / "sft")
-    sft_argv = ["--config", args.sft_config, *common] + (["--max_steps", str(args.sft_steps)] if args.sft_steps else [])
-    sft_cfg = SFTConfig.from_args(sft_argv)
+    stages = len(args.sft_config)  # every stage's flags parse before the first trains
+    sft_cfgs = [shrink_evals(SFTConfig.from_args(stage_argv(args, "sft", config, number, stages, out)), args.eval_limit)
+                for number, config in enumerate(args.sft_config, 1)]
 
-    console.rule(f"1/6 build {sft_cfg.model.model}")
-    console.print(f"checkpoint: {resolve_model_path(sft_cfg.model.model)}")
+    console.rule(f"1/6 build {sft_cfgs[0].model.model}")
+    console.print(f"checkpoint: {resolve_model_path(sft_cfgs[0].model.model)}")
 
-    console.rule("2/6 SFT warm start")
-    sft_model = sft(sft_cfg)
+    sft_model = None
+    for number, sft_cfg in enumerate(sft_cfgs, 1):
+        console.rule(f"2/6 SFT warm start, stage {number} of {len(sft_cfgs)}: {Path(args.sft_config[number - 1]).name}")
+        if sft_model is not None:
+            sft_cfg.model.model = str(sft_model)
+        sft_model = sft(sft_cfg)
 
     console.rule("3/6 evaluate the SFT start")
     before = evaluate_all(str(sft_model), out / "eval_sft", args.eval_limit)
 
     console.rule("4/6 GRPO")
-    common[1] = str(out / "grpo")
-    # a demo run again replaces its GRPO stage (mmgrpo train refuses a used --output_dir otherwise)
-    grpo_argv = ["--config", args.grpo_config, "--model", str(sft_model), *common, "--overwrite_output_dir"]
-    grpo_argv += ["--max_steps", str(args.grpo_steps)] if args.grpo_steps else []
-    grpo_cfg = TrainConfig.from_args(grpo_argv)
-    if args.eval_limit and grpo_cfg.eval.eval_dataset:  # a smoke run evaluates little during training too
-        grpo_cfg.eval.eval_limit = min(args.eval_limit, grpo_cfg.eval.eval_limit or args.eval_limit)
-    run_dir = train(grpo_cfg)
-    grpo_model = run_dir / f"checkpoint-{grpo_cfg.max_steps}"
+    grpo_model, run_dirs, stages = sft_model, [], len(args.grpo_config)
+    for number, config in enumerate(args.grpo_config, 1):
+        if stages > 1:
+            console.print(f"GRPO stage {number} of {stages}: {Path(config).name}")
+        # a demo run again replaces its GRPO stages (mmgrpo train refuses a used --output_dir otherwise)
+        argv = stage_argv(args, "grpo", config, number, stages, out) + ["--model", str(grpo_model), "--overwrite_output_dir"]
+        grpo_cfg = shrink_evals(TrainConfig.from_args(argv), args.eval_limit)
+        run_dirs.append(train(grpo_cfg))
+        grpo_model = run_dirs[-1] / f"checkpoint-{grpo_cfg.max_steps}"
 
     console.rule("5/6 evaluate the GRPO model")
     after = evaluate_all(str(grpo_model), out / "eval_grpo", args.eval_limit)
@@ -140,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['diff']:+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]", f"{row['p']:.2g}",
                       f"{GOALS[name]:+.2f}", goal_status(row["diff"], row["p"], GOALS[name]))
     console.print(table)
-    report = write_report(run_dir)
-    console.print(f"GRPO run report: {report}")
+    for run_dir in run_dirs:
+        console.print(f"GRPO run report: {write_report(run_dir)}")
     console.print(f"comparisons: {out / 'compare'}")
     console.print(f"demo finished in {time.perf_counter() - start:.0f} s ({cpu_seconds():.0f} CPU s)")
     return before, after

@@ -12,28 +12,37 @@ its own options (`SFTConfig`: `mmgrpo sft --help` lists only those).
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mmgrpo.config import SFTConfig
+from mmgrpo.config import SFTConfig, parse_stop_at
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.engine import deterministic_kernels, seed_everything
-from mmgrpo.errors import DataError
+from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy, autocast
 from mmgrpo.models.loading import load_template
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import build_strategy
-from mmgrpo.runlog import RunLogger, progress_bar
+from mmgrpo.parallel.base import Strategy
+from mmgrpo.rollout import RolloutEngine, build_rollout_engine
+from mmgrpo.runlog import RunLogger, console, progress_bar
 from mmgrpo.setup import (
     check_modalities,
     load_trainable_model,
+    media_options,
     prompt_stream,
     save_checkpoint,
     template_options,
     total_steps,
 )
+
+STOP_FILE = "stop.json"  # output_dir/stop.json: where --stop_at ended the run, and why
 
 
 def sft_target(sample, encoded, template) -> str:
@@ -65,10 +74,57 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
     return ids, mask
 
 
+@dataclass
+class SFTRun:
+    """What the evaluations during SFT need of the run (`TrainingEval`): its model, engine and saving."""
+
+    cfg: SFTConfig
+    model: torch.nn.Module
+    peft_model: object
+    processor: object
+    template: object
+    strategy: Strategy
+    rollout: RolloutEngine
+
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def bf16(self) -> bool:
+        return self.strategy.bf16
+
+    def media_options(self) -> dict:
+        return media_options(self.template, self.cfg.model)
+
+    def save(self, path: Path) -> None:
+        save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
+
+
+def stop_reached(stop_at: str, scores: dict[str, float]) -> bool:
+    """Whether this evaluation's scores ({"eval/<metric>": value}) meet `--stop_at METRIC>=VALUE`.
+
+    >>> stop_reached("vqa_accuracy>=0.5", {"eval/vqa_accuracy": 0.55}), stop_reached("loss<=0.1", {"eval/loss": 0.2})
+    (True, False)
+    """
+    name, comparison, target = parse_stop_at(stop_at)
+    value = scores.get(f"eval/{name}")  # sft() checked the name at start-up
+    if value is None:  # every sample scored None
+        return False
+    return value >= target if comparison == ">=" else value <= target
+
+
 def sft(cfg: SFTConfig) -> Path:
     """Supervised training as configured (one process); returns the final HF folder."""
     cfg.validate()
     deterministic_kernels(cfg.full_determinism)
+    evaluator = TrainingEval(cfg)  # the eval datasets and metrics resolve before any model loads
+    stop_metric = parse_stop_at(cfg.stop_at)[0] if cfg.stop_at is not None else None
+    if stop_metric is not None and stop_metric not in evaluator.metric_names():
+        raise ConfigError(
+            f"--stop_at {cfg.stop_at!r}: {stop_metric!r} is not among the eval metrics "
+            f"({', '.join(evaluator.metric_names())}); name one of them."
+        )
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
     check_modalities(dataset, template)
@@ -80,11 +136,13 @@ def sft(cfg: SFTConfig) -> Path:
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg)
+    (out / STOP_FILE).unlink(missing_ok=True)  # left by an earlier run into this output_dir
     optimizer = make_optimizer(cfg.optim)(policy.trainable_parameters())
     batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
     total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
     scheduler = make_scheduler(cfg.optim, optimizer, total)
     batches = prompt_stream(cfg, dataset, template, batch_size, strategy)
+    run = SFTRun(cfg, model, peft_model, processor, template, strategy, build_rollout_engine(policy, strategy))
     eos = template.eos_token_ids[0]
     with progress_bar(total, "SFT") as bar:
         for step in range(1, total + 1):
@@ -106,8 +164,18 @@ def sft(cfg: SFTConfig) -> Path:
             learning_rate = scheduler.get_last_lr()[0]
             scheduler.step()
             metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate}
-            logger.log_step(metrics, print_it=step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0)
+            started = time.perf_counter()
+            scores = evaluator.maybe_evaluate(run, step, final=step == total)
+            if scores:
+                metrics.update(scores, **{"time/eval": time.perf_counter() - started})
+            stop = cfg.stop_at is not None and bool(scores) and stop_reached(cfg.stop_at, scores)
+            logger.log_step(metrics, print_it=stop or bool(scores) or (step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0))
             bar.advance({"reward": -metrics["loss"], "time/step": float("nan")})
+            if stop:
+                record = {"step": step, "stop_at": cfg.stop_at, "max_steps": total, "metrics": scores}
+                (out / STOP_FILE).write_text(json.dumps(record, indent=1) + "\n")
+                console.print(f"[green]--stop_at {cfg.stop_at} reached at step {step} of {total}: SFT stops here")
+                break
             if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
                 save_checkpoint(out / f"checkpoint-{step}", model, peft_model, processor, template, strategy)
     save_checkpoint(out / "final", model, peft_model, processor, template, strategy)

@@ -217,5 +217,5 @@ def test_sft_help_lists_only_what_sft_uses(capsys):
         cli_main(["sft", "--help"])
     text = capsys.readouterr().out
     assert "--learning_rate" in text and "--per_device_train_batch_size" in text and "--max_pixels" in text
-    for grpo_only in ("--beta", "--num_generations", "--reward_funcs", "--eval_dataset", "--parallel"):
+    for grpo_only in ("--beta", "--num_generations", "--reward_funcs", "--parallel"):
         assert grpo_only not in text, grpo_only

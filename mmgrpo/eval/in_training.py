@@ -50,6 +50,10 @@ class TrainingEval:
         from mmgrpo.eval.metrics import get_metric
 
         self.cfg, self.options = cfg, cfg.eval
+        # GRPO's config: the run's rewards and completion budget; SFT's (no rewards): its own budget
+        algo, rollout = getattr(cfg, "algo", None), getattr(cfg, "rollout", None)
+        fallback_metrics = algo.reward_funcs if algo is not None else []
+        self.max_new_tokens = rollout.max_completion_length if rollout is not None else cfg.max_completion_length
         self.output_dir = Path(cfg.output_dir)
         self.best_value: float | None = None
         self.dataset = None  # the first eval dataset
@@ -60,7 +64,7 @@ class TrainingEval:
             dataset = resolve_dataset(spec, split="test", extra_files=cfg.data.dataset_registry)
             if len(dataset) == 0:
                 raise ConfigError(f"--eval_dataset {spec}: the split is empty")
-            metrics = list(self.options.eval_metrics or dataset.reward_funcs or cfg.algo.reward_funcs)
+            metrics = list(self.options.eval_metrics or dataset.reward_funcs or fallback_metrics)
             if not metrics:
                 raise ConfigError(
                     f"--eval_dataset {spec} names no reward functions to score with: "
@@ -71,6 +75,10 @@ class TrainingEval:
             self.evals.append((dataset, metrics, f"{dataset.name}/" if len(specs) > 1 else ""))
         if self.evals:
             self.dataset, self.metrics, _ = self.evals[0]
+
+    def metric_names(self) -> list[str]:
+        """The names this run's evaluations log (without "eval/"): `<metric>`, or `<dataset>/<metric>` for several."""
+        return [f"{prefix}{name}" for _, metrics, prefix in self.evals for name in metrics]
 
     def due(self, step: int, final: bool) -> bool:
         every = self.options.eval_steps
@@ -101,7 +109,7 @@ class TrainingEval:
                         model_name=f"{self.cfg.output_dir} step {step}",
                         num_samples=1,
                         # the dataset's own budget (registry), as in training, else the run's
-                        max_new_tokens=dataset.max_completion_length or self.cfg.rollout.max_completion_length,
+                        max_new_tokens=dataset.max_completion_length or self.max_new_tokens,
                         batch_size=self.options.per_device_eval_batch_size,
                         limit=self.options.eval_limit,
                         media_kwargs=run.media_options(),
