@@ -2,11 +2,11 @@
 
     python benchmarks/learning_vs_trl.py                        # colour and count, 3 seeds (about 40 minutes)
     python benchmarks/learning_vs_trl.py --tasks shapes-color --seeds 0 --steps 10 --eval_limit 40   # a smoke run
-    python benchmarks/learning_vs_trl.py --sft_model runs/demo/sft/final --work_dir /tmp/lvt
+    python benchmarks/learning_vs_trl.py --sft_model runs/demo/sft-2/final --work_dir /tmp/lvt
 
 Results and how to read them: docs/benchmarks.md, "Time to accuracy against TRL".
 
-1. One SFT checkpoint (`mmgrpo sft --config configs/demo_sft.yaml`, or --sft_model): the start of
+1. One SFT checkpoint (the demo's two `mmgrpo sft` stages, or --sft_model): the start of
    every run, so both systems begin from the same weights and the same held-out accuracy.
 2. For each task, seed and system (alternating mmgrpo, TRL, mmgrpo, ...; each run a fresh
    subprocess with one torch thread): GRPO for --steps steps with the same rewards (the registry's
@@ -55,15 +55,20 @@ METRIC = "vqa_accuracy"
 
 
 def prepare_sft(work: Path, args) -> Path:
-    """The SFT checkpoint every run starts from: --sft_model, or `mmgrpo sft` with --sft_config."""
+    """The SFT checkpoint every run starts from: --sft_model, or `mmgrpo sft` with each --sft_config
+    in turn (the demo's two stages by default), each stage from the model the one before wrote."""
     if args.sft_model:
         return Path(args.sft_model)
-    final = work / "sft" / "final"
-    if not (final / "config.json").exists():
-        command = [sys.executable, "-m", "mmgrpo", "sft", "--config", args.sft_config,
-                   "--output_dir", str(work / "sft"), "--seed", "0", "--torch_threads", "1"]
-        print("SFT start: " + " ".join(command[2:]), flush=True)
-        subprocess.run(command, check=True, env=worker_env(), stdout=subprocess.DEVNULL)
+    final = None
+    for number, config in enumerate(args.sft_config, 1):
+        folder = work / f"sft-{number}"
+        if not (folder / "final" / "config.json").exists():
+            command = [sys.executable, "-m", "mmgrpo", "sft", "--config", config, "--output_dir", str(folder),
+                       "--seed", "0", "--torch_threads", "1", "--overwrite_output_dir"]
+            command += ["--model", str(final)] if final is not None else []
+            print("SFT start: " + " ".join(command[2:]), flush=True)
+            subprocess.run(command, check=True, env=worker_env(), stdout=subprocess.DEVNULL)
+        final = folder / "final"
     return final
 
 
@@ -479,7 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss_type", default="dapo", help="loss of both (dapo, grpo, dr_grpo, bnpo)")
     parser.add_argument("--max_completion_length", type=int, default=40, help="completion cap of both")
     parser.add_argument("--sft_model", default=None, help="start checkpoint (default: SFT with --sft_config)")
-    parser.add_argument("--sft_config", default=str(ROOT / "configs" / "demo_sft.yaml"), help="SFT config when no --sft_model")
+    parser.add_argument("--sft_config", nargs="+", help="SFT configs, run in turn, when no --sft_model (default: the demo's two stages)",
+                        default=[str(ROOT / "configs" / "demo_sft.yaml"), str(ROOT / "configs" / "demo_sft_colour.yaml")])
     parser.add_argument("--work_dir", default=None, help="checkpoints, logs and results (default: a temporary folder)")
     parser.add_argument("--output_dir", default="runs/learning_vs_trl", help="summary.json and the PNG plots")
     parser.add_argument("--summarize", action="store_true",
