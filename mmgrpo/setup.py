@@ -141,24 +141,17 @@ class PromptEncoder:
 
 
 @dataclass(frozen=True)
-class Run:
-    """What a GRPO run is built from (`build_run`); nothing here is replaced while training."""
+class ModelRun:
+    """A model in training with what evaluating and saving it takes (`TrainingEval` needs no more):
+    an SFT run is this alone (mmgrpo/sft.py), a GRPO run (`Run`) adds its data, rewards and optimizer."""
 
-    cfg: TrainConfig
-    dataset: object
-    rewards: RewardSet
+    cfg: object  # TrainConfig or SFTConfig
     processor: object
     template: object
     model: torch.nn.Module  # the HF model (LoRA: with its adapters injected)
     peft_model: object  # LoRA: the PeftModel around `model` (it saves the adapter); else None
     strategy: Strategy  # one process, FSDP2 or ZeRO-3
-    policy: Policy  # log-probs under the policy and its reference
     rollout: RolloutEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    evaluator: TrainingEval
-    prompts_per_step: int
-    total_steps: int
 
     @property
     def device(self) -> torch.device:
@@ -169,22 +162,36 @@ class Run:
         """--bf16 where the device supports it."""
         return self.strategy.bf16
 
+    def media_options(self) -> dict:
+        return media_options(self.template, self.cfg.model)
+
+    def save(self, path: Path) -> None:
+        """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
+        save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
+
+
+@dataclass(frozen=True)
+class Run(ModelRun):
+    """What a GRPO run is built from (`build_run`); nothing here is replaced while training."""
+
+    dataset: object
+    rewards: RewardSet
+    policy: Policy  # log-probs under the policy and its reference
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    evaluator: TrainingEval
+    prompts_per_step: int
+    total_steps: int
+
     def prompt_batches(self):
         """An endless stream of lists of (Sample, PromptInputs), reshuffled each epoch."""
         return prompt_stream(self.cfg, self.dataset, self.template, self.prompts_per_step, self.strategy)
-
-    def media_options(self) -> dict:
-        return media_options(self.template, self.cfg.model)
 
     def sampling(self, prompts: list, seed: int | None = None) -> SamplingParams:
         """The rollout options for these (Sample, PromptInputs): each prompt's budget is its
         dataset's `max_completion_length` (registry) or --max_completion_length."""
         samples = [sample for sample, _ in prompts]
         return sampling_params(self.cfg, seed, samples, self.dataset.completion_caps)
-
-    def save(self, path: Path) -> None:
-        """An HF folder that from_pretrained loads (LoRA: the adapter). Every rank calls it; rank 0 writes."""
-        save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,13 +28,12 @@ from mmgrpo.forward.policy import Policy, autocast
 from mmgrpo.models.loading import load_template
 from mmgrpo.optim import make_optimizer, make_scheduler
 from mmgrpo.parallel import build_strategy
-from mmgrpo.parallel.base import Strategy
-from mmgrpo.rollout import RolloutEngine, build_rollout_engine
+from mmgrpo.rollout import build_rollout_engine
 from mmgrpo.runlog import RunLogger, console, progress_bar
 from mmgrpo.setup import (
+    ModelRun,
     check_modalities,
     load_trainable_model,
-    media_options,
     prompt_stream,
     save_checkpoint,
     template_options,
@@ -72,33 +70,6 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
         ids[i, : len(row)] = torch.tensor(row)
         mask[i, : len(row)] = 1
     return ids, mask
-
-
-@dataclass
-class SFTRun:
-    """What the evaluations during SFT need of the run (`TrainingEval`): its model, engine and saving."""
-
-    cfg: SFTConfig
-    model: torch.nn.Module
-    peft_model: object
-    processor: object
-    template: object
-    strategy: Strategy
-    rollout: RolloutEngine
-
-    @property
-    def device(self) -> torch.device:
-        return self.strategy.device
-
-    @property
-    def bf16(self) -> bool:
-        return self.strategy.bf16
-
-    def media_options(self) -> dict:
-        return media_options(self.template, self.cfg.model)
-
-    def save(self, path: Path) -> None:
-        save_checkpoint(path, self.model, self.peft_model, self.processor, self.template, self.strategy)
 
 
 def stop_reached(stop_at: str, scores: dict[str, float]) -> bool:
@@ -142,7 +113,8 @@ def sft(cfg: SFTConfig) -> Path:
     total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
     scheduler = make_scheduler(cfg.optim, optimizer, total)
     batches = prompt_stream(cfg, dataset, template, batch_size, strategy)
-    run = SFTRun(cfg, model, peft_model, processor, template, strategy, build_rollout_engine(policy, strategy))
+    run = ModelRun(cfg=cfg, processor=processor, template=template, model=model, peft_model=peft_model,
+                   strategy=strategy, rollout=build_rollout_engine(policy, strategy))
     eos = template.eos_token_ids[0]
     with progress_bar(total, "SFT") as bar:
         for step in range(1, total + 1):
