@@ -86,6 +86,21 @@ def test_all_equal_groups_are_refilled_from_new_prompts(tmp_path):
     assert rewards.tolist() == expected and per_func[0].tolist() == expected
 
 
+def test_a_mixture_is_refilled_from_its_own_stream(tmp_path):
+    cfg = config(tmp_path, "first_of_group", "--dynamic_sample", "--max_resample_times", "6",
+                 "--dataset", "shapes-color:1", "shapes-count:1")
+    run = build_run(cfg)
+    batches = run.prompt_batches()
+    prompts = next(batches)
+    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
+    kept, rollout, (_, rewards), stats = complete_batch(run, prompts, rollout, batches, step=1)
+    assert stats["dynamic/kept_groups"] == 4 and stats["dynamic/resampled_prompts"] >= 4
+    assert rewards.view(4, 4).std(dim=1).gt(0).all()  # every kept group differs
+    assert all(int(s.id.rsplit("/", 1)[1]) % 2 == 1 for s, _ in kept)  # odd rows: the informative ones
+    # the refills come from the run's mixture, both datasets (seeded: the same draw every run)
+    assert {s.id.split("/")[0] for s, _ in kept} == {"shapes-color", "shapes-count"}
+
+
 def test_two_stage_completes_only_the_open_groups(tmp_path):
     cfg = config(tmp_path, "first_of_group", "--first_stage_generations", "2")
     assert sampling_params(cfg).num_generations == 2
