@@ -51,7 +51,8 @@ def cmd_train(argv):
 
 
 def cmd_sft(argv):
-    from mmgrpo.config import SFTConfig, build_parser, config_from_namespace
+    from mmgrpo.config import SFTConfig
+    from mmgrpo.config_args import build_parser, config_from_namespace
     from mmgrpo.sft import sft
 
     parser = build_parser(SFTConfig, prog="mmgrpo sft")

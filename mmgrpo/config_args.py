@@ -1,0 +1,150 @@
+"""Dataclasses <-> command line and YAML: the parser of `mmgrpo train` / `mmgrpo sft` is built from
+their config dataclasses (mmgrpo/config.py), and a config is read back from flags and `--config`.
+
+Each leaf field becomes `--<name>` in the group of its section; the docstring under a field is its
+`--help` text; `bool` flags take an optional true/false; list fields take several values; `none`
+gives None where the annotation allows it. A YAML file may be nested by section or flat, and the
+flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from mmgrpo.errors import ConfigError
+from mmgrpo.models.tiny import TINY_PREFIX
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass (its `--help` text)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+                if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def _leaves(cls, prefix=()):
+    """(path, field, owning class) for every non-dataclass field, depth first."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _leaves(tp, prefix + (f.name,))
+        else:
+            yield prefix + (f.name,), tp, cls
+
+
+def _scalar_type(tp):
+    """(element parser, is_list) for a field annotation."""
+    origin = typing.get_origin(tp)
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        return _scalar_type(args[0])
+    if origin is list:
+        return args[0], True
+    return tp, False
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_optional(elem, optional: bool = True):
+    def parse(text):
+        if optional and text.lower() in ("none", "null"):  # "none" is a value of some str options
+            return None
+        return _parse_bool(text) if elem is bool else elem(text)
+
+    return parse
+
+
+def build_parser(cls, prog="mmgrpo train", description=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description or (cls.__doc__ or "").strip().splitlines()[0],
+        allow_abbrev=False,  # `--learning` is an error, not silently --learning_rate
+    )
+    parser.add_argument("--config", help="YAML file of options (nested by section or flat); flags override it.")
+    default = cls()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for path, tp, owner in _leaves(cls):
+        name = path[-1]
+        group = groups.setdefault(path[0] if len(path) > 1 else "run", parser.add_argument_group(path[0] if len(path) > 1 else "run"))
+        elem, is_list = _scalar_type(tp)
+        optional = type(None) in typing.get_args(tp)
+        value = default
+        for part in path:
+            value = getattr(value, part)
+        kwargs = dict(dest=".".join(path), metavar=name.upper(), default=argparse.SUPPRESS, help=f"{field_docs(owner).get(name, '')} (default: {value})".replace("%", "%%"))
+        if is_list:
+            group.add_argument(f"--{name}", nargs="*", type=_parse_optional(elem, optional), **kwargs)
+        elif elem is bool:
+            group.add_argument(f"--{name}", nargs="?", const=True, type=_parse_bool, **kwargs)
+        else:
+            group.add_argument(f"--{name}", type=_parse_optional(elem, optional), **kwargs)
+    return parser
+
+
+def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
+    """Map a nested or flat YAML mapping to dotted field paths; unknown keys are errors."""
+    by_name = {path[-1]: ".".join(path) for path, _, _ in _leaves(cls)}
+    sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval", "dist")}
+    out = {}
+    for key, value in (data or {}).items():
+        if key in sections and isinstance(value, dict):
+            for sub, sub_value in value.items():
+                if sub not in by_name:
+                    raise ConfigError(f"{source}: unknown option {key}.{sub}. Run `mmgrpo train --help` for the list.")
+                out[by_name[sub]] = sub_value
+        elif key in by_name:
+            out[by_name[key]] = value
+        else:
+            raise ConfigError(f"{source}: unknown option {key!r}. Run `mmgrpo train --help` for the list.")
+    return out
+
+
+def _set_path(obj, dotted: str, value) -> None:
+    *parents, name = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+
+
+def config_from_namespace(cls, ns: argparse.Namespace):
+    cfg = cls()
+    if getattr(ns, "config", None):
+        path = Path(ns.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file.")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
+        for dotted, value in _flatten_yaml(data, cls, str(path)).items():
+            _set_path(cfg, dotted, value)
+    for dotted, value in vars(ns).items():
+        if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
+            _set_path(cfg, dotted, value)
+    if cfg.model.model_type is None and cfg.model.model.startswith(TINY_PREFIX):
+        cfg.model.model_type = cfg.model.model.removeprefix(TINY_PREFIX)
+    return cfg
