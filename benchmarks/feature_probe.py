@@ -41,10 +41,9 @@ def visual_tokens(model, template, view, rows: int) -> tuple[torch.Tensor, list[
         for index in range(count):
             sample = view[index]
             encoded = template.encode_prompt(sample.load_media())
-            out = model.model.get_image_features(encoded.mm["pixel_values"], encoded.mm["image_grid_thw"])
-            tokens = out[0] if isinstance(out, (tuple, list)) else getattr(out, "pooler_output", out)
-            tokens = tokens[0] if isinstance(tokens, (tuple, list)) else tokens
-            features.append(tokens.reshape(-1, tokens.shape[-1]).float())
+            # the merged visual tokens of each image (transformers 5: the output's pooler_output)
+            tokens = model.model.get_image_features(encoded.mm["pixel_values"], encoded.mm["image_grid_thw"]).pooler_output[0]
+            features.append(tokens.float())
             labels.append(label_of(sample.columns["solution"]))
             bar.advance({"reward": float("nan"), "time/step": float("nan")})
     return torch.stack(features), labels

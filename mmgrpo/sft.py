@@ -72,13 +72,13 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
     return ids, mask
 
 
-def stop_reached(stop_at: str, scores: dict[str, float]) -> bool:
-    """Whether this evaluation's scores ({"eval/<metric>": value}) meet `--stop_at METRIC>=VALUE`.
+def stop_reached(stop: tuple[str, str, float], scores: dict[str, float]) -> bool:
+    """Whether this evaluation's scores ({"eval/<metric>": value}) meet `--stop_at` (as `parse_stop_at` reads it).
 
-    >>> stop_reached("vqa_accuracy>=0.5", {"eval/vqa_accuracy": 0.55}), stop_reached("loss<=0.1", {"eval/loss": 0.2})
+    >>> stop_reached(("vqa_accuracy", ">=", 0.5), {"eval/vqa_accuracy": 0.55}), stop_reached(("loss", "<=", 0.1), {"eval/loss": 0.2})
     (True, False)
     """
-    name, comparison, target = parse_stop_at(stop_at)
+    name, comparison, target = stop
     value = scores.get(f"eval/{name}")  # sft() checked the name at start-up
     if value is None:  # every sample scored None
         return False
@@ -90,10 +90,10 @@ def sft(cfg: SFTConfig) -> Path:
     cfg.validate()
     deterministic_kernels(cfg.full_determinism)
     evaluator = TrainingEval(cfg)  # the eval datasets and metrics resolve before any model loads
-    stop_metric = parse_stop_at(cfg.stop_at)[0] if cfg.stop_at is not None else None
-    if stop_metric is not None and stop_metric not in evaluator.metric_names():
+    stop_at = parse_stop_at(cfg.stop_at) if cfg.stop_at is not None else None  # (metric, ">=" | "<=", value)
+    if stop_at is not None and stop_at[0] not in evaluator.metric_names():
         raise ConfigError(
-            f"--stop_at {cfg.stop_at!r}: {stop_metric!r} is not among the eval metrics "
+            f"--stop_at {cfg.stop_at!r}: {stop_at[0]!r} is not among the eval metrics "
             f"({', '.join(evaluator.metric_names())}); name one of them."
         )
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
@@ -140,7 +140,7 @@ def sft(cfg: SFTConfig) -> Path:
             scores = evaluator.maybe_evaluate(run, step, final=step == total)
             if scores:
                 metrics.update(scores, **{"time/eval": time.perf_counter() - started})
-            stop = cfg.stop_at is not None and bool(scores) and stop_reached(cfg.stop_at, scores)
+            stop = stop_at is not None and bool(scores) and stop_reached(stop_at, scores)
             logger.log_step(metrics, print_it=stop or bool(scores) or (step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0))
             bar.advance({"reward": -metrics["loss"], "time/step": float("nan")})
             if stop:
