@@ -250,7 +250,7 @@ def test_describe_and_print_registry(project, monkeypatch):
     rows = {row["name"]: row for row in describe_registry([registry_file, tmp_path / "broken.yaml"])}
     assert rows["my-vqa"]["splits"] == {"train": 50, "test": 5} and rows["my-vqa"]["modality"] == "image"
     assert rows["my-text"]["splits"] == {"train": 24, "eval": 6} and rows["my-text"]["modality"] == "text"
-    assert rows["tiny-shapes"]["splits"] == {"train": 30, "test": 10}
+    assert rows["tiny-shapes"]["splits"] == {"train": 30, "test": 10, "validation": 5}
     assert "none.jsonl" in rows["gone"]["error"]
     console = Console(record=True, width=200)
     print_registry(console, extra_files=[registry_file])

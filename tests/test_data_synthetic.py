@@ -8,7 +8,8 @@ import PIL.Image
 import pytest
 
 from mmgrpo.data.registry import resolve_dataset
-from mmgrpo.data.synthetic import COLOURS, GENERATORS, synthetic_dataset_dir
+from mmgrpo.data.synthetic import COLOURS, GENERATORS, generate, synthetic_dataset_dir
+from mmgrpo.errors import ConfigError
 from mmgrpo.processors.audio import load_audio
 from mmgrpo.processors.video import load_video
 from mmgrpo.tools import zoom
@@ -20,6 +21,7 @@ AV_GENERATORS = {  # name -> (modality, train rows, test rows of the built-in en
     "tones-pitch": ("audio", 400, 200, 1),
     "tones-count": ("audio", 400, 200, 1),
 }
+SPLITS = ("train", "test", "validation")
 ZOOM_GENERATORS = ["shapes-zoom", "shapes-zoom-sft"]  # one image per row; sft: a second (the crop) in most (KIND_WEIGHTS)
 
 
@@ -94,13 +96,35 @@ def test_generation_is_deterministic(tmp_path, name):
     assert first.name == second.name
     first_bytes, second_bytes = folder_bytes(first), folder_bytes(second)
     files_per_row = AV_GENERATORS.get(name, (None, 0, 0, 1))[3]
-    media = (40 + 20) * files_per_row
+    media = (40 + 20 + 10) * files_per_row  # the validation split: half the test size
     if name in ZOOM_GENERATORS:
-        media = sum(len(row["images"]) for split in ("train", "test") for row in read_jsonl(first / f"{split}.jsonl"))
-    assert len(first_bytes) == media + 3 and first_bytes == second_bytes
-    assert len(read_jsonl(first / "train.jsonl")) == 40
+        media = sum(len(row["images"]) for split in SPLITS for row in read_jsonl(first / f"{split}.jsonl"))
+    assert len(first_bytes) == media + 4 and first_bytes == second_bytes  # 3 jsonl + info.json
+    assert [len(read_jsonl(first / f"{split}.jsonl")) for split in SPLITS] == [40, 20, 10]
     other = synthetic_dataset_dir(name, train_size=40, test_size=20, seed=1, cache_dir=tmp_path / "a")
     assert other != first and folder_bytes(other)["train.jsonl"] != first_bytes["train.jsonl"]
+
+
+def test_the_validation_split_is_its_own_and_leaves_train_and_test_as_they_were(tmp_path):
+    with_validation = synthetic_dataset_dir("shapes-count", train_size=40, test_size=20, validation_size=30, cache_dir=tmp_path)
+    generate("shapes-count", tmp_path / "none", train_size=40, test_size=20, validation_size=0)
+    for split in ("train", "test"):
+        assert (with_validation / f"{split}.jsonl").read_bytes() == (tmp_path / "none" / f"{split}.jsonl").read_bytes()
+    validation = read_jsonl(with_validation / "validation.jsonl")
+    assert len(validation) == 30 and read_jsonl(tmp_path / "none" / "validation.jsonl") == []
+    images = {split: {(with_validation / row["images"][0]).read_bytes() for row in read_jsonl(with_validation / f"{split}.jsonl")}
+              for split in ("test", "validation")}
+    assert len(images["validation"] & images["test"]) < 3  # drawn apart (an identical image by chance is rare)
+
+
+def test_registry_entries_have_a_validation_split(tmp_path, cache):
+    registry = tmp_path / "extra.yaml"
+    registry.write_text("datasets:\n  - name: small-count\n    synthetic: shapes-count\n"
+                        "    synthetic_args: {train_size: 30, test_size: 10, validation_size: 6}\n")
+    assert len(resolve_dataset("small-count:validation", extra_files=[registry])) == 6
+    assert len(resolve_dataset("shapes-color:validation")) == 200
+    with pytest.raises(ConfigError, match="has no split 'dev'; it has train, test, validation"):
+        resolve_dataset("shapes-color:dev")
 
 
 def _generate(cache_dir):

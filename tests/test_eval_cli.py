@@ -92,14 +92,14 @@ def test_missing_split_is_a_clean_error(tmp_path, capsys, tiny_qwen2_vl_path):
                 "--model_type",
                 "qwen2-vl",
                 "--dataset",
-                "shapes-color:validation",
+                "shapes-color:dev",
                 "--output_dir",
                 str(tmp_path / "out"),
             ]
         )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("mmgrpo eval: error:") and "no split 'validation'" in err and "train, test" in err
+    assert err.startswith("mmgrpo eval: error:") and "no split 'dev'" in err and "train, test, validation" in err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 

@@ -34,6 +34,7 @@ from mmgrpo.errors import ConfigError, DataError
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "datasets_cfg"
 ENV_VAR = "MMGRPO_DATASET_REGISTRY"
 PATH_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+SYNTHETIC_SPLITS = ("train", "test", "validation")  # what mmgrpo/data/synthetic.py writes
 _SOURCE_KEYS = ("files", "folder", "splits", "synthetic")
 _ALLOWED_KEYS = {
     "name",
@@ -328,7 +329,7 @@ def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
             raise bad("synthetic", f"unknown generator {raw['synthetic']!r}; known: {', '.join(GENERATORS)}")
         entry.synthetic = raw["synthetic"]
         args = raw.get("synthetic_args") or {}
-        allowed = {"train_size", "test_size", "image_size", "seed"}
+        allowed = {"train_size", "test_size", "validation_size", "image_size", "seed"}
         if (
             not isinstance(args, dict)
             or set(args) - allowed
@@ -479,7 +480,7 @@ def print_registry(console=None, extra_files=()) -> None:
 def entry_splits(entry: DatasetEntry) -> list[str]:
     """The split names of a registry entry (reads the data only for `split_column` and folders)."""
     if entry.synthetic:
-        return ["train", "test"]
+        return list(SYNTHETIC_SPLITS)
     if entry.splits:
         return list(entry.splits)
     if entry.split_column:
@@ -503,8 +504,8 @@ def _view_of_entry(entry: DatasetEntry, split: str) -> DatasetView:
         from mmgrpo.data.synthetic import synthetic_dataset_dir
 
         folder = synthetic_dataset_dir(entry.synthetic, **entry.synthetic_args)
-        if split not in ("train", "test"):
-            raise ConfigError(f"dataset {entry.name!r} has no split {split!r}; it has train, test")
+        if split not in SYNTHETIC_SPLITS:
+            raise ConfigError(f"dataset {entry.name!r} has no split {split!r}; it has {', '.join(SYNTHETIC_SPLITS)}")
         rows, media_root = load_rows(folder / f"{split}.jsonl"), folder
     elif entry.splits:
         if split not in entry.splits:

@@ -2,8 +2,10 @@
 
 Each is generated deterministically (numpy Generator, PIL drawing) on first use into
 `$MMGRPO_CACHE/datasets/<name>-<hash>/` (default `~/.cache/mmgrpo/datasets/`), the hash covering
-the generator version and its arguments, as `train.jsonl` + `test.jsonl` + PNG files under
-`images/`. Generation writes a temporary folder and renames it, so processes racing to create the
+the generator version and its arguments, as `train.jsonl`, `validation.jsonl` and `test.jsonl` +
+PNG files under `images/`. The validation split (half the test size unless given) is for choices
+made while training, such as when SFT stops (`mmgrpo sft --stop_at`), so the test split stays
+unseen until the final evaluation. Generation writes a temporary folder and renames it, so processes racing to create the
 same dataset all end up reading one complete copy.
 
 - `shapes-color`: one circle, square or triangle in one of 6 colours; "What is the colour of the
@@ -64,11 +66,13 @@ def synthetic_dataset_dir(
     *,
     train_size: int = 2000,
     test_size: int = 400,
+    validation_size: int | None = None,
     image_size: int = 64,
     seed: int = 0,
     cache_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """The folder of a synthetic dataset, generating it first if it is not in the cache."""
+    """The folder of a synthetic dataset, generating it first if it is not in the cache.
+    validation_size: rows of the validation split; None: half of test_size."""
     if name not in GENERATORS:
         from mmgrpo.errors import ConfigError
 
@@ -78,6 +82,7 @@ def synthetic_dataset_dir(
         "version": GENERATOR_VERSION,
         "train_size": train_size,
         "test_size": test_size,
+        "validation_size": test_size // 2 if validation_size is None else validation_size,
         "image_size": image_size,
         "seed": seed,
     }
@@ -90,7 +95,8 @@ def synthetic_dataset_dir(
     temporary = root / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         generate(
-            name, temporary, train_size=train_size, test_size=test_size, image_size=image_size, seed=seed
+            name, temporary, train_size=train_size, test_size=test_size,
+            validation_size=params["validation_size"], image_size=image_size, seed=seed,
         )
         (temporary / "info.json").write_text(json.dumps(params, indent=1, sort_keys=True) + "\n")
         try:
@@ -109,10 +115,11 @@ def generate(
     *,
     train_size: int,
     test_size: int,
+    validation_size: int = 0,
     image_size: int = 64,
     seed: int = 0,
 ) -> None:
-    """Write `train.jsonl`, `test.jsonl` and each row's medium into `out_dir`.
+    """Write `train.jsonl`, `test.jsonl`, `validation.jsonl` and each row's medium into `out_dir`.
 
     A generator returns (medium, row): a PIL image, written as `images/<split>/<index>.png`, a list
     of them (`<index>_<k>.png`), or a medium of mmgrpo/data/synthetic_av.py, which writes itself
@@ -120,7 +127,8 @@ def generate(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for split_number, (split, size) in enumerate((("train", train_size), ("test", test_size))):
+    sizes = (("train", train_size), ("test", test_size), ("validation", validation_size))
+    for split_number, (split, size) in enumerate(sizes):
         # One stream per (seed, generator, split): a split's rows do not depend on the other's size.
         rng = np.random.default_rng([seed, zlib.crc32(name.encode()), split_number])
         with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as rows:
