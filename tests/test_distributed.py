@@ -239,3 +239,45 @@ def test_a_hung_rank_stops_the_others(tmp_path):
     assert done.returncode != 0
     assert "rank 0 of 2 failed" in done.stderr and "timed out" in done.stderr.lower(), done.stderr[-4000:]
     assert time.perf_counter() - start < 200
+
+
+SKEWED_REWARD = '''
+import os
+
+def skewed(completions, sample_id, **columns):
+    # rank 0: every other prompt's group is all-equal; rank 1: three prompts in four
+    rank = int(os.environ.get("RANK", "0"))
+    rewards = []
+    for text, sample in zip(completions, sample_id):
+        row = int(sample.rsplit("/", 1)[1])
+        settled = row % 2 == 0 if rank == 0 else row % 4 != 0
+        rewards.append(1.0 if settled else float(len(text) % 2))
+    return rewards
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("distributed")
+def test_dynamic_sampling_keeps_ranks_in_step(tmp_path):
+    """--dynamic_sample on 2 real ranks whose batches need different refills: every rank runs the
+    same rounds and trains the same number of micro-batches (else FSDP2's collectives would
+    mismatch and the run would hang until --ddp_timeout), and each step logs its rounds. (Async
+    rollouts under FSDP2 / ZeRO-3 need vLLM: tests/test_vllm_distributed.py.)"""
+    (tmp_path / "reward.py").write_text(SKEWED_REWARD)
+    done = launch([
+        "-m", "mmgrpo", "train", "--parallel", "fsdp2", "--model", "tiny:qwen2-vl", "--dataset", "shapes-color",
+        "--reward_funcs", f"{tmp_path / 'reward.py'}:skewed", "--num_generations", "4",
+        "--per_device_train_batch_size", "16", "--max_completion_length", "8", "--max_steps", "3",
+        "--dynamic_sample", "--max_resample_times", "4", "--dataloader_num_workers", "0", "--ddp_timeout", "60",
+        "--output_dir", str(tmp_path / "run"),
+    ], timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert 1 <= row["dynamic/rounds"] <= 5 and row["dynamic/rounds"] == int(row["dynamic/rounds"])
+        assert row["micro_batches"] == int(row["micro_batches"])  # the same count on both ranks
+    # rank 1 starts with about 3 of 4 groups all-equal: some step refills
+    assert max(row["dynamic/rounds"] for row in rows) > 1
+    assert sum(row["dynamic/resampled_prompts"] for row in rows) > 0
