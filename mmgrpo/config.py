@@ -3,6 +3,7 @@
 Nested dataclasses are the single source of truth. The docstring under each field is its
 `--help` text. A YAML file (`--config run.yaml`, nested by section or flat) overrides the
 defaults, and command-line flags override the YAML. Flag names follow TRL and ms-swift.
+Turning them into flags is mmgrpo/config_args.py; checking them, mmgrpo/config_checks.py.
 
     >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
     >>> cfg.rollout.num_generations, cfg.algo.beta
@@ -14,13 +15,9 @@ defaults, and command-line flags override the YAML. Flag names follow TRL and ms
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
-import warnings
 from dataclasses import dataclass, field
 
 from mmgrpo.config_args import build_parser, config_from_namespace
-from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny import DEFAULT_MODEL
 
 
@@ -348,7 +345,9 @@ class TrainConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        validate(self)
+        from mmgrpo.config_checks import validate_train
+
+        validate_train(self)
 
 
 @dataclass
@@ -370,237 +369,6 @@ class SFTConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.parallel.launch import env_world_size
+        from mmgrpo.config_checks import validate_sft
 
-        validate_common(self)
-        validate_eval(self.eval)
-        if self.stop_at is not None:
-            parse_stop_at(self.stop_at)
-            if not self.eval.eval_dataset or self.eval.eval_steps < 1:
-                raise ConfigError(f"--stop_at {self.stop_at!r} needs --eval_dataset NAME and --eval_steps N (how often to check).")
-        if self.max_completion_length < 1:
-            raise ConfigError("--max_completion_length must be >= 1.")
-        if env_world_size() > 1:
-            raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
-        if self.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)
-            raise ConfigError("--resume_from_checkpoint: mmgrpo sft does not resume; start it again with --model CHECKPOINT.")
-
-
-def validate_common(cfg: RunOptions) -> None:
-    """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
-    from mmgrpo.optim import scheduler_kwargs
-
-    scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
-    from mmgrpo.trackers import report_targets
-
-    report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
-    choices = {
-        "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
-    }
-    check_choices(choices)
-    if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
-        raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
-
-
-def parse_stop_at(spec: str) -> tuple[str, str, float]:
-    """`METRIC>=VALUE` or `METRIC<=VALUE` -> (metric, comparison, value); a ConfigError otherwise.
-
-    >>> parse_stop_at("shapes-color/vqa_accuracy>=0.5")
-    ('shapes-color/vqa_accuracy', '>=', 0.5)
-    """
-    match = re.fullmatch(r"\s*([^<>=\s]+)\s*(>=|<=)\s*([-+0-9.eE]+)\s*", spec)
-    value = None
-    if match:
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            pass
-    if value is None or not math.isfinite(value):
-        raise ConfigError(
-            f"--stop_at {spec!r}: write METRIC>=VALUE or METRIC<=VALUE, e.g. --stop_at 'shapes-color/vqa_accuracy>=0.5'."
-        )
-    return match.group(1), match.group(2), value
-
-
-def check_choices(choices: dict[str, tuple[str, tuple[str, ...]]]) -> None:
-    for flag, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(allowed)}.")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """GRPO's checks (`TrainConfig.validate`). Every name a registry resolves (loss type, advantage
-    estimator) is looked up now, so a plugin's registered name works and a typo fails at start-up."""
-    from mmgrpo.grpo import get_advantage, loss_types
-    from mmgrpo.grpo.importance import IS_MODES
-    from mmgrpo.parallel import validate_parallel
-
-    validate_common(cfg)
-    validate_parallel(cfg)  # --parallel, --deepspeed JSON, world size, LoRA options
-    g = cfg.rollout.num_generations
-    batch = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
-    if g < 2:
-        raise ConfigError(f"--num_generations {g}: GRPO needs at least 2 completions per prompt to compare.")
-    if batch % g:
-        raise ConfigError(
-            f"--per_device_train_batch_size {cfg.optim.per_device_train_batch_size} x --gradient_accumulation_steps "
-            f"{cfg.optim.gradient_accumulation_steps} = {batch} completions per step is not divisible by "
-            f"--num_generations {g}: each prompt's {g} completions must stay in one step."
-        )
-    check_choices({
-        "loss_type": (cfg.algo.loss_type, tuple(loss_types())),
-        "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
-        "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
-        "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
-        "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
-        "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
-        "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
-    })
-    if not cfg.algo.vllm_importance_sampling_cap > 0:
-        raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
-    get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
-    num_rewards = len(cfg.algo.reward_funcs) + len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
-    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != num_rewards:
-        raise ConfigError(
-            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {num_rewards} rewards "
-            f"({len(cfg.algo.reward_funcs)} --reward_funcs, {len(cfg.algo.reward_model)} --reward_model"
-            f"{', 1 --judge_model' if cfg.algo.judge_model else ''}): give one weight per reward, in that order."
-        )
-    if cfg.algo.judge_parse not in ("score", "verdict"):
-        raise ConfigError(f"--judge_parse {cfg.algo.judge_parse!r}: choose one of score, verdict.")
-    epsilon_high = cfg.algo.epsilon if cfg.algo.epsilon_high is None else cfg.algo.epsilon_high
-    if cfg.algo.delta is not None and not cfg.algo.delta > 1 + epsilon_high:
-        raise ConfigError(f"--delta {cfg.algo.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")
-    if cfg.algo.delta is not None and cfg.algo.loss_type == "cispo":
-        raise ConfigError("--delta (dual clip) applies to the clipped PPO surrogate; --loss_type cispo has none. Drop --delta.")
-    if cfg.algo.loss_type == "dr_grpo" and cfg.algo.scale_rewards != "none":
-        # Dr. GRPO removes both biases: the length one (the loss) and the difficulty one (the std).
-        # Kept as asked, since scaling may be wanted on purpose; said at start-up.
-        warnings.warn(
-            f"--loss_type dr_grpo with --scale_rewards {cfg.algo.scale_rewards}: Dr. GRPO also drops the std scaling "
-            "of advantages; add --scale_rewards none for the algorithm of the paper (docs/algorithm.md).", stacklevel=2,
-        )
-    if cfg.algo.beta < 0 or cfg.algo.epsilon <= 0:
-        raise ConfigError("--beta must be >= 0 and --epsilon > 0.")
-    if cfg.algo.num_iterations < 1:
-        raise ConfigError("--num_iterations must be at least 1.")
-    parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
-    if cfg.algo.max_tokens_per_microbatch < 0:
-        raise ConfigError("--max_tokens_per_microbatch must be >= 0 (0: fixed micro-batches).")
-    if cfg.algo.max_tokens_per_microbatch and cfg.dist.strategy != "none":
-        raise ConfigError(
-            "--max_tokens_per_microbatch is single-process for now: under torchrun each rank would pack its rows "
-            "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
-            "--per_device_train_batch_size."
-        )
-    if cfg.rollout.use_vllm:  # before any model loads: vLLM installed, flags that fit
-        from mmgrpo.rollout.vllm_engine import validate_vllm
-
-        validate_vllm(cfg)
-    if cfg.rollout.max_resample_times < 0:
-        raise ConfigError("--max_resample_times must be >= 0.")
-    if not 0 <= cfg.rollout.first_stage_generations < cfg.rollout.num_generations:
-        raise ConfigError(
-            f"--first_stage_generations {cfg.rollout.first_stage_generations}: give 0 (off) or a K from 1 to "
-            f"--num_generations - 1 ({cfg.rollout.num_generations - 1})."
-        )
-    if cfg.rollout.temperature <= 0:
-        raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
-    validate_tools(cfg)
-    validate_eval(cfg.eval)
-    validate_run_limits(cfg)
-
-
-def validate_eval(options: EvalConfig) -> None:
-    """The in-training evaluation's flags (GRPO and SFT)."""
-    if not options.eval_dataset and (options.eval_steps or options.eval_limit or options.metric_for_best_model):
-        raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
-    if options.eval_steps < 0 or (options.eval_limit is not None and options.eval_limit < 1):
-        raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
-
-
-def validate_run_limits(cfg: TrainConfig) -> None:
-    """Numbers that cannot work (a zero batch, a NaN learning rate ...), each an error naming its flag."""
-    positive = {
-        "max_completion_length": cfg.rollout.max_completion_length,
-        "per_device_train_batch_size": cfg.optim.per_device_train_batch_size,
-        "gradient_accumulation_steps": cfg.optim.gradient_accumulation_steps,
-        "max_nonfinite_steps": cfg.max_nonfinite_steps,
-    }
-    for flag, value in positive.items():
-        if value is None or value < 1:
-            raise ConfigError(f"--{flag} {value}: must be at least 1.")
-    rate = cfg.optim.learning_rate
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-        raise ConfigError(f"--learning_rate {rate}: must be a finite number > 0 (e.g. 1e-6).")
-    low, high = cfg.model.min_pixels, cfg.model.max_pixels
-    for flag, value in (("min_pixels", low), ("max_pixels", high)):
-        if value is not None and value < 1:
-            raise ConfigError(f"--{flag} {value}: must be a positive number of pixels.")
-    if low is not None and high is not None and low > high:
-        raise ConfigError(f"--min_pixels {low} is above --max_pixels {high}: no image size satisfies both.")
-    timeout = cfg.algo.reward_timeout
-    if timeout is None or not math.isfinite(timeout) or timeout < 0:
-        raise ConfigError(f"--reward_timeout {timeout}: give seconds >= 0 (0: no limit).")
-    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
-        raise ConfigError(f"--save_total_limit {cfg.save_total_limit}: keep at least 1 checkpoint (or leave it unset to keep all).")
-    if cfg.resume_from_checkpoint and cfg.overwrite_output_dir:
-        raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
-    from mmgrpo.parallel.launch import env_world_size
-
-    if cfg.save_in_background and env_world_size() > 1:
-        raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
-
-
-def validate_tools(cfg: TrainConfig) -> None:
-    """--max_turns, --tools and --tool_timeout agree, and every tool resolves (a typo fails now)."""
-    from mmgrpo.tools import get_tool
-
-    rollout = cfg.rollout
-    if rollout.max_turns < 1:
-        raise ConfigError(f"--max_turns {rollout.max_turns}: give 1 (single turn) or more.")
-    if rollout.max_turns > 1 and not rollout.tools:
-        raise ConfigError(f"--max_turns {rollout.max_turns} needs --tools (e.g. --tools image_zoom_in_tool): "
-                          "without tools nothing answers a turn.")
-    if rollout.tools and rollout.max_turns < 2:
-        raise ConfigError("--tools needs --max_turns 2 or more: the turn that calls a tool would end the episode.")
-    if not rollout.tool_timeout > 0:
-        raise ConfigError(f"--tool_timeout {rollout.tool_timeout}: give a number of seconds > 0.")
-    if rollout.max_turns > 1 and (rollout.dynamic_sample or rollout.first_stage_generations):
-        raise ConfigError("--max_turns > 1 does not combine with --dynamic_sample or --first_stage_generations yet "
-                          "(their rounds would drop the episodes' loss masks and tool images); drop one of them.")
-    if rollout.max_turns > 1 and cfg.dist.strategy != "none":
-        raise ConfigError("--max_turns > 1 runs in one process for now: drop --parallel / --deepspeed (docs/tools.md).")
-    for spec in rollout.tools:
-        get_tool(spec)
-
-
-MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values
-
-
-def parse_modality_weights(specs: list[str]) -> dict[str, float]:
-    """`--modality_weights` as {modality: weight}; a bad name or number is a ConfigError.
-
-    >>> parse_modality_weights(["image=1.0", "video=0.5"])
-    {'image': 1.0, 'video': 0.5}
-    """
-    if isinstance(specs, dict):  # a YAML config may give {image: 1.0, video: 0.5}
-        specs = [f"{name}={value}" for name, value in specs.items()]
-    weights = {}
-    for spec in specs or []:
-        name, sep, value = str(spec).partition("=")
-        name = name.strip()
-        if not sep or name not in MODALITIES:
-            raise ConfigError(
-                f"--modality_weights {spec!r}: give NAME=WEIGHT with NAME one of {', '.join(MODALITIES)}, e.g. video=0.5."
-            )
-        try:
-            weight = float(value)
-        except ValueError:
-            weight = float("nan")
-        if not weight >= 0 or weight == float("inf"):
-            raise ConfigError(f"--modality_weights {spec!r}: the weight must be a finite number >= 0.")
-        if name in weights:
-            raise ConfigError(f"--modality_weights names {name!r} twice.")
-        weights[name] = weight
-    return weights
+        validate_sft(self)

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from mmgrpo.checkpoint import wait_for_saves
-from mmgrpo.config import TrainConfig, parse_modality_weights
+from mmgrpo.config import TrainConfig
+from mmgrpo.config_checks import parse_modality_weights
 from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from mmgrpo.config import SFTConfig, parse_stop_at
+from mmgrpo.config import SFTConfig
+from mmgrpo.config_checks import parse_stop_at
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.engine import deterministic_kernels, seed_everything
 from mmgrpo.errors import ConfigError, DataError

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from mmgrpo.config import TrainConfig, parse_modality_weights
+from mmgrpo.config import TrainConfig
+from mmgrpo.config_checks import parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo import LossConfig, policy_loss
 
