@@ -36,7 +36,6 @@ from mmgrpo.setup import (
     check_modalities,
     load_trainable_model,
     prompt_stream,
-    save_checkpoint,
     template_options,
     total_steps,
 )
@@ -150,7 +149,7 @@ def sft(cfg: SFTConfig) -> Path:
                 console.print(f"[green]--stop_at {cfg.stop_at} reached at step {step} of {total}: SFT stops here")
                 break
             if cfg.save_steps and step % cfg.save_steps == 0 and step != total:
-                save_checkpoint(out / f"checkpoint-{step}", model, peft_model, processor, template, strategy)
-    save_checkpoint(out / "final", model, peft_model, processor, template, strategy)
+                run.save(out / f"checkpoint-{step}")
+    run.save(out / "final")
     logger.close()
     return out / "final"

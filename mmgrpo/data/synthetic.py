@@ -5,8 +5,8 @@ Each is generated deterministically (numpy Generator, PIL drawing) on first use 
 the generator version and its arguments, as `train.jsonl`, `validation.jsonl` and `test.jsonl` +
 PNG files under `images/`. The validation split (half the test size unless given) is for choices
 made while training, such as when SFT stops (`mmgrpo sft --stop_at`), so the test split stays
-unseen until the final evaluation. Generation writes a temporary folder and renames it, so processes racing to create the
-same dataset all end up reading one complete copy.
+unseen until the final evaluation. Generation writes a temporary folder and renames it, so
+processes racing to create the same dataset all end up reading one complete copy.
 
 - `shapes-color`: one circle, square or triangle in one of 6 colours; "What is the colour of the
   shape?"; solution: 10 VQAv2-style annotator answers (mostly the colour, a few variations).
