@@ -2,7 +2,8 @@
 flags whose values have a syntax of their own (`--stop_at`, `--modality_weights`).
 
 Every check runs before any model loads and raises a ConfigError that names the flag and says what
-to give instead.
+to give instead. The config classes come in as arguments; this module does not import mmgrpo.config
+(which calls it), so the two do not import each other.
 """
 
 from __future__ import annotations
@@ -10,15 +11,11 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import TYPE_CHECKING
 
 from mmgrpo.errors import ConfigError
 
-if TYPE_CHECKING:
-    from mmgrpo.config import EvalConfig, RunOptions, SFTConfig, TrainConfig
 
-
-def validate_common(cfg: RunOptions) -> None:
+def validate_common(cfg) -> None:
     """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
     from mmgrpo.optim import scheduler_kwargs
 
@@ -54,7 +51,7 @@ def parse_stop_at(spec: str) -> tuple[str, str, float]:
     return match.group(1), match.group(2), value
 
 
-def validate_sft(cfg: SFTConfig) -> None:
+def validate_sft(cfg) -> None:
     """SFT's checks (`SFTConfig.validate`)."""
     from mmgrpo.parallel.launch import env_world_size
 
@@ -78,7 +75,7 @@ def check_choices(choices: dict[str, tuple[str, tuple[str, ...]]]) -> None:
             raise ConfigError(f"--{flag} {value!r}: choose one of {', '.join(allowed)}.")
 
 
-def validate_train(cfg: TrainConfig) -> None:
+def validate_train(cfg) -> None:
     """GRPO's checks (`TrainConfig.validate`). Every name a registry resolves (loss type, advantage
     estimator) is looked up now, so a plugin's registered name works and a typo fails at start-up."""
     from mmgrpo.grpo import get_advantage, loss_types
@@ -161,7 +158,7 @@ def validate_train(cfg: TrainConfig) -> None:
     validate_run_limits(cfg)
 
 
-def validate_eval(options: EvalConfig) -> None:
+def validate_eval(options) -> None:
     """The in-training evaluation's flags (GRPO and SFT)."""
     if not options.eval_dataset and (options.eval_steps or options.eval_limit or options.metric_for_best_model):
         raise ConfigError("--eval_steps, --eval_limit and --metric_for_best_model need --eval_dataset NAME[:split].")
@@ -169,8 +166,8 @@ def validate_eval(options: EvalConfig) -> None:
         raise ConfigError("--eval_steps must be >= 0 and --eval_limit >= 1.")
 
 
-def validate_run_limits(cfg: TrainConfig) -> None:
-    """Numbers that cannot work (a zero batch, a NaN learning rate ...), each an error naming its flag."""
+def validate_run_limits(cfg) -> None:
+    """A TrainConfig's numbers that cannot work (a zero batch, a NaN learning rate ...), each an error naming its flag."""
     positive = {
         "max_completion_length": cfg.rollout.max_completion_length,
         "per_device_train_batch_size": cfg.optim.per_device_train_batch_size,
@@ -202,8 +199,8 @@ def validate_run_limits(cfg: TrainConfig) -> None:
         raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
 
 
-def validate_tools(cfg: TrainConfig) -> None:
-    """--max_turns, --tools and --tool_timeout agree, and every tool resolves (a typo fails now)."""
+def validate_tools(cfg) -> None:
+    """A TrainConfig's --max_turns, --tools and --tool_timeout agree, and every tool resolves (a typo fails now)."""
     from mmgrpo.tools import get_tool
 
     rollout = cfg.rollout
