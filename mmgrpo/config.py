@@ -181,6 +181,9 @@ class AlgoConfig:
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
     delta: float | None = None
     """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus (verl's name): the loss minus entropy_coeff x the policy's mean entropy over the update's
+    completion tokens, so sampling stays spread out (e.g. 0.001-0.01). 0: off (the entropy is still logged)."""
     scale_rewards: str = "group"
     """Advantage scaling: group (divide by group std) | batch | none (what Dr. GRPO prescribes: use it with --loss_type dr_grpo)."""
     num_iterations: int = 1

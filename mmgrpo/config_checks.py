@@ -129,6 +129,8 @@ def validate_train(cfg) -> None:
         )
     if cfg.algo.beta < 0 or cfg.algo.epsilon <= 0:
         raise ConfigError("--beta must be >= 0 and --epsilon > 0.")
+    if not (math.isfinite(cfg.algo.entropy_coeff) and cfg.algo.entropy_coeff >= 0):
+        raise ConfigError(f"--entropy_coeff {cfg.algo.entropy_coeff}: give a bonus >= 0 (e.g. 0.001); 0 turns it off.")
     if cfg.algo.num_iterations < 1:
         raise ConfigError("--num_iterations must be at least 1.")
     parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1

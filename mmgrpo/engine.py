@@ -269,6 +269,8 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                         num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
                         importance_weights=None if is_weights is None else mb.take(is_weights),
                     )
+                    if cfg.algo.entropy_coeff:  # the bonus: mean entropy over the update's tokens, like the dapo loss
+                        loss = loss - cfg.algo.entropy_coeff * (entropy * mb.take(loss_mask)).sum() / update_tokens
                 if strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
                     warnings.warn(f"non-finite loss ({loss.item()}): update skipped", stacklevel=1)
                     strategy.zero_grad(run.optimizer)
@@ -277,7 +279,7 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                 strategy.backward(loss)
                 update_loss += loss.item()
                 tokens = mb.take(loss_mask).bool()
-                metrics["entropy"] = entropy[tokens].mean() if tokens.any() else 0.0
+                metrics["entropy"] = entropy.detach()[tokens].mean() if tokens.any() else 0.0
                 share = float(tokens.sum() / total_tokens)
                 for key, value in metrics.items():
                     token_weighted[key] = token_weighted.get(key, 0.0) + float(value) * share

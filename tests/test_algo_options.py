@@ -1,7 +1,8 @@
-"""--delta (dual clip), HF learning-rate schedules by name, and dr_grpo's --scale_rewards notice."""
+"""--delta (dual clip), --entropy_coeff, HF learning-rate schedules by name, and dr_grpo's --scale_rewards notice."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,36 @@ def test_training_runs_with_delta_and_a_linear_schedule(tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["learning_rate"] for m in metrics] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])
     assert all(math.isfinite(m["loss"]) for m in metrics)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(next(folder.glob("*.safetensors"))))
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.5])
+def test_entropy_coeff_is_the_only_gradient_when_every_group_is_equal(coeff, tmp_path):
+    # A constant reward: every advantage is 0, so the clipped surrogate is exactly 0 and (beta 0) there is no KL.
+    # What trains is the bonus alone: loss = -coeff x the mean entropy of the update's tokens, which is logged.
+    plugin = tmp_path / "same.py"
+    plugin.write_text("def same(completions, **columns):\n    return [1.0] * len(completions)\n")
+    out = train(TrainConfig.from_args([
+        *FAST, "--reward_funcs", f"{plugin}:same", "--max_steps", "1", "--beta", "0", "--entropy_coeff", str(coeff),
+        "--learning_rate", "1e-2", "--save_steps", "1", "--output_dir", str(tmp_path / "run")]))
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["entropy"] > 1.0  # a random tiny model: nearly uniform over its vocabulary
+    assert metrics["loss"] == pytest.approx(-coeff * metrics["entropy"], rel=1e-4, abs=1e-7)
+    from mmgrpo.models.tiny import resolve_model_path
+
+    before = _weights(Path(resolve_model_path("tiny:qwen2-vl")))
+    after = _weights(out / "checkpoint-1")
+    changed = [name for name, value in after.items() if name in before and not torch.equal(value, before[name])]
+    assert bool(changed) == (coeff > 0)
+
+
+def test_entropy_coeff_is_checked_at_start_up():
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="--entropy_coeff"):
+            TrainConfig.from_args([*FAST, "--entropy_coeff", bad]).validate()
+    TrainConfig.from_args([*FAST, "--entropy_coeff", "0.01"]).validate()

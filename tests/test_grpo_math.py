@@ -359,6 +359,7 @@ def _lm_inputs(dtype, batch=3, seq_len=4, hidden_size=8, vocab=37, seed=0):
 def test_chunked_logprobs_match_naive(dtype, tolerance, chunk_size, temperature):
     hidden, weight, bias, targets = _lm_inputs(dtype)
     upstream = torch.randn(3, 4, dtype=torch.promote_types(dtype, torch.float32))  # a generic d loss / d logp
+    entropy_upstream = torch.randn(3, 4, dtype=upstream.dtype)  # and d loss / d entropy (--entropy_coeff)
 
     results = []
     for fn, extra in ((completion_logprobs, {"chunk_size": chunk_size}), (naive_completion_logprobs, {})):
@@ -372,15 +373,14 @@ def test_chunked_logprobs_match_naive(dtype, tolerance, chunk_size, temperature)
             compute_entropy=True,
             **extra,
         )
-        (logps * upstream).sum().backward()
+        ((logps * upstream).sum() + (entropy * entropy_upstream).sum()).backward()
         results.append((logps, entropy, *(leaf.grad for leaf in leaves)))
 
     for chunked, naive in zip(*results):
         torch.testing.assert_close(chunked, naive, atol=tolerance, rtol=tolerance)
     logps, entropy = results[0][:2]
     assert logps.dtype == entropy.dtype == torch.promote_types(dtype, torch.float32)
-    assert logps[2, 3] == 0 and results[0][2][2, 3].abs().sum() == 0  # padding: logp 0, no gradient
-    assert not entropy.requires_grad
+    assert logps[2, 3] == 0
 
 
 def test_chunked_logprobs_gradcheck():
@@ -390,6 +390,28 @@ def test_chunked_logprobs_gradcheck():
         lambda h, w, b: completion_logprobs(h, w, targets, chunk_size=4, temperature=0.7, lm_head_bias=b)[0],
         inputs,
     )
+
+
+def test_chunked_logprobs_entropy_gradcheck():
+    hidden, weight, bias, targets = _lm_inputs(torch.float64, batch=2, seq_len=3, hidden_size=4, vocab=7)
+    inputs = [t.requires_grad_() for t in (hidden, weight, bias)]
+
+    def entropy_and_logps(h, w, b):
+        logps, entropy = completion_logprobs(h, w, targets, chunk_size=4, temperature=0.7, lm_head_bias=b,
+                                             compute_entropy=True)
+        return logps, entropy
+
+    assert torch.autograd.gradcheck(entropy_and_logps, inputs)
+    # the entropy alone (the log-probs unused: their gradient is None inside the backward)
+    assert torch.autograd.gradcheck(lambda h, w, b: entropy_and_logps(h, w, b)[1], inputs)
+
+
+def test_padding_rows_get_no_gradient_from_their_logprob():
+    hidden, weight, bias, targets = _lm_inputs(torch.float64)
+    hidden.requires_grad_()
+    logps, _ = completion_logprobs(hidden, weight, targets, chunk_size=5, lm_head_bias=bias)
+    logps.sum().backward()
+    assert logps[2, 3] == 0 and hidden.grad[2, 3].abs().sum() == 0 and hidden.grad[0, 0].abs().sum() > 0
 
 
 def test_chunked_logprobs_bf16_hidden_gives_fp32():

@@ -87,22 +87,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 del probs
             del logits
         logps = torch.where(valid, logps, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, logsumexp)
+        ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, logsumexp, entropy)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
-        if entropy is None:
-            return logps, None
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, bias, targets, valid, logsumexp = ctx.saved_tensors
+        hidden, weight, bias, targets, valid, logsumexp, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         compute_dtype = logsumexp.dtype
         weight_c = weight.to(compute_dtype)
         bias_c = bias.to(compute_dtype) if bias is not None else None
-        # padding rows (negative target) get no gradient
+        # padding rows (negative target) get no gradient from their log-prob
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(logsumexp)
         grad_logps = torch.where(valid, grad_logps.to(compute_dtype), 0.0)  # [M]
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(compute_dtype)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight_c) if need_weight else None
         grad_bias = torch.zeros_like(bias_c) if need_bias else None
@@ -110,9 +112,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             hidden_chunk = hidden[rows].to(compute_dtype)  # [chunk, H]
             logits = _chunk_logits(hidden_chunk, weight_c, bias_c, ctx.temperature)  # [chunk, V]
-            # d logp / d logits = onehot(target) - softmax; the softmax is built in place
-            grad_logits = logits.sub_(logsumexp[rows, None]).exp_()  # [chunk, V], softmax
-            grad_logits.mul_(-grad_logps[rows, None])
+            if grad_entropy is None:
+                # d logp / d logits = onehot(target) - softmax; the softmax is built in place
+                grad_logits = logits.sub_(logsumexp[rows, None]).exp_()  # [chunk, V], softmax
+                grad_logits.mul_(-grad_logps[rows, None])
+            else:
+                # and d H / d logits = -softmax * (log-softmax + H): one more [chunk, V] block
+                log_probs = logits.sub_(logsumexp[rows, None])  # in place
+                probs = log_probs.exp()
+                grad_logits = log_probs.add_(entropy[rows, None]).mul_(probs).mul_(-grad_entropy[rows, None])
+                grad_logits.sub_(probs.mul_(grad_logps[rows, None]))
+                del probs
             grad_logits.scatter_add_(-1, targets[rows, None], grad_logps[rows, None])
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
@@ -152,11 +162,12 @@ def completion_logprobs(
         temperature: logits are divided by it, as the sampler did, so the log-probs are those
             of the distribution the completions were drawn from.
         lm_head_bias: [V] or None.
-        compute_entropy: also return the entropy of each row's distribution, without grad.
+        compute_entropy: also return the entropy of each row's distribution (with grad: an entropy
+            term in the loss, --entropy_coeff, trains through it; unused, it costs no backward work).
 
     Returns:
         logps: [B, T] in fp32 (fp64 when hidden is fp64), with grad.
-        entropy: [B, T] fp32 without grad, or None.
+        entropy: [B, T] in fp32 (fp64 when hidden is fp64), or None.
     """
     if hidden.dim() != 3 or target_ids.shape != hidden.shape[:2]:
         raise ValueError(
@@ -200,6 +211,5 @@ def naive_completion_logprobs(
     logps = torch.where(valid, logps, 0.0)
     entropy = None
     if compute_entropy:
-        with torch.no_grad():
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logps, entropy
