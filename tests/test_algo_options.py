@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mmgrpo.config import OptimConfig, TrainConfig
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.losses import LossConfig, policy_loss
+from mmgrpo.models.tiny import resolve_model_path
 from mmgrpo.optim import make_scheduler
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
@@ -101,8 +103,6 @@ def test_training_runs_with_delta_and_a_linear_schedule(tmp_path):
 
 
 def _weights(folder):
-    from safetensors.torch import load_file
-
     return load_file(str(next(folder.glob("*.safetensors"))))
 
 
@@ -118,8 +118,6 @@ def test_entropy_coeff_is_the_only_gradient_when_every_group_is_equal(coeff, tmp
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics["entropy"] > 1.0  # a random tiny model: nearly uniform over its vocabulary
     assert metrics["loss"] == pytest.approx(-coeff * metrics["entropy"], rel=1e-4, abs=1e-7)
-    from mmgrpo.models.tiny import resolve_model_path
-
     before = _weights(Path(resolve_model_path("tiny:qwen2-vl")))
     after = _weights(out / "checkpoint-1")
     changed = [name for name, value in after.items() if name in before and not torch.equal(value, before[name])]
