@@ -88,18 +88,19 @@ class NullLogger:
 
 
 class _Bar:
-    def __init__(self, progress: Progress, task):
-        self.progress, self.task = progress, task
+    def __init__(self, progress: Progress, task, shown: str = "reward"):
+        self.progress, self.task, self.shown = progress, task, shown
 
     def advance(self, metrics: dict, amount: int = 1) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, advance=amount, reward=metrics.get("reward", float("nan")),
+            self.progress.update(self.task, advance=amount, value=metrics.get(self.shown, float("nan")),
                                  sps=metrics.get("time/step", float("nan")))
 
 
 @contextmanager
-def progress_bar(total: int, description: str, show: bool = True, completed: int = 0):
-    """A rich bar showing the mean reward and seconds per step (nothing when show is False)."""
+def progress_bar(total: int, description: str, show: bool = True, completed: int = 0, shown: str = "reward"):
+    """A rich bar showing one metric (`shown`: the mean reward unless told) and seconds per step
+    (nothing when show is False)."""
     if not show:
         yield _Bar(None, None)
         return
@@ -107,11 +108,11 @@ def progress_bar(total: int, description: str, show: bool = True, completed: int
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]:.3f}  {task.fields[sps]:.2f} s/step"),
+        TextColumn(f"{shown} {{task.fields[value]:.3f}}  {{task.fields[sps]:.2f}} s/step"),
         TimeRemainingColumn(),
         console=console,
         transient=False,
     )
     with progress:
-        task = progress.add_task(description, total=total, completed=completed, reward=float("nan"), sps=float("nan"))
-        yield _Bar(progress, task)
+        task = progress.add_task(description, total=total, completed=completed, value=float("nan"), sps=float("nan"))
+        yield _Bar(progress, task, shown)

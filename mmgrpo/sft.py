@@ -116,8 +116,9 @@ def sft(cfg: SFTConfig) -> Path:
     run = ModelRun(cfg=cfg, processor=processor, template=template, model=model, peft_model=peft_model,
                    strategy=strategy, rollout=build_rollout_engine(policy, strategy))
     eos = template.eos_token_ids[0]
-    with progress_bar(total, "SFT") as bar:
+    with progress_bar(total, "SFT", shown="loss") as bar:
         for step in range(1, total + 1):
+            step_started = time.perf_counter()
             micro = []  # (forward batch, target ids, mask) of each accumulated batch
             for _ in range(accumulation):
                 prompts = next(batches)
@@ -140,9 +141,10 @@ def sft(cfg: SFTConfig) -> Path:
             scores = evaluator.maybe_evaluate(run, step, final=step == total)
             if scores:
                 metrics.update(scores, **{"time/eval": time.perf_counter() - started})
+            metrics["time/step"] = time.perf_counter() - step_started  # as in GRPO: evaluation included
             stop = stop_at is not None and bool(scores) and stop_reached(stop_at, scores)
             logger.log_step(metrics, print_it=stop or bool(scores) or (step % max(cfg.logging_steps, 1) == 0 and step % 20 == 0))
-            bar.advance({"reward": -metrics["loss"], "time/step": float("nan")})
+            bar.advance(metrics)
             if stop:
                 record = {"step": step, "stop_at": cfg.stop_at, "max_steps": total, "metrics": scores}
                 (out / STOP_FILE).write_text(json.dumps(record, indent=1) + "\n")

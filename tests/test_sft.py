@@ -31,6 +31,20 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
     assert (final / "model.safetensors").exists() and (out / "eval" / "step-2" / "eval.json").exists()
 
 
+def test_the_sft_bar_shows_the_loss_and_seconds_per_step_which_the_log_keeps(tmp_path):
+    from mmgrpo.runlog import console
+
+    out = tmp_path / "run"
+    cfg = SFTConfig.from_args([*TINY, *EVAL, "--eval_steps", "2", "--max_steps", "2", "--output_dir", str(out)])
+    with console.capture() as captured:
+        sft(cfg)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(line["time/step"] > 0 for line in lines)
+    assert lines[1]["time/step"] >= lines[1]["time/eval"] > 0  # as in GRPO: the evaluation is inside the step
+    bar = [line for line in captured.get().splitlines() if line.startswith("SFT")][-1]
+    assert f"loss {lines[-1]['loss']:.3f}" in bar and "s/step" in bar and "nan" not in bar and "reward" not in bar
+
+
 def test_a_target_never_reached_trains_every_step_and_writes_no_stop_record(tmp_path):
     out = tmp_path / "run"
     (out).mkdir()
