@@ -3,7 +3,7 @@
     python benchmarks/answer_distribution.py --model runs/demo/sft-2/final --dataset shapes-color
     python benchmarks/answer_distribution.py --model runs/demo/sft-2/final --dataset shapes-count --limit 400
 
-For each of the first --limit test rows, the model scores every candidate answer of the dataset
+For each of the first --limit rows of the --split (test unless told), the model scores every candidate answer of the dataset
 (each class, written as --answer_format) after the row's prompt, teacher-forced, and the scores
 are normalised over the candidates. The table averages these distributions over the rows of each
 true class: row = the class shown, column = the answer given. Two rows that are the same mean that
@@ -54,12 +54,12 @@ def closest_pairs(means: np.ndarray, classes: list[str], count: int = 3) -> list
 
 
 @torch.no_grad()
-def distributions(model_path: str, dataset: str, limit: int, answer_format: str):
+def distributions(model_path: str, dataset: str, limit: int, answer_format: str, split: str = "test"):
     """[rows, classes] answer probabilities over the candidates, the true class of each row, the classes."""
     path, _, template = load_template(model_path, None)
     model = load_model(path, dtype=torch.float32, template=template).eval()
     policy = Policy(model, template)
-    view = resolve_dataset(dataset, "test")
+    view = resolve_dataset(dataset, split)
     rows = min(limit, len(view))
     labels = [label_of(view[i].columns["solution"]) for i in range(rows)]
     classes = sorted(set(labels), key=lambda c: (len(c), c))
@@ -77,14 +77,15 @@ def distributions(model_path: str, dataset: str, limit: int, answer_format: str)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint folder or tiny:<family>")
-    parser.add_argument("--dataset", default="shapes-color", help="registry dataset; its test split")
-    parser.add_argument("--limit", type=int, default=200, help="test rows")
+    parser.add_argument("--dataset", default="shapes-color", help="registry dataset")
+    parser.add_argument("--split", default="test", help="the split whose rows are scored (validation: judge a start unseen by test)")
+    parser.add_argument("--limit", type=int, default=200, help="rows of the split")
     parser.add_argument("--answer_format", default="<answer>{}</answer>", help="how a candidate answer is written")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    probabilities, truth, classes = distributions(args.model, args.dataset, args.limit, args.answer_format)
+    probabilities, truth, classes = distributions(args.model, args.dataset, args.limit, args.answer_format, args.split)
     means = np.array([probabilities[truth == k].mean(0) for k in range(len(classes))])
-    table = Table(title=f"{args.model} on {args.dataset}: mean probability of each answer (columns) by true class (rows)")
+    table = Table(title=f"{args.model} on {args.dataset}:{args.split}: mean probability of each answer (columns) by true class (rows)")
     table.add_column("true class")
     for name in classes:
         table.add_column(name, justify="right")

@@ -21,9 +21,9 @@ def test_the_report_names_the_closest_pair(capsys):
     from mmgrpo.runlog import console
 
     with console.capture() as captured:
-        answer_distribution.main(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--limit", "12"])
+        answer_distribution.main(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--split", "validation", "--limit", "12"])
     text = captured.get()
-    assert "mean p(true answer)" in text and "closest pairs" in text
+    assert "shapes-color:validation" in text and "mean p(true answer)" in text and "closest pairs" in text
     # an untrained model answers every image alike: its closest pair is (nearly) the same row
     closest = text.split("closest pairs")[1].split(":", 1)[1].split(",")[0].split()
     assert float(closest[-1]) < 0.05
