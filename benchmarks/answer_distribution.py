@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,16 +32,8 @@ from mmgrpo.models.loading import load_model, load_template
 from mmgrpo.runlog import console, progress_bar
 from mmgrpo.sft import encode_targets
 
-
-def label_of(solution) -> str:
-    """The class of a row: its solution, or the majority of several annotator answers.
-
-    >>> label_of(["red", "crimson", "red"]), label_of("4")
-    ('red', '4')
-    """
-    if isinstance(solution, (list, tuple)):
-        return max(set(map(str, solution)), key=list(map(str, solution)).count)
-    return str(solution)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from feature_probe import label_of  # noqa: E402  (a row's class: its solution, or the annotators' majority)
 
 
 def closest_pairs(means: np.ndarray, classes: list[str], count: int = 3) -> list[tuple[str, str, float]]:
