@@ -6,8 +6,9 @@
 
 Results and how to read them: docs/benchmarks.md, "Time to accuracy against TRL".
 
-1. One SFT checkpoint (`mmgrpo sft` with configs/learning_vs_trl_sft.yaml, or --sft_model): the start of
-   every run, so both systems begin from the same weights and the same held-out accuracy.
+1. One SFT checkpoint per task (`mmgrpo sft` with configs/learning_vs_trl_sft.yaml for colour and
+   configs/learning_vs_trl_count_sft.yaml for count, or --sft_config, or --sft_model): the start of every
+   run of the task, so both systems begin from the same weights and the same held-out accuracy.
 2. For each task, seed and system (alternating mmgrpo, TRL, mmgrpo, ...; each run a fresh
    subprocess with one torch thread): GRPO for --steps steps with the same rewards (the registry's
    `answer_format` + `vqa_accuracy`, TRL calls them through a wrapper), G, prompts per step (one
@@ -46,6 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("mmgrpo", "trl")
 REWARDS = ("answer_format", "vqa_accuracy")
 TARGETS = {"shapes-color": 0.80, "shapes-count": 0.45}  # held-out accuracy to reach (--target overrides)
+# The SFT start of each task when neither --sft_model nor --sft_config is given: one from which GRPO
+# can lift the task (docs/benchmarks.md, "Time to accuracy against TRL").
+SFT_STARTS = {"shapes-color": ["learning_vs_trl_sft.yaml"], "shapes-count": ["learning_vs_trl_count_sft.yaml"]}
 METRIC = "vqa_accuracy"
 
 
@@ -54,14 +58,32 @@ METRIC = "vqa_accuracy"
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare_sft(work: Path, args) -> Path:
-    """The SFT checkpoint every run starts from: --sft_model, or `mmgrpo sft` with each --sft_config
-    in turn (configs/learning_vs_trl_sft.yaml by default), each stage from the model the one before wrote."""
+def sft_configs(args, task: str) -> list[str]:
+    """The SFT stages of a task's start: --sft_config, else the task's SFT_STARTS entry.
+
+    >>> from argparse import Namespace
+    >>> [Path(c).name for c in sft_configs(Namespace(sft_config=None), "shapes-count")]
+    ['learning_vs_trl_count_sft.yaml']
+    >>> sft_configs(Namespace(sft_config=["a.yaml", "b.yaml"]), "shapes-count")
+    ['a.yaml', 'b.yaml']
+    """
+    if args.sft_config:
+        return args.sft_config
+    if task not in SFT_STARTS:
+        raise SystemExit(f"{task}: no default SFT start; give --sft_model or --sft_config")
+    return [str(ROOT / "configs" / name) for name in SFT_STARTS[task]]
+
+
+def prepare_sft(work: Path, args, task: str) -> Path:
+    """The SFT checkpoint every run of a task starts from: --sft_model, or `mmgrpo sft` with each
+    of the task's configs in turn (`sft_configs`), each stage from the model the one before wrote.
+    A stage already in --work_dir (the same configs, in the same order) is reused."""
     if args.sft_model:
         return Path(args.sft_model)
-    final = None
-    for number, config in enumerate(args.sft_config, 1):
-        folder = work / f"sft-{number}"
+    final, chain = None, []
+    for config in sft_configs(args, task):
+        chain.append(Path(config).stem)
+        folder = work / ("sft-" + "+".join(chain))
         if not (folder / "final" / "config.json").exists():
             command = [sys.executable, "-m", "mmgrpo", "sft", "--config", config, "--output_dir", str(folder),
                        "--seed", "0", "--torch_threads", "1", "--overwrite_output_dir"]
@@ -483,10 +505,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient of both")
     parser.add_argument("--loss_type", default="dapo", help="loss of both (dapo, grpo, dr_grpo, bnpo)")
     parser.add_argument("--max_completion_length", type=int, default=40, help="completion cap of both")
-    parser.add_argument("--sft_model", default=None, help="start checkpoint (default: SFT with --sft_config)")
-    parser.add_argument("--sft_config", nargs="+", help="SFT configs, run in turn, when no --sft_model "
-                        "(default: one stage whose colour start GRPO can lift past 0.95; the demo's is `configs/demo_sft.yaml "
-                        "configs/demo_sft_colour.yaml`)", default=[str(ROOT / "configs" / "learning_vs_trl_sft.yaml")])
+    parser.add_argument("--sft_model", default=None, help="start checkpoint of every task (default: SFT with --sft_config)")
+    parser.add_argument("--sft_config", nargs="+", default=None,
+                        help="SFT configs, run in turn, when no --sft_model; the start of every task (default: per task, "
+                        "configs/learning_vs_trl_sft.yaml for colour, configs/learning_vs_trl_count_sft.yaml for count; "
+                        "the demo's is `configs/demo_sft.yaml configs/demo_sft_colour.yaml`)")
     parser.add_argument("--work_dir", default=None, help="checkpoints, logs and results (default: a temporary folder)")
     parser.add_argument("--output_dir", default="runs/learning_vs_trl", help="summary.json and the PNG plots")
     parser.add_argument("--summarize", action="store_true",
@@ -514,20 +537,22 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    model = prepare_sft(work, args)
+    models = {task: prepare_sft(work, args, task) for task in args.tasks}
     def per_task(values: list[int], flag: str) -> dict[str, int]:
         if len(values) not in (1, len(args.tasks)):
             raise SystemExit(f"--{flag}: give one value or one per task ({len(args.tasks)})")
         return dict(zip(args.tasks, values * len(args.tasks) if len(values) == 1 else values))
 
     steps, save_every = per_task(args.steps, "steps"), per_task(args.save_every, "save_every")
-    base = {"model": str(model), "num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
+    base = {"num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
             "learning_rate": args.learning_rate, "beta": args.beta, "loss_type": args.loss_type,
-            "max_completion_length": args.max_completion_length, "suppress_ids": placeholder_ids(model)}
+            "max_completion_length": args.max_completion_length,
+            "suppress_ids": placeholder_ids(next(iter(models.values())))}
     summaries, cache = [], {}
     runs_total = len(args.tasks) * len(args.seeds) * len(SYSTEMS)
     with progress_bar(runs_total, "runs (train, then evaluate every checkpoint)") as bar:
         for task in args.tasks:
+            model = models[task]
             length = check_same_prompts(model, task)
             start_accuracy = evaluate_checkpoints({0: str(model)}, task, args.eval_limit, cache, work)[0]
             target = args.target if args.target is not None else TARGETS.get(task, 0.8)
@@ -536,7 +561,7 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[list[dict]]] = {s: [] for s in SYSTEMS}
             for seed in args.seeds:
                 for system in SYSTEMS:
-                    spec = {**base, "task": task, "seed": seed, "steps": steps[task], "save_every": save_every[task]}
+                    spec = {**base, "model": str(model), "task": task, "seed": seed, "steps": steps[task], "save_every": save_every[task]}
                     result = run_worker(system, spec, work)
                     scores = evaluate_checkpoints({int(k): v for k, v in result["checkpoints"].items()}, task,
                                                   args.eval_limit, cache, work)
@@ -553,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
             plot(task, runs, target, output / f"{task}.png")
     for summary in summaries:
         print_summary(summary)
-    settings = {**base, "seeds": args.seeds, "steps": steps, "save_every": save_every}
+    settings = {**base, "models": {task: str(path) for task, path in models.items()}, "seeds": args.seeds, "steps": steps, "save_every": save_every}
     (output / "summary.json").write_text(json.dumps({"settings": settings, "tasks": summaries},
                                                     indent=1))
     print(f"\nplots and summary.json in {output}; total {time.perf_counter() - started:.0f} s")
