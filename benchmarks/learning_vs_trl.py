@@ -1,6 +1,6 @@
 """Time to accuracy: mmgrpo and TRL's GRPOTrainer train the same SFT checkpoint, side by side.
 
-    python benchmarks/learning_vs_trl.py                        # colour and count, 3 seeds (about 40 minutes)
+    python benchmarks/learning_vs_trl.py                        # colour and count, 3 seeds (about 80 minutes on 2 cores)
     python benchmarks/learning_vs_trl.py --tasks shapes-color --seeds 0 --steps 10 --eval_limit 40   # a smoke run
     python benchmarks/learning_vs_trl.py --sft_model runs/demo/sft-2/final --work_dir /tmp/lvt
 
