@@ -546,13 +546,13 @@ def main(argv: list[str] | None = None) -> None:
     steps, save_every = per_task(args.steps, "steps"), per_task(args.save_every, "save_every")
     base = {"num_generations": args.num_generations, "prompts_per_step": args.prompts_per_step,
             "learning_rate": args.learning_rate, "beta": args.beta, "loss_type": args.loss_type,
-            "max_completion_length": args.max_completion_length,
-            "suppress_ids": placeholder_ids(next(iter(models.values())))}
+            "max_completion_length": args.max_completion_length}
     summaries, cache = [], {}
     runs_total = len(args.tasks) * len(args.seeds) * len(SYSTEMS)
     with progress_bar(runs_total, "runs (train, then evaluate every checkpoint)") as bar:
         for task in args.tasks:
             model = models[task]
+            suppress_ids = placeholder_ids(model)
             length = check_same_prompts(model, task)
             start_accuracy = evaluate_checkpoints({0: str(model)}, task, args.eval_limit, cache, work)[0]
             target = args.target if args.target is not None else TARGETS.get(task, 0.8)
@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[list[dict]]] = {s: [] for s in SYSTEMS}
             for seed in args.seeds:
                 for system in SYSTEMS:
-                    spec = {**base, "model": str(model), "task": task, "seed": seed, "steps": steps[task], "save_every": save_every[task]}
+                    spec = {**base, "model": str(model), "suppress_ids": suppress_ids, "task": task, "seed": seed,
+                            "steps": steps[task], "save_every": save_every[task]}
                     result = run_worker(system, spec, work)
                     scores = evaluate_checkpoints({int(k): v for k, v in result["checkpoints"].items()}, task,
                                                   args.eval_limit, cache, work)
