@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,13 +59,15 @@ def distributions(model_path: str, dataset: str, limit: int, answer_format: str,
     labels = [label_of(view[i].columns["solution"]) for i in range(rows)]
     classes = sorted(set(labels), key=lambda c: (len(c), c))
     ids, mask = encode_targets([answer_format.format(c) for c in classes], template.tokenizer, template.eos_token_ids[0])
-    probabilities = []
-    with progress_bar(rows, f"answers {view.name}:{view.split}") as bar:
+    probabilities, true_total = [], 0.0
+    with progress_bar(rows, f"answers {view.name}:{view.split}", shown="p(true)") as bar:
         for index in range(rows):
+            started = time.perf_counter()
             encoded = template.encode_prompt(view[index].load_media())
             logps, _ = policy.completion_logprobs(policy.forward_batch([encoded], [len(classes)]), ids, mask)
             probabilities.append(torch.softmax((logps * mask).sum(-1), 0).numpy())
-            bar.advance({"reward": float("nan"), "time/step": float("nan")})
+            true_total += probabilities[-1][classes.index(labels[index])]
+            bar.advance({"p(true)": true_total / (index + 1), "time/step": time.perf_counter() - started})
     return np.array(probabilities), np.array([classes.index(label) for label in labels]), classes
 
 
