@@ -93,14 +93,15 @@ class _Bar:
 
     def advance(self, metrics: dict, amount: int = 1) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, advance=amount, value=metrics.get(self.shown, float("nan")),
+            self.progress.update(self.task, advance=amount, value=metrics.get(self.shown or "", float("nan")),
                                  sps=metrics.get("time/step", float("nan")))
 
 
 @contextmanager
-def progress_bar(total: int, description: str, show: bool = True, completed: int = 0, shown: str = "reward"):
-    """A rich bar showing one metric (`shown`: the mean reward unless told) and seconds per step
-    (nothing when show is False)."""
+def progress_bar(total: int, description: str, show: bool = True, completed: int = 0, shown: str | None = "reward",
+                 unit: str = "step"):
+    """A rich bar showing one metric (`shown`: the mean reward unless told; None: no metric) and
+    seconds per `unit` from `time/step` (nothing when show is False)."""
     if not show:
         yield _Bar(None, None)
         return
@@ -108,7 +109,7 @@ def progress_bar(total: int, description: str, show: bool = True, completed: int
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn(f"{shown} {{task.fields[value]:.3f}}  {{task.fields[sps]:.2f}} s/step"),
+        TextColumn((f"{shown} {{task.fields[value]:.3f}}  " if shown else "") + f"{{task.fields[sps]:.2f}} s/{unit}"),
         TimeRemainingColumn(),
         console=console,
         transient=False,

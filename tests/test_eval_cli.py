@@ -243,3 +243,12 @@ def test_train_evaluates_several_datasets(tmp_path, tiny_qwen2_vl_path):
         assert "eval/vqa_accuracy" not in row  # several datasets: every key names its dataset
     best = json.loads((out / "checkpoint-best" / "best.json").read_text())
     assert best["metric"] == "shapes-ground/iou" and best["eval"] == f"eval/step-{best['step']}"
+
+
+def test_the_eval_bar_shows_seconds_per_sample_not_a_reward(tmp_path, tiny_qwen2_vl_path):
+    from mmgrpo.runlog import console
+
+    with console.capture() as captured:
+        _eval(tiny_qwen2_vl_path, tmp_path / "bar", "--limit", "4")
+    bar = [line for line in captured.get().splitlines() if line.startswith("eval shapes-color")][-1]
+    assert "4/4" in bar and "s/sample" in bar and "nan" not in bar and "reward" not in bar

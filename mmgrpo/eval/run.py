@@ -12,6 +12,7 @@ they come, so an interrupted eval resumes with `--resume`.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ class EngineGenerator:
 
     @torch.no_grad()
     def __call__(self, samples: list, num_samples: int):
+        started = time.perf_counter()
         encoded = [self.template.encode_prompt(sample.load_media(**self.media_kwargs)) for sample in samples]
         params = SamplingParams(
             num_generations=num_samples, max_new_tokens=self.max_new_tokens,
@@ -42,7 +44,7 @@ class EngineGenerator:
         texts = self.template.decode(rollout.completion_ids, rollout.completion_mask)
         completions = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(samples))]
         if self.bar is not None:
-            self.bar.advance({"reward": float("nan"), "time/step": float("nan")}, amount=len(samples))
+            self.bar.advance({"time/step": (time.perf_counter() - started) / len(samples)}, amount=len(samples))
         return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
 
 
@@ -52,7 +54,7 @@ def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model
     """Score the rollout engine's model on every sample of `dataset` (a DatasetView); writes eval.json and returns it."""
     count = len(dataset) if limit is None else min(limit, len(dataset))
     samples = (dataset[i] for i in range(count))
-    with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress) as bar:
+    with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress, shown=None, unit="sample") as bar:
         generate = EngineGenerator(engine, template, max_new_tokens=max_new_tokens, temperature=temperature,
                                    media_kwargs=media_kwargs, bar=bar)
         return run_eval(
