@@ -90,3 +90,18 @@ def test_load_model_and_processor(tiny_qwen2_vl_path):
     assert load_processor(tiny_qwen2_vl_path).tokenizer.padding_side == "left"
     with pytest.raises(ConfigError, match="no checkpoint"):
         load_model("/nonexistent/model")
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava-onevision"])
+def test_vision_init_gain_redraws_the_vision_tower_only(tmp_path, family):
+    from safetensors.torch import load_file
+
+    plain = load_file(build_tiny(family, cache_dir=tmp_path) / "model.safetensors")
+    wide = load_file(build_tiny(family, cache_dir=tmp_path, vision_init_gain=3) / "model.safetensors")
+    redrawn = [name for name in plain if not torch.equal(plain[name], wide[name])]
+    assert redrawn and all(("visual." in n or "vision_tower." in n or "multi_modal_projector." in n) for n in redrawn)
+    for name in redrawn:  # weight matrices only, each at std 3 / sqrt(fan_in); norms and biases unchanged
+        weight = wide[name].float()
+        assert weight.dim() >= 2 and name.endswith("weight")
+        assert weight.std().item() == pytest.approx(3 / weight[0].numel() ** 0.5, rel=0.1)
+    assert any("visual.blocks" in n or "vision_tower" in n for n in redrawn)
