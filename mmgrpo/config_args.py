@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models.tiny import TINY_PREFIX
+from mmgrpo.models.tiny import TINY_PREFIX, tiny_family
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -146,5 +146,5 @@ def config_from_namespace(cls, ns: argparse.Namespace):
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)
     if cfg.model.model_type is None and cfg.model.model.startswith(TINY_PREFIX):
-        cfg.model.model_type = cfg.model.model.removeprefix(TINY_PREFIX)
+        cfg.model.model_type = tiny_family(cfg.model.model)
     return cfg

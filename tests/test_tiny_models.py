@@ -105,3 +105,16 @@ def test_vision_init_gain_redraws_the_vision_tower_only(tmp_path, family):
         assert weight.dim() >= 2 and name.endswith("weight")
         assert weight.std().item() == pytest.approx(3 / weight[0].numel() ** 0.5, rel=0.1)
     assert any("visual.blocks" in n or "vision_tower" in n for n in redrawn)
+
+
+def test_a_tiny_name_takes_dimension_overrides(tmp_path, monkeypatch):
+    from mmgrpo.config import SFTConfig
+
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path))
+    name = "tiny:qwen2-vl?vision_init_gain=3&seed=1"
+    assert resolve_model_path(name) == str(build_tiny("qwen2-vl", vision_init_gain=3, seed=1))
+    assert resolve_model_path(name) != resolve_model_path("tiny:qwen2-vl")
+    assert SFTConfig.from_args(["--model", name]).model.model_type == "qwen2-vl"
+    for bad in ("tiny:qwen2-vl?vision_gain=3", "tiny:qwen2-vl?seed=one"):
+        with pytest.raises(ConfigError, match="not DIM=INTEGER.*vision_init_gain"):
+            resolve_model_path(bad)

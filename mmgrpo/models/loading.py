@@ -17,7 +17,7 @@ import torch
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.integrity import check_model_folder
-from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path
+from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path, tiny_family
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
@@ -106,7 +106,7 @@ def infer_model_type(model: str) -> str:
     from mmgrpo.templates import Template, known_templates, templates_for_hf_type
 
     if model.startswith(TINY_PREFIX):
-        return model.removeprefix(TINY_PREFIX)
+        return tiny_family(model)
     recorded = saved_model_type(model)
     if recorded:
         return recorded

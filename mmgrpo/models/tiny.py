@@ -754,8 +754,33 @@ def _write_checkpoint(recipe: TinyRecipe, dims: dict, out: Path) -> None:
     )
 
 
+def parse_tiny_name(name: str) -> tuple[str, dict[str, int]]:
+    """`tiny:<family>[?dim=N&dim=N]` -> (family, overrides of DEFAULT_DIMS).
+
+    >>> parse_tiny_name("tiny:qwen2-vl?vision_init_gain=3&seed=1")
+    ('qwen2-vl', {'vision_init_gain': 3, 'seed': 1})
+    """
+    family, _, query = name.removeprefix(TINY_PREFIX).partition("?")
+    overrides = {}
+    for item in filter(None, query.split("&")):
+        key, _, value = item.partition("=")
+        if key not in DEFAULT_DIMS or not value.lstrip("-").isdigit():
+            raise ConfigError(
+                f"model {name!r}: {item!r} is not DIM=INTEGER with a tiny model dimension; known: "
+                f"{', '.join(sorted(DEFAULT_DIMS))} (e.g. tiny:qwen2-vl?vision_init_gain=3)"
+            )
+        overrides[key] = int(value)
+    return family, overrides
+
+
+def tiny_family(name: str) -> str:
+    """The family (and template name) of a `tiny:` model name: `tiny:qwen2-vl?seed=1` -> 'qwen2-vl'."""
+    return name.removeprefix(TINY_PREFIX).partition("?")[0]
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """`tiny:<family>` -> the built checkpoint's folder; anything else is returned unchanged.
+    """`tiny:<family>` (with `?dim=N&...` overrides, see `DEFAULT_DIMS`) -> the built checkpoint's
+    folder; anything else is returned unchanged.
 
     >>> resolve_model_path("Qwen/Qwen2-VL-2B-Instruct")
     'Qwen/Qwen2-VL-2B-Instruct'
@@ -763,7 +788,8 @@ def resolve_model_path(name_or_path: str) -> str:
     name_or_path = str(name_or_path)
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
-    return str(build_tiny(name_or_path[len(TINY_PREFIX) :]))
+    family, overrides = parse_tiny_name(name_or_path)
+    return str(build_tiny(family, **overrides))
 
 
 def main(argv: list[str] | None = None) -> None:
