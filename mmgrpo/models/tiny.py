@@ -11,6 +11,7 @@ The same recipe always gives byte-identical files.
 
 Anywhere a model path is accepted, `tiny:<family>` builds (once, then cached) and uses one:
 `resolve_model_path("tiny:qwen2-vl")` -> `~/.cache/mmgrpo/models/qwen2-vl-<hash>`.
+A variant names its dimensions after `?`: `tiny:qwen2-vl?vision_init_gain=3&seed=1`.
 
 Adding a family is one `TinyRecipe` entry in `RECIPES`: its special tokens, chat template,
 a config builder, the model class and a processor builder.
