@@ -1,0 +1,559 @@
+"""The tiny model of each family: its special tokens, chat template, config builder, model class and
+processor builder (`RECIPES`). `mmgrpo.models.tiny` builds, caches and names the checkpoints.
+
+Adding a family is one `TinyRecipe` entry in `RECIPES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mmgrpo.models.tiny_tokenizer import (
+    GEMMA3_CHAT_TEMPLATE,
+    QWEN_OMNI_PARTS,
+    QWEN_VL_CHAT_TEMPLATE,
+    QWEN_VL_PARTS,
+    chatml_jinja,
+)
+
+# Small pixel budgets suit tiny models: an image is 4 to 64 merged tokens, a video frame 4 to 16.
+IMAGE_MIN_PIXELS = 28 * 28 * 4
+IMAGE_MAX_PIXELS = 28 * 28 * 64
+VIDEO_MIN_PIXELS = 28 * 28 * 4
+VIDEO_MAX_PIXELS = 28 * 28 * 16
+
+# The Qwen2-VL vocabulary's special tokens, in the real vocabulary's order (ids 151643 ...).
+QWEN2_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL appends tool-call and fill-in-the-middle tokens (ids 151657 ...).
+QWEN2_5_VL_SPECIAL_TOKENS = QWEN2_VL_SPECIAL_TOKENS + (
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+
+# Qwen2-Audio's vocabulary: its audio tokens take the ids where Qwen2-VL has object-ref tokens.
+QWEN2_AUDIO_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+)
+# Qwen2.5-Omni's vocabulary (ids 151643 ...): Qwen2.5-VL's with audio tokens and renamed vision tokens.
+QWEN2_5_OMNI_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+)
+# LLaVA-OneVision (Qwen2 LLM): <image> and <video> follow Qwen2's ChatML tokens (ids 151646, 151647).
+LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+# Gemma3's special tokens (their real ids are 0-3, 105, 106, 255999, 256000, 262144; here they follow
+# the BPE vocabulary like every tiny family's).
+GEMMA3_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+
+# SigLIP towers (LLaVA-OneVision, Gemma3) see square tiles of TILE_SIZE pixels: (56 / 14)**2 = 16 patches.
+TILE_SIZE = 56
+# LLaVA-OneVision's "anyres" tilings of an image, in pixels (multiples of the tile).
+LLAVA_GRID_PINPOINTS = [[TILE_SIZE * h, TILE_SIZE * w] for h in (1, 2, 3) for w in (1, 2, 3)]
+# Gemma3 pools the 4x4 patches of its tile to 2x2 = 4 image tokens (256 in the real model).
+GEMMA3_IMAGE_TOKENS = 4
+# Whisper-style audio: the encoder's cost is fixed per clip (Qwen2-Audio pads every clip to the chunk),
+# so tiny models use few mel bins and short chunks (the real models: 128 bins, 30 s).
+AUDIO_MEL_BINS = 16
+AUDIO_CHUNK_SECONDS = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Recipes: one entry per family
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """How to build one family's tiny checkpoint."""
+
+    family: str  # the name after "tiny:", also the template name
+    special_tokens: tuple[str, ...]
+    chat_template: str
+    make_config: Callable  # (dims, vocab_size, token_ids: dict[str, int]) -> PreTrainedConfig
+    model_class: str  # transformers class name, built with `cls(config)`
+    make_processor: Callable | None  # (dims) -> ((tokenizer) -> ProcessorMixin); None: the tokenizer alone
+    eos_tokens: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>")  # the first is the tokenizer's eos
+    pad_token: str = "<|endoftext|>"
+    bos_token: str = "<|endoftext|>"  # the config's bos id (a Qwen tokenizer adds no bos)
+    tokenizer_bos: str | None = None  # a bos the tokenizer knows by name (Gemma3's chat template writes it)
+    named_tokens: tuple[tuple[str, str], ...] = ()  # tokenizer attributes processors read, e.g. image_token
+    init_weights: Callable | None = None  # (model) -> None: re-initialise what transformers zero-initialises
+
+
+def _qwen_text_dims(dims: dict, vocab_size: int, ids: dict[str, int], mrope: bool = True) -> dict:
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    if mrope:  # mRoPE splits the rotary half-dimension into (temporal, height, width) sections
+        rope["mrope_section"] = _mrope(dims)
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": dims["num_hidden_layers"],
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"],
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "rope_parameters": rope,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+
+
+def _mrope(dims: dict) -> list[int]:
+    """Split head_dim / 2 in the proportions of Qwen's [16, 24, 24] (of 64)."""
+    half = dims["head_dim"] // 2
+    temporal = half // 4
+    spatial = (half - temporal) // 2
+    return [temporal, spatial, half - temporal - spatial]
+
+
+def _qwen_vl_ids(ids: dict[str, int]) -> dict:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen2_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2VLConfig
+
+    vision = {
+        "depth": dims["vision_depth"],
+        "embed_dim": dims["vision_embed_dim"],
+        "hidden_size": dims["hidden_size"],  # the merger projects into the LLM width
+        "num_heads": dims["vision_num_heads"],
+        "mlp_ratio": 2,
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+    }
+    return Qwen2VLConfig(
+        text_config=_qwen_text_dims(dims, vocab_size, ids), vision_config=vision, **_qwen_vl_ids(ids)
+    )
+
+
+def _qwen2_5_vision(dims: dict) -> dict:
+    """Qwen2.5-VL's (and Qwen2.5-Omni's) windowed vision tower."""
+    return {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "out_hidden_size": dims["hidden_size"],
+        "num_heads": dims["vision_num_heads"],
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+        "window_size": 112,
+        "fullatt_block_indexes": [dims["vision_depth"] - 1],  # window attention elsewhere
+    }
+
+
+def _qwen2_5_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2_5_VLConfig
+
+    vision = {**_qwen2_5_vision(dims), "tokens_per_second": 2}
+    return Qwen2_5_VLConfig(
+        text_config=_qwen_text_dims(dims, vocab_size, ids), vision_config=vision, **_qwen_vl_ids(ids)
+    )
+
+
+def _qwen3_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen3VLConfig
+
+    text = _qwen_text_dims(dims, vocab_size, ids)
+    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": 5000000.0, "mrope_interleaved": True}
+    vision = {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "out_hidden_size": dims["hidden_size"],
+        "num_heads": dims["vision_num_heads"],
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+        "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to each image's grid
+        "deepstack_visual_indexes": [0],  # block 0's features are added to the LLM's first layer
+    }
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_vl_ids(ids))
+
+
+def _whisper_encoder(dims: dict) -> dict:
+    """A 2-layer Whisper-style audio encoder over AUDIO_MEL_BINS mel bins and AUDIO_CHUNK_SECONDS clips."""
+    return {
+        "num_mel_bins": AUDIO_MEL_BINS,
+        "encoder_layers": dims["vision_depth"],
+        "encoder_attention_heads": dims["vision_num_heads"],
+        "encoder_ffn_dim": 2 * dims["vision_embed_dim"],
+        "d_model": dims["vision_embed_dim"],
+        "max_source_positions": AUDIO_CHUNK_SECONDS
+        * 50,  # mel frames (100 per second) after the stride-2 conv
+    }
+
+
+def _qwen2_audio_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2AudioConfig
+
+    text = {"model_type": "qwen2", **_qwen_text_dims(dims, vocab_size, ids, mrope=False)}
+    audio = {"model_type": "qwen2_audio_encoder", **_whisper_encoder(dims)}
+    return Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=ids["<|AUDIO|>"])
+
+
+def _qwen2_5_omni_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    text = {**_qwen_text_dims(dims, vocab_size, ids), "tie_word_embeddings": False}
+    audio = {**_whisper_encoder(dims), "n_window": 50, "output_dim": dims["hidden_size"]}
+    return Qwen2_5OmniThinkerConfig(
+        audio_config=audio,
+        vision_config=_qwen2_5_vision(dims),
+        text_config=text,
+        audio_token_index=ids["<|AUDIO|>"],
+        image_token_index=ids["<|IMAGE|>"],
+        video_token_index=ids["<|VIDEO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"],
+        audio_end_token_id=ids["<|audio_eos|>"],
+        vision_start_token_id=ids["<|vision_bos|>"],
+        vision_end_token_id=ids["<|vision_eos|>"],
+        user_token_id=ids["<|im_start|>"],  # unused by the thinker's forward
+    )
+
+
+def _siglip_vision(dims: dict) -> dict:
+    """A 2-layer SigLIP vision tower on TILE_SIZE-pixel tiles of `patch_size` patches."""
+    return {
+        "model_type": "siglip_vision_model",
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "image_size": TILE_SIZE,
+        "patch_size": dims["patch_size"],
+        "vision_use_head": False,
+    }
+
+
+def _llava_onevision_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import LlavaOnevisionConfig
+
+    return LlavaOnevisionConfig(
+        vision_config=_siglip_vision(dims),
+        text_config={"model_type": "qwen2", **_qwen_text_dims(dims, vocab_size, ids, mrope=False)},
+        image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"],
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+        vision_aspect_ratio="anyres_max_9",
+        image_grid_pinpoints=LLAVA_GRID_PINPOINTS,
+    )
+
+
+def _gemma3_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Gemma3Config
+
+    text = {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": dims["num_hidden_layers"],
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"],
+        "query_pre_attn_scalar": dims["head_dim"],
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "sliding_window": 512,
+        "layer_types": ["sliding_attention"] * (dims["num_hidden_layers"] - 1) + ["full_attention"],
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "pad_token_id": ids["<pad>"],
+    }
+    return Gemma3Config(
+        text_config=text,
+        vision_config=_siglip_vision(dims),
+        mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )
+
+
+def _gemma3_init(model) -> None:
+    """transformers zero-initialises Gemma3's image projection: without this the image has no effect."""
+    import torch
+
+    projection = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        projection.normal_(0.0, projection.shape[0] ** -0.5)
+
+
+def _qwen2_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_qwen_text_dims(dims, vocab_size, ids, mrope=False), tie_word_embeddings=False)
+
+
+def _qwen_patches(dims: dict) -> dict:
+    return {
+        "patch_size": dims["patch_size"],
+        "merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+    }
+
+
+def _qwen_image_processor(dims: dict):
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(
+        min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS, **_qwen_patches(dims)
+    )
+
+
+def _qwen_video_processor(dims: dict, cls_name: str = "Qwen2VLVideoProcessor", frames: int = 1):
+    """Qwen's video processor; `frames` > 1 makes the pixel budget a per-clip one (Qwen3-VL's)."""
+    import transformers
+
+    if frames == 1:
+        budget = {"min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS}
+    else:
+        budget = {"size": {"shortest_edge": VIDEO_MIN_PIXELS * 2, "longest_edge": VIDEO_MAX_PIXELS * frames}}
+    video_processor = getattr(transformers, cls_name)(**budget, **_qwen_patches(dims))
+    if hasattr(video_processor, "cap_pixels_per_frame"):
+        video_processor.cap_pixels_per_frame = False  # the size budget is the cap
+    return video_processor
+
+
+def _whisper_features():
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(
+        feature_size=AUDIO_MEL_BINS,
+        sampling_rate=16000,
+        chunk_length=AUDIO_CHUNK_SECONDS,
+        return_attention_mask=True,
+    )
+
+
+def _qwen_vl_processor(processor_class: str, dims: dict):
+    def make(tokenizer):
+        import transformers
+
+        video_processor = _qwen_video_processor(
+            dims,
+            "Qwen3VLVideoProcessor" if processor_class == "Qwen3VLProcessor" else "Qwen2VLVideoProcessor",
+            frames=8 if processor_class == "Qwen3VLProcessor" else 1,
+        )
+        return getattr(transformers, processor_class)(
+            image_processor=_qwen_image_processor(dims),
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+def _qwen2_audio_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import Qwen2AudioProcessor
+
+        return Qwen2AudioProcessor(
+            feature_extractor=_whisper_features(), tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        )
+
+    return make
+
+
+def _qwen2_5_omni_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import Qwen2_5OmniProcessor
+
+        return Qwen2_5OmniProcessor(
+            image_processor=_qwen_image_processor(dims),
+            video_processor=_qwen_video_processor(dims),
+            feature_extractor=_whisper_features(),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+def _llava_onevision_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import (
+            LlavaOnevisionImageProcessor,
+            LlavaOnevisionProcessor,
+            LlavaOnevisionVideoProcessor,
+        )
+
+        tile = {"height": TILE_SIZE, "width": TILE_SIZE}
+        return LlavaOnevisionProcessor(
+            image_processor=LlavaOnevisionImageProcessor(
+                size=tile, image_grid_pinpoints=LLAVA_GRID_PINPOINTS
+            ),
+            tokenizer=tokenizer,
+            video_processor=LlavaOnevisionVideoProcessor(size=tile),
+            num_image_tokens=(TILE_SIZE // dims["patch_size"]) ** 2,
+            vision_feature_select_strategy="full",
+            vision_aspect_ratio="anyres_max_9",
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+def _gemma3_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+        return Gemma3Processor(
+            image_processor=Gemma3ImageProcessor(size={"height": TILE_SIZE, "width": TILE_SIZE}),
+            tokenizer=tokenizer,
+            image_seq_length=GEMMA3_IMAGE_TOKENS,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+RECIPES: dict[str, TinyRecipe] = {
+    "qwen2-vl": TinyRecipe(
+        family="qwen2-vl",
+        special_tokens=QWEN2_VL_SPECIAL_TOKENS,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        make_config=_qwen2_vl_config,
+        model_class="Qwen2VLForConditionalGeneration",
+        make_processor=lambda dims: _qwen_vl_processor("Qwen2VLProcessor", dims),
+    ),
+    "qwen2.5-vl": TinyRecipe(
+        family="qwen2.5-vl",
+        special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        make_config=_qwen2_5_vl_config,
+        model_class="Qwen2_5_VLForConditionalGeneration",
+        make_processor=lambda dims: _qwen_vl_processor("Qwen2_5_VLProcessor", dims),
+    ),
+    "qwen3-vl": TinyRecipe(
+        family="qwen3-vl",
+        special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(None, QWEN_VL_PARTS),
+        make_config=_qwen3_vl_config,
+        model_class="Qwen3VLForConditionalGeneration",
+        make_processor=lambda dims: _qwen_vl_processor("Qwen3VLProcessor", dims),
+    ),
+    "qwen2-audio": TinyRecipe(
+        family="qwen2-audio",
+        special_tokens=QWEN2_AUDIO_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(
+            "You are a helpful assistant.",
+            {"audio": "Audio {{ counts.audio }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"},
+        ),
+        make_config=_qwen2_audio_config,
+        model_class="Qwen2AudioForConditionalGeneration",
+        make_processor=_qwen2_audio_processor,
+    ),
+    "qwen2.5-omni": TinyRecipe(
+        family="qwen2.5-omni",
+        special_tokens=QWEN2_5_OMNI_SPECIAL_TOKENS,
+        chat_template=chatml_jinja("You are a helpful assistant.", QWEN_OMNI_PARTS),
+        make_config=_qwen2_5_omni_config,
+        model_class="Qwen2_5OmniThinkerForConditionalGeneration",
+        make_processor=_qwen2_5_omni_processor,
+        named_tokens=(
+            ("image_token", "<|IMAGE|>"),
+            ("audio_token", "<|AUDIO|>"),
+            ("video_token", "<|VIDEO|>"),
+            ("vision_bos_token", "<|vision_bos|>"),
+            ("vision_eos_token", "<|vision_eos|>"),
+            ("audio_bos_token", "<|audio_bos|>"),
+            ("audio_eos_token", "<|audio_eos|>"),
+        ),
+    ),
+    "llava-onevision": TinyRecipe(
+        family="llava-onevision",
+        special_tokens=LLAVA_ONEVISION_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(
+            "You are a helpful assistant.", {"image": "<image>\n", "video": "<video>\n"}
+        ),
+        make_config=_llava_onevision_config,
+        model_class="LlavaOnevisionForConditionalGeneration",
+        make_processor=_llava_onevision_processor,
+    ),
+    "gemma3": TinyRecipe(
+        family="gemma3",
+        special_tokens=GEMMA3_SPECIAL_TOKENS,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        make_config=_gemma3_config,
+        model_class="Gemma3ForConditionalGeneration",
+        make_processor=_gemma3_processor,
+        eos_tokens=("<eos>", "<end_of_turn>"),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        tokenizer_bos="<bos>",
+        named_tokens=(
+            ("boi_token", "<start_of_image>"),
+            ("eoi_token", "<end_of_image>"),
+            ("image_token", "<image_soft_token>"),
+        ),
+        init_weights=_gemma3_init,
+    ),
+    "qwen2": TinyRecipe(
+        family="qwen2",
+        special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,  # Qwen2.5's text vocabulary has the same specials
+        chat_template=chatml_jinja("You are a helpful assistant.", {}),
+        make_config=_qwen2_config,
+        model_class="Qwen2ForCausalLM",
+        make_processor=None,
+    ),
+}
