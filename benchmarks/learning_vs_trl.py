@@ -579,7 +579,8 @@ def main(argv: list[str] | None = None) -> None:
             plot(task, runs, target, output / f"{task}.png")
     for summary in summaries:
         print_summary(summary)
-    settings = {**base, "models": {task: str(path) for task, path in models.items()}, "seeds": args.seeds, "steps": steps, "save_every": save_every}
+    settings = {**base, "models": {task: str(path) for task, path in models.items()}, "seeds": args.seeds,
+                "steps": steps, "save_every": save_every}
     (output / "summary.json").write_text(json.dumps({"settings": settings, "tasks": summaries},
                                                     indent=1))
     print(f"\nplots and summary.json in {output}; total {time.perf_counter() - started:.0f} s")
