@@ -163,7 +163,8 @@ def _assert_grads_equal(expected, got, template, batch):
 def test_logps_and_gradients_match_naive(family, setups):
     model, template = setups[family]
     batch = _prompt_batch(template)
-    assert batch["attention_mask"][:, 0].tolist().count(0) == 3  # left padding, mixed lengths
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert len(set(lengths)) >= 3 and batch["attention_mask"][:, 0].tolist().count(0) >= 2, lengths  # left padding, mixed lengths
     ids, mask = _completions(4)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 
@@ -319,7 +320,9 @@ def _assert_greedy_equals_hf_generate(model, template, prompts, attention):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize(
-    "kinds", [("image", "two_images", "video"), ("two_images",)], ids=["padded", "single"]
+    # "single": one prompt whose greedy continuation does not repeat itself from its first token in
+    # any family (two images: LLaVA-OneVision and Gemma3 alternate two tokens, and no EOS could end them at 3+)
+    "kinds", [("image", "two_images", "video"), ("image",)], ids=["padded", "single"]
 )
 def test_greedy_rollout_equals_hf_generate(family, attention, kinds, setups):
     model, template = setups[family]

@@ -47,13 +47,14 @@ def _video(num_frames=4, width=84, height=56, fps=2.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Golden ids: the tiny tokenizer is trained deterministically, so these never change.
+# Golden ids: the tiny tokenizer is trained deterministically, so these change only with its corpus
+# (mmgrpo/models/tiny_tokenizer.py).
 # ---------------------------------------------------------------------------------------------
 
 GOLDEN_IDS = [
-    1501, 368, 198, 374, 281, 348, 266, 29, 279, 266, 29, 13, 1502, 198,  # system turn
+    1501, 368, 198, 374, 281, 309, 266, 29, 278, 266, 29, 13, 1502, 198,  # system turn
     1501, 354, 198, 1509, 1512, 1512, 1512, 1512, 1512, 1512, 1510,  # user, 84x56 image -> 6 pads
-    341, 335, 394, 460, 30, 220, 38, 72, 404, 268, 314, 13, 1502, 198,  # "How many ... box."
+    342, 336, 397, 460, 30, 220, 38, 72, 440, 268, 315, 13, 1502, 198,  # "How many ... box."
     1501, 367, 198,  # generation prompt
 ]  # fmt: skip
 

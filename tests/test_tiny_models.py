@@ -62,6 +62,16 @@ def test_tokenizer_knows_the_corpus_words(tiny_qwen2_vl_path):
     )
 
 
+def test_each_colour_answer_is_one_token(tiny_qwen2_vl_path):
+    """As in a real tokenizer's vocabulary: a colour answer split into letters is mostly misspelt when sampled."""
+    from mmgrpo.data.drawing import COLOURS
+
+    tokenizer = AutoProcessor.from_pretrained(tiny_qwen2_vl_path).tokenizer
+    for colour in COLOURS:
+        pieces = [tokenizer.convert_tokens_to_string([p]) for p in tokenizer.tokenize(f"<answer>{colour}</answer>")]
+        assert any(colour in piece for piece in pieces), (colour, pieces)
+
+
 def test_vocab_override_pads_with_unused_tokens(tmp_path):
     path = build_tiny(
         "qwen2-vl", cache_dir=tmp_path, vocab_size=2048, hidden_size=64, head_dim=16, num_attention_heads=4

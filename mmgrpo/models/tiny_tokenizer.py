@@ -165,6 +165,10 @@ def tokenizer_corpus() -> list[str]:
             "c": a + b,
         }
         lines.append(_TEMPLATES[i % len(_TEMPLATES)].format(**fields))
+    # Answers as the datasets write them: a real tokenizer's large vocabulary holds these words
+    # whole, and split into pieces a sampled colour answer is mostly misspelt.
+    for colour in colours:
+        lines += [f"The {shape} is {colour}: <answer>{colour}</answer>" for shape in shapes]
     return lines
 
 
