@@ -163,8 +163,8 @@ def _assert_grads_equal(expected, got, template, batch):
 def test_logps_and_gradients_match_naive(family, setups):
     model, template = setups[family]
     batch = _prompt_batch(template)
-    lengths = batch["attention_mask"].sum(1).tolist()
-    assert len(set(lengths)) >= 3 and batch["attention_mask"][:, 0].tolist().count(0) >= 2, lengths  # left padding, mixed lengths
+    lengths = batch["attention_mask"].sum(1).tolist()  # left padding, mixed lengths
+    assert len(set(lengths)) >= 3 and batch["attention_mask"][:, 0].tolist().count(0) >= 2, lengths
     ids, mask = _completions(4)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 

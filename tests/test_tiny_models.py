@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from mmgrpo.data.drawing import COLOURS
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny import BPE_VOCAB_SIZE, QWEN2_5_VL_SPECIAL_TOKENS, build_tiny, resolve_model_path
 
@@ -64,8 +65,6 @@ def test_tokenizer_knows_the_corpus_words(tiny_qwen2_vl_path):
 
 def test_each_colour_answer_is_one_token(tiny_qwen2_vl_path):
     """As in a real tokenizer's vocabulary: a colour answer split into letters is mostly misspelt when sampled."""
-    from mmgrpo.data.drawing import COLOURS
-
     tokenizer = AutoProcessor.from_pretrained(tiny_qwen2_vl_path).tokenizer
     for colour in COLOURS:
         pieces = [tokenizer.convert_tokens_to_string([p]) for p in tokenizer.tokenize(f"<answer>{colour}</answer>")]
