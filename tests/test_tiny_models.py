@@ -64,7 +64,7 @@ def test_tokenizer_knows_the_corpus_words(tiny_qwen2_vl_path):
 
 
 def test_each_colour_answer_is_one_token(tiny_qwen2_vl_path):
-    """As in a real tokenizer's vocabulary: a colour answer split into letters is mostly misspelt when sampled."""
+    """As in a real tokenizer's vocabulary: a colour answer split into letters is often misspelt when sampled."""
     tokenizer = AutoProcessor.from_pretrained(tiny_qwen2_vl_path).tokenizer
     for colour in COLOURS:
         pieces = [tokenizer.convert_tokens_to_string([p]) for p in tokenizer.tokenize(f"<answer>{colour}</answer>")]

@@ -166,7 +166,7 @@ def tokenizer_corpus() -> list[str]:
         }
         lines.append(_TEMPLATES[i % len(_TEMPLATES)].format(**fields))
     # Answers as the datasets write them: a real tokenizer's large vocabulary holds these words
-    # whole, and split into pieces a sampled colour answer is mostly misspelt.
+    # whole; split into pieces, a colour answer sampled early in training is often misspelt.
     for colour in colours:
         lines += [f"The {shape} is {colour}: <answer>{colour}</answer>" for shape in shapes]
     return lines
