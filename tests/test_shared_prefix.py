@@ -86,7 +86,7 @@ def _prompts(template, kinds=("image", "two_images", "text", "video")):
     families without some of these. LLaVA-OneVision: the one image is tiled (anyres), the two are
     base views only, in one batch."""
     samples = {
-        "image": LoadedSample(id="s/0", messages=[{"role": "user", "content": "<image>Describe it."}],
+        "image": LoadedSample(id="s/0", messages=[{"role": "user", "content": "<image>Describe this."}],
                               images=[_image(84, 56)]),
         "two_images": LoadedSample(
             id="s/1", messages=[{"role": "user", "content": "Which is red, <image> or <image>? Think step by step."}],
@@ -163,8 +163,7 @@ def _assert_grads_equal(expected, got, template, batch):
 def test_logps_and_gradients_match_naive(family, setups):
     model, template = setups[family]
     batch = _prompt_batch(template)
-    lengths = batch["attention_mask"].sum(1).tolist()  # left padding, mixed lengths
-    assert len(set(lengths)) >= 3 and batch["attention_mask"][:, 0].tolist().count(0) >= 2, lengths
+    assert batch["attention_mask"][:, 0].tolist().count(0) == 3  # left padding, mixed lengths
     ids, mask = _completions(4)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 
