@@ -32,15 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_args(port: int, model: str = "tiny:qwen2-vl") -> list[str]:
+    return [sys.executable, "-m", "mmgrpo.cli", "rollout-server", "--model", model, "--port", str(port),
+            "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20)]
+
+
 def start_server(port: int, model: str = "tiny:qwen2-vl") -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mmgrpo.cli", "rollout-server", "--model", model, "--port", str(port),
-         "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20)],
-        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"mmgrpo-rollout-server-{port}.log", "w+")
+    server = subprocess.Popen(server_args(port, model), env=ENV, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        assert server.poll() is None, "the rollout server exited at start-up"
+        if server.poll() is not None:
+            log.seek(0)
+            raise AssertionError(f"the rollout server exited at start-up:\n{log.read()[-3000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return server
@@ -101,6 +105,16 @@ def test_a_server_of_another_model_is_refused_at_start_up(server, tmp_path):
     args[args.index("tiny:qwen2-vl")] = "tiny:qwen2.5-vl"
     done = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "serves" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_port_in_use_is_a_clear_error_before_the_engine_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        started = time.monotonic()
+        done = subprocess.run(server_args(taken.getsockname()[1]), env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--port" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "Initializing a V1 LLM engine" not in done.stderr and time.monotonic() - started < 60
 
 
 def test_an_unreachable_server_is_a_clear_error_not_a_hang(tmp_path):

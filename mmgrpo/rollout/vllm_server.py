@@ -27,6 +27,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.vllm_requests import completions_of, vllm_prompt, vllm_sampling
 from mmgrpo.rollout.vllm_wire import decode_prompts, model_identity
 
@@ -115,6 +116,15 @@ def handler_for(service: RolloutService):
     return Handler
 
 
+def listen(host: str, port: int) -> ThreadingHTTPServer:
+    """The bound server socket; requests wait in its backlog until `serve_forever` (the engine is ready)."""
+    try:
+        return ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    except OSError as error:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); "
+                          "pick a free --port or stop what holds it") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mmgrpo rollout-server",
@@ -139,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.rollout.vllm_colocate import llm_options
     from mmgrpo.rollout.vllm_requests import check_supported, kv_cache_error, require_vllm
 
+    # The port is taken before the engine starts: vLLM's own sockets (gloo on CPU) take free ports as it
+    # starts, and one of them could be this one; a port already in use fails here, not minutes later.
+    server = listen(args.host, args.port)
     path, _, template = load_template(args.model, args.model_type)  # no --model_type: inferred from the checkpoint
     model_type = template.name
     vllm = require_vllm()
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, RuntimeError) as error:
         raise (kv_cache_error(error, "--vllm_kv_cache_memory_bytes" if not cuda else "--vllm_gpu_memory_utilization")
                or error) from None
-    server = ThreadingHTTPServer((args.host, args.port), handler_for(RolloutService(llm, str(path), args.vllm_max_model_len)))
+    server.RequestHandlerClass = handler_for(RolloutService(llm, str(path), args.vllm_max_model_len))
     print(f"mmgrpo rollout-server: serving {path} ({model_type}) on http://{args.host}:{args.port}", flush=True)
     try:
         server.serve_forever()
