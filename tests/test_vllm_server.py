@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -38,7 +39,7 @@ def server_args(port: int, model: str = "tiny:qwen2-vl") -> list[str]:
 
 
 def start_server(port: int, model: str = "tiny:qwen2-vl") -> subprocess.Popen:
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"mmgrpo-rollout-server-{port}.log", "w+")
+    log = tempfile.TemporaryFile("w+")  # what the server printed, shown if it exits at start-up
     server = subprocess.Popen(server_args(port, model), env=ENV, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:

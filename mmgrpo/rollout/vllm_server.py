@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16: the trainer's compute dtype (default float32).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # The port is taken before the engine starts: vLLM's own sockets (gloo on CPU) take free ports as it
+    # starts, and one of them could be this one; a port already in use fails here, not minutes later.
+    server = listen(args.host, args.port)
 
     import torch
 
@@ -149,9 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.rollout.vllm_colocate import llm_options
     from mmgrpo.rollout.vllm_requests import check_supported, kv_cache_error, require_vllm
 
-    # The port is taken before the engine starts: vLLM's own sockets (gloo on CPU) take free ports as it
-    # starts, and one of them could be this one; a port already in use fails here, not minutes later.
-    server = listen(args.host, args.port)
     path, _, template = load_template(args.model, args.model_type)  # no --model_type: inferred from the checkpoint
     model_type = template.name
     vllm = require_vllm()
