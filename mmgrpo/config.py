@@ -369,6 +369,10 @@ class SFTConfig(RunOptions):
     """Stop at the first evaluation where an eval metric reaches a value, `METRIC>=VALUE` or `METRIC<=VALUE`
     (e.g. `shapes-color/vqa_accuracy>=0.5`): a warm start that reads the task yet leaves GRPO room to lift it.
     Needs --eval_dataset and --eval_steps. None: train all --max_steps."""
+    loss_normalization: str = "token"
+    """How the answer tokens' losses become one: `token`, the mean over all target tokens of the step
+    (a 27-token box then outweighs a 5-token count answer 5 to 1); `sample`, each answer's mean, then
+    the mean over answers, so every sample of a mixture weighs the same whatever its length."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""

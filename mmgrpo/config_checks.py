@@ -51,6 +51,9 @@ def parse_stop_at(spec: str) -> tuple[str, str, float]:
     return match.group(1), match.group(2), value
 
 
+SFT_LOSS_NORMALIZATIONS = ("token", "sample")
+
+
 def validate_sft(cfg) -> None:
     """SFT's checks (`SFTConfig.validate`)."""
     from mmgrpo.parallel.launch import env_world_size
@@ -63,6 +66,7 @@ def validate_sft(cfg) -> None:
             raise ConfigError(f"--stop_at {cfg.stop_at!r} needs --eval_dataset NAME and --eval_steps N (how often to check).")
     if cfg.max_completion_length < 1:
         raise ConfigError("--max_completion_length must be >= 1.")
+    check_choices({"loss_normalization": (cfg.loss_normalization, SFT_LOSS_NORMALIZATIONS)})
     if env_world_size() > 1:
         raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
     if cfg.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)

@@ -4,7 +4,8 @@
 
 The target of a sample is its `reference_response` column (the dataset's assistant turn) or,
 failing that, `<answer>{solution}</answer>`, boxes written in the model's own convention.
-The loss is the mean negative log-prob of the target tokens (EOS included), computed by the
+The loss is the mean negative log-prob of the target tokens (EOS included; `--loss_normalization
+sample`: each answer's mean, then the mean over answers), computed by the
 same chunked log-prob path as GRPO's. SFT is composed of the pieces GRPO uses (the template and
 model loading, the prompt stream, the optimizer and its schedule, one-process strategy); it has
 its own options (`SFTConfig`: `mmgrpo sft --help` lists only those).
@@ -72,6 +73,17 @@ def encode_targets(texts: list[str], tokenizer, eos_token_id: int) -> tuple[torc
     return ids, mask
 
 
+def sample_mean_loss(logps: torch.Tensor, mask: torch.Tensor, step_samples: int) -> torch.Tensor:
+    """Each answer's mean negative log-prob, summed over the rows and divided by the step's answers.
+
+    >>> logps = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.25, 1.0, 1.0, 1.0]]))
+    >>> round(float(sample_mean_loss(logps, torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0]]), 2)), 4)  # (ln 2 + ln 4) / 2
+    1.0397
+    """
+    per_sample = -(logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_sample.sum() / step_samples
+
+
 def stop_reached(stop: tuple[str, str, float], scores: dict[str, float]) -> bool:
     """Whether this evaluation's scores ({"eval/<metric>": value}) meet `--stop_at` (as `parse_stop_at` reads it).
 
@@ -125,12 +137,14 @@ def sft(cfg: SFTConfig) -> Path:
                 targets = [sft_target(sample, enc, template) for sample, enc in prompts]
                 ids, mask = (t.to(strategy.device) for t in encode_targets(targets, template.tokenizer, eos))
                 micro.append((policy.forward_batch([enc for _, enc in prompts], [1] * len(prompts)), ids, mask))
-            step_tokens = sum(mask.sum() for _, _, mask in micro)  # the loss is the mean over the step's target tokens
+            step_tokens = sum(mask.sum() for _, _, mask in micro)
+            step_samples = sum(len(mask) for _, _, mask in micro)
             step_loss = 0.0
             for batch, ids, mask in micro:
                 with autocast(strategy.bf16, strategy.device):
                     logps, _ = policy.completion_logprobs(batch, ids, mask)
-                    loss = -(logps * mask).sum() / step_tokens
+                    loss = sample_mean_loss(logps, mask, step_samples) if cfg.loss_normalization == "sample" \
+                        else -(logps * mask).sum() / step_tokens
                 loss.backward()
                 step_loss += loss.item()
             grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads

@@ -79,3 +79,34 @@ def test_sft_help_lists_the_evaluation_and_stop_flags(capsys):
         cli_main(["sft", "--help"])
     text = capsys.readouterr().out
     assert "--stop_at" in text and "--eval_dataset" in text and "--eval_steps" in text
+
+
+def test_sample_normalization_weighs_each_answer_alike_whatever_its_length(tmp_path):
+    # Count answers are a few tokens, box answers about 27. With learning rate 0 the model never
+    # changes, so a run of one sample a step logs each answer's own mean loss, and a run that
+    # accumulates the same samples two by two must log each pair's plain mean under `sample`, and
+    # under `token` a mean weighted by length, which differs wherever a count meets a box.
+    counting = tmp_path / "counting"  # a few steps on counts alone: its count answers then cost far less than its boxes
+    start = sft(SFTConfig.from_args([*TINY[:2], "--dataset", "shapes-count", *TINY[4:], "--learning_rate", "1e-2",
+                                     "--max_steps", "8", "--output_dir", str(counting)]))
+    mixture = ["--model", str(start), "--dataset", "shapes-count", "shapes-ground", "--per_device_train_batch_size", "1",
+               "--torch_threads", "1", "--report_to", "none", "--dataloader_num_workers", "0",
+               "--learning_rate", "0", "--warmup_ratio", "0", "--seed", "3"]
+
+    def losses(out, *flags):
+        sft(SFTConfig.from_args([*mixture, *flags, "--output_dir", str(tmp_path / out)]))
+        return [json.loads(line)["loss"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    single = losses("single", "--max_steps", "8")
+    pair_means = [(a + b) / 2 for a, b in zip(single[::2], single[1::2])]
+    pairs = ["--max_steps", "4", "--gradient_accumulation_steps", "2"]
+    assert losses("sample", *pairs, "--loss_normalization", "sample") == pytest.approx(pair_means, rel=1e-5)
+    by_tokens = losses("token", *pairs, "--loss_normalization", "token")
+    assert max(abs(a - b) for a, b in zip(by_tokens, pair_means)) > 0.05
+    assert min(single) < max(single) - 1.0  # the pairs did mix cheap count answers with dear boxes
+
+
+def test_an_unknown_loss_normalization_is_a_startup_error(tmp_path):
+    cfg = SFTConfig.from_args([*TINY, "--loss_normalization", "answer", "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(ConfigError, match="--loss_normalization 'answer': choose one of token, sample"):
+        sft(cfg)
