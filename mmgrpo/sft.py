@@ -143,8 +143,10 @@ def sft(cfg: SFTConfig) -> Path:
             for batch, ids, mask in micro:
                 with autocast(strategy.bf16, strategy.device):
                     logps, _ = policy.completion_logprobs(batch, ids, mask)
-                    loss = sample_mean_loss(logps, mask, step_samples) if cfg.loss_normalization == "sample" \
-                        else -(logps * mask).sum() / step_tokens
+                    if cfg.loss_normalization == "sample":
+                        loss = sample_mean_loss(logps, mask, step_samples)
+                    else:  # the mean over the step's target tokens
+                        loss = -(logps * mask).sum() / step_tokens
                 loss.backward()
                 step_loss += loss.item()
             grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads

@@ -87,3 +87,44 @@ def test_worker_errors_arrive_as_clean_data_errors(root, num_workers):
 def test_dataset_smaller_than_a_batch(root):
     with pytest.raises(ConfigError, match="10 rows.*batch of 16"):
         make_prompt_loader(ToyDataset(root), batch_size=16, seed=0)
+
+
+def test_workers_hand_over_encoded_prompts_as_one_buffer_per_dtype_and_the_same_values(root):
+    # A real template's PromptInputs hold a dozen small tensors each; from a worker the whole
+    # batch crosses in one buffer per dtype (PackedBatch) and arrives as the same objects.
+    import torch
+
+    from mmgrpo.models.loading import load_template
+
+    template = load_template("tiny:qwen2-vl", "qwen2-vl")[2]
+    batches = {
+        workers: next(iter(make_prompt_loader(ToyDataset(root), batch_size=4, encode_fn=template.encode_prompt,
+                                              seed=0, num_workers=workers)))
+        for workers in (0, 2)
+    }
+
+    def tensors(obj):
+        found = []
+
+        def walk(value):
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    walk(item)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    walk(item)
+            elif hasattr(value, "__dict__"):
+                walk(vars(value))
+
+        walk(obj)
+        return found
+
+    direct, handed = tensors(batches[0]), tensors(batches[2])
+    assert len(direct) == len(handed) >= 8
+    for a, b in zip(direct, handed):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert [type(encoded).__name__ for _, encoded in batches[2]] == [type(encoded).__name__ for _, encoded in batches[0]]
+    storages = {(t.dtype, t.untyped_storage().data_ptr()) for t in handed if t.numel()}
+    assert len(storages) == len({t.dtype for t in handed if t.numel()})  # one buffer per dtype
