@@ -15,9 +15,8 @@
    print them side by side, and write the run's HTML report
 
 Every stage runs with one torch thread (--torch_threads): on 2 shared cores OpenMP's spin-waits
-made this tiny model 3-4x slower with two. The demo's configs encode prompts in the training
-process (dataloader_num_workers 0): its 64x64 images encode faster than worker processes can hand
-them over (configs/demo_grpo.yaml).
+made this tiny model 3-4x slower with two. Two data-loading workers encode the prompts ahead of
+each step (configs/demo_grpo.yaml).
 """
 
 from __future__ import annotations
