@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import pickle
 
 import numpy as np
@@ -137,7 +138,7 @@ def make_prompt_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        collate_fn=_as_list,
+        collate_fn=_collate,
         drop_last=drop_last,
         # Each new iterator draws its workers' seed from this generator, not from torch's global
         # RNG: the training step's sampling does not depend on when the loader (re)starts, so a
@@ -277,8 +278,8 @@ class _Failure:
         self.error = error
 
 
-def _as_list(batch: list) -> list | PackedBatch:
-    # In a worker the batch leaves as one PackedBatch: a handful of tensors cross the process
+def _collate(batch: list) -> list | PackedBatch:
+    # The batch stays a list of items; in a worker the batch leaves as one PackedBatch: a handful of tensors cross the process
     # boundary instead of every small tensor of every prompt (see PackedBatch).
     return PackedBatch.pack(batch) if get_worker_info() is not None else batch
 
@@ -302,8 +303,8 @@ class PackedBatch:
     ([0, 1, 2], [[1.0, 1.0], [1.0, 1.0]], ('text', tensor([0])))
     """
 
-    def __init__(self, payload: bytes, buffers: list[torch.Tensor]):
-        self.payload, self.buffers = payload, buffers
+    def __init__(self, payload: bytes, places: list[tuple[int, int, tuple]], buffers: list[torch.Tensor]):
+        self.payload, self.places, self.buffers = payload, places, buffers  # places[i]: (buffer, offset, shape)
 
     @classmethod
     def pack(cls, batch) -> PackedBatch:
@@ -328,19 +329,17 @@ class PackedBatch:
                 places[number] = (len(buffers), offset, tuple(tensors[number].shape))
                 offset += tensors[number].numel()
             buffers.append(torch.cat([tensors[number].reshape(-1) for number in numbers]))
-        return cls(pickle.dumps((stream.getvalue(), places), protocol=pickle.HIGHEST_PROTOCOL), buffers)
+        return cls(stream.getvalue(), places, buffers)
 
     def unpack(self):
-        payload, places = pickle.loads(self.payload)
-        buffers = self.buffers
+        places, buffers = self.places, self.buffers
 
         class _Unpickler(pickle.Unpickler):
             def persistent_load(self, number):
                 buffer, offset, shape = places[number]
-                numel = int(np.prod(shape)) if shape else 1
-                return buffers[buffer][offset : offset + numel].view(shape)
+                return buffers[buffer][offset : offset + math.prod(shape)].view(shape)
 
-        return _Unpickler(io.BytesIO(payload)).load()
+        return _Unpickler(io.BytesIO(self.payload)).load()
 
 
 def media_options(template, model_cfg) -> dict:
