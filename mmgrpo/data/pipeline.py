@@ -279,8 +279,8 @@ class _Failure:
 
 
 def _collate(batch: list) -> list | PackedBatch:
-    # The batch stays a list of items; in a worker the batch leaves as one PackedBatch: a handful of tensors cross the process
-    # boundary instead of every small tensor of every prompt (see PackedBatch).
+    # The batch stays a list of items; in a worker it leaves as one PackedBatch, so a handful of
+    # tensors cross the process boundary instead of every small tensor of every prompt.
     return PackedBatch.pack(batch) if get_worker_info() is not None else batch
 
 
