@@ -312,7 +312,7 @@ class PackedBatch:
 
         class _Pickler(pickle.Pickler):
             def persistent_id(self, obj):
-                if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor and not obj.requires_grad:
+                if type(obj) is torch.Tensor and not obj.requires_grad:  # not Parameters or subclasses
                     tensors.append(obj)
                     return len(tensors) - 1
                 return None
