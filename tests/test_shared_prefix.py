@@ -353,6 +353,68 @@ def test_sampled_logps_match_naive_forward(family, setups):
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
 
 
+class _CountedSteps:
+    """A rollout's decode stepper that records how many rows each decode step feeds."""
+
+    def __init__(self, steps, sizes: list):
+        self.steps, self.sizes = steps, sizes
+
+    def __call__(self, token, step):
+        self.sizes.append(token.shape[0])
+        return self.steps(token, step)
+
+    def keep(self, rows):
+        self.steps.keep(rows)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family, lean", [("qwen2-vl", True), ("qwen2-vl", False), ("qwen2.5-omni", True),
+                                          ("qwen2-audio", True), ("gemma3", False)])  # fmt: skip
+def test_finished_prompts_leave_the_decode_batch(family, lean, greedy, setups, monkeypatch):
+    """A prompt whose G rows have all finished stops being decoded (a mixture's short answers beside
+    long ones), and the rollout is the one that decodes every row to the end, token for token."""
+    model, template = setups[family]
+    prompts = _prompts(template, ("image", "two_images", "text", "video"))
+    eos = [template.pad_token_id, *template.eos_token_ids]
+    no_eos = [*template.suppress_token_ids, *eos]  # rows end at their prompt's budget only
+    # prompts 0 and 2 end after 2 tokens, prompt 1 after 5, prompt 3 runs all 12
+    params = SamplingParams(num_generations=GROUP, max_new_tokens=12, greedy=greedy, temperature=0.9, seed=5,
+                            max_new_tokens_per_prompt=[2, 5, 2, 12])  # fmt: skip
+    sizes = []
+    stepper = SharedPrefixRollout._stepper
+    monkeypatch.setattr(SharedPrefixRollout, "_stepper", lambda self, *args: _CountedSteps(stepper(self, *args), sizes))
+
+    def rollout(drop_finished):
+        sizes.clear()
+        backend = SharedPrefixRollout(model, template, eos_token_ids=eos, suppress_token_ids=no_eos,
+                                      check_every=2, lean=lean, drop_finished=drop_finished)  # fmt: skip
+        assert (backend.lean is not None) == lean
+        return backend.generate(prompts, params), list(sizes)
+
+    full, full_sizes = rollout(drop_finished=False)  # every row decodes every step
+    dropped, dropped_sizes = rollout(drop_finished=True)
+    rows = 4 * GROUP
+    assert full_sizes == [rows] * 11
+    # checks after steps 2 and 6: prompts 0 and 2 (half the batch) leave at the first, prompt 1 at the second
+    assert dropped_sizes == [rows] + [2 * GROUP] * 4 + [GROUP] * 6
+    assert dropped.completion_ids.tolist() == full.completion_ids.tolist()
+    assert dropped.completion_mask.tolist() == full.completion_mask.tolist()
+    assert dropped.lengths.tolist() == [2] * GROUP + [5] * GROUP + [2] * GROUP + [12] * GROUP
+    torch.testing.assert_close(dropped.logps, full.logps, atol=1e-5, rtol=0)
+
+
+def test_prompts_leave_together_a_quarter_of_the_batch_at_least():
+    """Dropping copies the K/V of the prompts that stay, so prompts leave in bunches: once at least
+    a quarter of the decoding prompts have finished all their rows."""
+    finished = torch.zeros(8, 2, dtype=torch.bool)  # 8 prompts, G = 2
+    finished[0] = True  # prompt 0 done
+    finished[1, 0] = finished[3, 1] = True  # one row of prompts 1 and 3: not done
+    assert SharedPrefixRollout._drop_finished(finished.flatten(), group=2) is None  # 1 of 8
+    finished[5] = True
+    kept = SharedPrefixRollout._drop_finished(finished.flatten(), group=2)  # 2 of 8
+    assert kept.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15]
+
+
 def test_gemma3_sliding_window(setups):
     """A sliding window shorter than prompt + completion (the tiny Gemma3's layer 0 slides, layer 1
     is full): forward, gradients, greedy rollouts (with and without padding) and sampled log-probs

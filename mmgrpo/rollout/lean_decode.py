@@ -158,6 +158,10 @@ class GroupedPrefixKV:
         prompt = prompt_mask.bool()[:, None, None, :].expand(batch, 1, group, prompt_len)
         return torch.cat([prompt, own.expand(batch, 1, group, -1)], dim=-1)
 
+    def keep(self, prompts: torch.Tensor, mask: torch.Tensor) -> None:
+        """Only `prompts` (indices into the current batch) decode on; mask: `group_mask`'s rows of them."""
+        self.keys, self.values, self.mask = self.keys[prompts], self.values[prompts], mask
+
     def attend(self, q, k, v, step: int, scaling: float, gqa: bool) -> torch.Tensor:
         rows, heads, _, dim = q.shape
         batch, kv_heads = self.keys.shape[:2]

@@ -16,9 +16,14 @@ and attended by its G rows in one SDPA call) where the template declares `lean_d
 Qwen-style decoders), transformers' text decoder with a ready mask for the others (Gemma3).
 
 The loop does nothing else: no logits processors, no re-padding, no processor calls, no
-per-step host sync (finished rows are tracked on device; `finished.all()` is read every
-`check_every` steps). The K/V buffer is allocated once for P + max_new_tokens positions, so a
-step writes one column instead of concatenating the whole cache as DynamicCache does.
+per-step host sync (finished rows are tracked on device and read every `check_every` steps).
+At those reads the prompts whose G rows have all finished leave the batch, once a quarter of the
+decoding prompts can leave together: in a mixture of short and long answers (colour words beside
+boxes) the short ones stop costing decode steps as soon as they end, instead of decoding padding
+until the longest row ends. Each row's random draw comes from one draw per row of the whole
+batch, so the completions are the same, token for token, as when every row decodes to the end.
+The K/V buffer is allocated once for P + max_new_tokens positions, so a step writes one column
+instead of concatenating the whole cache as DynamicCache does.
 
 Every template that declares `shared_prefix` runs here (all eight built-in families): the
 prefill calls the family's backbone with the prompt's media and the template's positions
@@ -85,6 +90,11 @@ class _BufferLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only `rows` decode on (their buffers copied, the others freed)."""
+        self.key_buffer, self.value_buffer = self.key_buffer[rows], self.value_buffer[rows]
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
 
 class SharedPrefixRollout:
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
@@ -93,6 +103,8 @@ class SharedPrefixRollout:
     device sync; after all rows finish at most check_every - 1 steps are wasted).
     lean: run decode steps with `LeanDecoder` (the layers' operations without transformers'
     module stack, rollout/lean_decode.py) where the decoder's layers allow it.
+    drop_finished: prompts whose rows have all finished leave the decode batch at those reads
+    (off: every row decodes until all have finished; the completions are the same).
     """
 
     def __init__(
@@ -105,6 +117,7 @@ class SharedPrefixRollout:
         prepare: Callable[[dict], dict] | None = None,
         check_every: int = 8,
         lean: bool = True,
+        drop_finished: bool = True,
         eos_token_ids: list[int] | None = None,
         suppress_token_ids: list[int] | None = None,
         separate_weights: bool = False,
@@ -123,7 +136,7 @@ class SharedPrefixRollout:
         self.pad_token_id = template.completion_pad_id
         self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
         self.call, self.scope, self.prepare = call, scope, prepare
-        self.check_every = check_every
+        self.check_every, self.drop_finished = check_every, drop_finished
         self.lean = LeanDecoder(self.decoder) if lean and lean_applies(model, template) else None
         self.weight_version = 0
         self.separate_weights = separate_weights
@@ -183,7 +196,9 @@ class SharedPrefixRollout:
         advance = self._stepper(recorded, prompt_mask, group, max_new, position, hidden.dtype)
         del recorded
 
-        # 3. decode
+        # 3. decode. `rows`: the rows still decoding (all at first); a prompt whose G rows have all
+        # finished leaves the batch at the next check (`_drop_finished`), so a mixture's short
+        # answers stop costing decode steps while its long ones go on.
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -191,58 +206,60 @@ class SharedPrefixRollout:
         suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)  # [N, T]
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
-        finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [N]
-        budgets = params.row_budgets(device)  # [N] a mixture's per-dataset budgets, or None
+        rows = torch.arange(num_rows, device=device)  # [n] the decoding rows' indices in [0, N)
+        finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [n]
+        budgets = params.row_budgets(device)  # [n] a mixture's per-dataset budgets, or None
         for step in range(max_new):
-            token = pick_tokens(logits, suppress, params, generator)  # [N]
+            uniform = None
+            if not params.greedy:  # one draw per row of the whole batch: the same draws however many rows decode
+                uniform = torch.rand(num_rows, 1, dtype=torch.float32, device=device, generator=generator)[rows]  # [n, 1]
+            token = pick_tokens(logits, suppress, params, uniform=uniform)  # [n]
             token = torch.where(finished, self.pad_token_id, token)
-            tokens[:, step] = token
+            tokens[rows, step] = token
             scaled = logits / temperature if temperature != 1.0 else logits
-            logps[:, step] = scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
+            logps[rows, step] = scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
             finished |= torch.isin(token, eos)
             if budgets is not None:  # a row at its budget stops (cut_to_budgets marks it truncated)
                 finished |= budgets <= step + 1
-            if step == max_new - 1 or ((step + 1) % self.check_every == 0 and bool(finished.all())):
+            if step == max_new - 1:
                 break
-            logits = self.lm_head(advance(token, step)).float()  # [N, V]
+            if (step + 1) % self.check_every == 0:
+                if bool(finished.all()):
+                    break
+                kept = self._drop_finished(finished, group) if self.drop_finished else None  # [n'] local indices
+                if kept is not None:
+                    rows, finished, token = rows[kept], finished[kept], token[kept]
+                    budgets = None if budgets is None else budgets[kept]
+                    advance.keep(kept)
+            logits = self.lm_head(advance(token, step)).float()  # [n, V]
         return tokens, logps
 
+    @staticmethod
+    def _drop_finished(finished: torch.Tensor, group: int) -> torch.Tensor | None:
+        """The rows to keep decoding (local indices, whole groups), or None to keep them all: a
+        prompt leaves once all its G rows have finished, when at least a quarter of the decoding
+        prompts can leave together (each drop copies the K/V of the prompts that stay)."""
+        done = finished.view(-1, group).all(1)  # [n / G]
+        if int(done.sum()) * 4 < done.numel():
+            return None
+        return (~done).repeat_interleave(group).nonzero().squeeze(1)
+
     def _stepper(self, recorded: Cache, prompt_mask: torch.Tensor, group: int, max_new: int, position, dtype):
-        """A function (token [N], step) -> the decoder's final hidden state [N, H] for that token,
-        which sits at cache index P + step: the lean step where it applies, else transformers'.
+        """A `_LeanSteps` or `_TransformersSteps`: (token [n], step) -> the decoder's final hidden
+        state [n, H] for that token, which sits at cache index P + step; `keep(rows)` drops the
+        other rows (whole groups) from every later step.
 
         Lean: each prompt's K/V is held once and its G rows read it together (`GroupedPrefixKV`).
         Transformers' step: every row holds a copy of its prompt's K/V in a buffer for
         P + max_new positions.
         """
-        prompt_len = prompt_mask.shape[1]
-        capacity = prompt_len + max_new
         if self.lean is not None:
-            steps = torch.arange(max_new, device=prompt_mask.device)
-            cos, sin = self.lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim], all steps at once
-            mask = GroupedPrefixKV.group_mask(prompt_mask, group, max_new)  # one for every layer
-            kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, mask) for layer in recorded.layers]
+            return _LeanSteps(self.lean, recorded, prompt_mask, group, max_new, position, dtype)
+        return _TransformersSteps(self, recorded, prompt_mask, group, max_new, position, dtype)
 
-            def lean_step(token: torch.Tensor, step: int) -> torch.Tensor:
-                return self.lean.step(token, cos[:, step], sin[:, step], kv, step)
-
-            return lean_step
-        cache = Cache(layers=[_BufferLayer(layer.keys, layer.values, group, capacity) for layer in recorded.layers])
-        step_mask = self._step_masks(prompt_mask, group, capacity, dtype)
-
-        def transformers_step(token: torch.Tensor, step: int) -> torch.Tensor:
-            return self.decoder(
-                input_ids=token[:, None],
-                attention_mask=step_mask(prompt_len + step + 1),
-                position_ids=position + step,
-                past_key_values=cache,
-                use_cache=True,
-            ).last_hidden_state[:, -1]
-
-        return transformers_step
-
-    def _step_masks(self, prompt_mask: torch.Tensor, group: int, capacity: int, dtype: torch.dtype):
-        """A function: keys seen so far -> the attention mask of one decode step.
+    def _step_masks(self, row_mask: torch.Tensor, capacity: int, dtype: torch.dtype):
+        """A function: keys seen so far -> the attention mask of one decode step, for rows whose
+        prompt masks are row_mask [n, P].
 
         Built once, sliced per step. transformers would otherwise turn the 2D mask into the
         attention's mask at every step, reading `mask.all()` on the host each time.
@@ -254,7 +271,7 @@ class SharedPrefixRollout:
         """
         config = self.decoder.config
         attention = config._attn_implementation
-        num_rows = prompt_mask.shape[0] * group
+        num_rows, prompt_len = row_mask.shape
 
         def to_attention(keep: torch.Tensor) -> torch.Tensor:  # keep: [N, L], True = attend
             if attention == "sdpa":
@@ -265,9 +282,9 @@ class SharedPrefixRollout:
             return keep.long()  # flash attention and others take the 2D mask
 
         keep = None  # without padding: no mask at all (one host read, before the loop)
-        if not bool(prompt_mask.all()):
-            keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=prompt_mask.device)
-            keep[:, : prompt_mask.shape[1]] = prompt_mask.bool().repeat_interleave(group, dim=0)  # [N, P + max_new]
+        if not bool(row_mask.all()):
+            keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=row_mask.device)
+            keep[:, :prompt_len] = row_mask.bool()  # [n, P + max_new]
         full_mask = None if keep is None else to_attention(keep)  # [N, 1, 1, P + max_new]
 
         def full(length: int) -> torch.Tensor | None:
@@ -278,7 +295,7 @@ class SharedPrefixRollout:
         if attention not in ("sdpa", "eager"):  # supports_shared_prefix refuses these too
             raise ValueError(f"sliding-window decode masks: sdpa and eager only, not {attention}")
         window = config.sliding_window
-        columns = torch.arange(capacity, device=prompt_mask.device)
+        columns = torch.arange(capacity, device=row_mask.device)
 
         def sliding(length: int) -> torch.Tensor | None:
             # the query is cache index length - 1; it sees indices > (length - 1) - window
@@ -288,6 +305,60 @@ class SharedPrefixRollout:
             return to_attention(in_window if keep is None else keep[:, :length] & in_window)
 
         return lambda length: {"full_attention": full(length), "sliding_attention": sliding(length)}
+
+
+class _LeanSteps:
+    """Decode steps by `LeanDecoder` over one `GroupedPrefixKV` per layer, the rotary tables of all
+    steps computed at once."""
+
+    def __init__(self, lean: LeanDecoder, recorded: Cache, prompt_mask, group: int, max_new: int, position, dtype):
+        steps = torch.arange(max_new, device=prompt_mask.device)
+        self.lean, self.group = lean, group
+        self.cos, self.sin = lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim]
+        mask = GroupedPrefixKV.group_mask(prompt_mask, group, max_new)  # one for every layer
+        self.kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, mask) for layer in recorded.layers]
+
+    def __call__(self, token: torch.Tensor, step: int) -> torch.Tensor:
+        return self.lean.step(token, self.cos[:, step], self.sin[:, step], self.kv, step)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        prompts = rows[:: self.group] // self.group  # whole groups: every G-th row names its prompt
+        self.cos, self.sin = self.cos[rows], self.sin[rows]
+        mask = self.kv[0].mask[prompts]
+        for store in self.kv:
+            store.keep(prompts, mask)
+
+
+class _TransformersSteps:
+    """Decode steps by the transformers decoder over a `_BufferLayer` cache (a copy of the
+    prompt's K/V per row) with ready attention masks."""
+
+    def __init__(self, rollout: SharedPrefixRollout, recorded: Cache, prompt_mask, group: int, max_new: int,
+                 position, dtype):
+        self.decoder, self.position, self.dtype = rollout.decoder, position, dtype
+        self.prompt_len, self.capacity = prompt_mask.shape[1], prompt_mask.shape[1] + max_new
+        self.cache = Cache(
+            layers=[_BufferLayer(layer.keys, layer.values, group, self.capacity) for layer in recorded.layers]
+        )
+        self.row_mask = prompt_mask.repeat_interleave(group, dim=0)  # [N, P]
+        self.masks = rollout._step_masks
+        self.step_mask = self.masks(self.row_mask, self.capacity, dtype)
+
+    def __call__(self, token: torch.Tensor, step: int) -> torch.Tensor:
+        return self.decoder(
+            input_ids=token[:, None],
+            attention_mask=self.step_mask(self.prompt_len + step + 1),
+            position_ids=self.position + step,
+            past_key_values=self.cache,
+            use_cache=True,
+        ).last_hidden_state[:, -1]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            layer.keep(rows)
+        self.position = self.position[..., rows, :]  # [3, n, 1] or [n, 1]
+        self.row_mask = self.row_mask[rows]
+        self.step_mask = self.masks(self.row_mask, self.capacity, self.dtype)
 
 
 def lean_applies(model, template) -> bool:
