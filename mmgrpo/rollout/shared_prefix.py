@@ -212,7 +212,8 @@ class SharedPrefixRollout:
         for step in range(max_new):
             uniform = None
             if not params.greedy:  # one draw per row of the whole batch: the same draws however many rows decode
-                uniform = torch.rand(num_rows, 1, dtype=torch.float32, device=device, generator=generator)[rows]  # [n, 1]
+                draws = torch.rand(num_rows, 1, dtype=torch.float32, device=device, generator=generator)  # [N, 1]
+                uniform = draws[rows]  # [n, 1]
             token = pick_tokens(logits, suppress, params, uniform=uniform)  # [n]
             token = torch.where(finished, self.pad_token_id, token)
             tokens[rows, step] = token
