@@ -35,10 +35,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
-def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None,
-                uniform: torch.Tensor | None = None) -> torch.Tensor:
+def sample_from(probs: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row drawn from probs [N, V] by inverting the CDF: one uniform per row
-    (`uniform` [N, 1] in [0, 1) if given, else drawn from `generator`).
+    (`uniform` [N, 1] in [0, 1) if given, else drawn from torch's global generator).
 
     torch.multinomial draws V random numbers per row on CPU (33 ms per step for 8 rows of a
     152K vocabulary); this is cumsum + binary search (1.4 ms). A zero-probability token is never
@@ -53,23 +52,22 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None,
     total = cdf[:, -1:]
     # u in [0, total): strictly below the last cdf value even after rounding
     if uniform is None:
-        uniform = torch.rand(total.shape, dtype=total.dtype, device=total.device, generator=generator)
+        uniform = torch.rand(total.shape, dtype=total.dtype, device=total.device)
     u = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def pick_tokens(
-    logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
+    logits: torch.Tensor, suppress: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The next token of each row: logits [N, V] with `suppress` ids never drawn -> [N].
-    uniform: the rows' draws [N, 1] (see `sample_from`), else drawn from `generator`."""
+    uniform: the rows' draws [N, 1] (see `sample_from`)."""
     if suppress.numel():
         logits = logits.index_fill(1, suppress, float("-inf"))
     if params.greedy:
         return logits.argmax(-1)
     logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
-    return sample_from(logits.softmax(-1), generator, uniform)
+    return sample_from(logits.softmax(-1), uniform)
 
 
 def step_seed(cfg, step: int, rank: int) -> int:

@@ -213,8 +213,8 @@ class SharedPrefixRollout:
             uniform = None
             if not params.greedy:  # one draw per row of the whole batch: the same draws however many rows decode
                 draws = torch.rand(num_rows, 1, dtype=torch.float32, device=device, generator=generator)  # [N, 1]
-                uniform = draws[rows]  # [n, 1]
-            token = pick_tokens(logits, suppress, params, uniform=uniform)  # [n]
+                uniform = draws if len(rows) == num_rows else draws[rows]  # [n, 1]
+            token = pick_tokens(logits, suppress, params, uniform)  # [n]
             token = torch.where(finished, self.pad_token_id, token)
             tokens[rows, step] = token
             scaled = logits / temperature if temperature != 1.0 else logits
