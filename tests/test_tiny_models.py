@@ -127,3 +127,27 @@ def test_a_tiny_name_takes_dimension_overrides(tmp_path, monkeypatch):
     for bad in ("tiny:qwen2-vl?vision_gain=3", "tiny:qwen2-vl?seed=one"):
         with pytest.raises(ConfigError, match="not DIM=INTEGER.*vision_init_gain"):
             resolve_model_path(bad)
+
+
+@pytest.mark.parametrize("family, default_theta", [("qwen2-vl", 1e6), ("qwen3-vl", 5e6)])
+def test_rope_theta_sets_the_language_models_rotary_base_only(tmp_path, family, default_theta):
+    import json
+
+    from safetensors.torch import load_file
+
+    plain, low = build_tiny(family, cache_dir=tmp_path), build_tiny(family, cache_dir=tmp_path, rope_theta=10)
+    assert load_file(plain / "model.safetensors").keys() == load_file(low / "model.safetensors").keys()
+    assert all(torch.equal(a, b) for a, b in zip(load_file(plain / "model.safetensors").values(),
+                                                   load_file(low / "model.safetensors").values()))
+    thetas = [json.loads((p / "config.json").read_text())["text_config"]["rope_parameters"]["rope_theta"]
+              for p in (plain, low)]
+    assert thetas == [default_theta, 10.0]
+    # The lowest rotary frequency, radians per position: at the family's base a visual token's
+    # column barely turns it; at 10 it does (the reason for the option).
+    slowest = [AutoModelForImageTextToText.from_pretrained(p).model.language_model.rotary_emb.inv_freq[-1].item()
+               for p in (plain, low)]
+    assert slowest[0] < 1e-5 and slowest[1] > 0.1
+    with pytest.raises(ConfigError, match="gemma3 takes no rope_theta"):
+        build_tiny("gemma3", cache_dir=tmp_path, rope_theta=10)
+    with pytest.raises(ConfigError, match="rope_theta -1 must be positive"):
+        build_tiny(family, cache_dir=tmp_path, rope_theta=-1)

@@ -66,6 +66,11 @@ DEFAULT_DIMS = {
     # tower is nearly a linear map of the pixels; gain 3 lets counting SFT leave chance at 16 visual
     # tokens (docs/benchmarks.md, "A wider vision init").
     "vision_init_gain": 0,
+    # 0: the family's rotary base (1e6 for the Qwen2 LLMs, 5e6 for Qwen3-VL). N > 0: the language
+    # model's rope_theta. With head_dim 32 and a base of 1e6, mRoPE turns an image's columns by
+    # 2e-4 radians or less per visual token, so the LLM cannot tell where a token is and boxes do not
+    # become learnable; with rope_theta 10 they do (docs/benchmarks.md, "Boxes with positions").
+    "rope_theta": 0,
 }
 
 VISION_MODULES = ("visual.", "vision_tower.", "multi_modal_projector.")  # where a tiny model's vision tower lives
@@ -101,6 +106,8 @@ def _dims(overrides: dict) -> dict:
             f"unknown tiny model override(s) {sorted(unknown)}; known: {', '.join(sorted(DEFAULT_DIMS))}"
         )
     dims = {**DEFAULT_DIMS, **overrides}
+    if dims["rope_theta"] < 0:
+        raise ConfigError(f"tiny model: rope_theta {dims['rope_theta']} must be positive (or 0: the family's own)")
     if "num_attention_heads" not in overrides:  # a wider model keeps head_dim (vLLM's CPU attention needs 32, 64, ...)
         if dims["hidden_size"] % dims["head_dim"]:
             raise ConfigError(f"tiny model: hidden_size {dims['hidden_size']} is not a multiple of head_dim {dims['head_dim']}")

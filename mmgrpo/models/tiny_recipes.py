@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
     QWEN_OMNI_PARTS,
@@ -130,7 +131,7 @@ class TinyRecipe:
 
 
 def _qwen_text_dims(dims: dict, vocab_size: int, ids: dict[str, int], mrope: bool = True) -> dict:
-    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    rope = {"rope_type": "default", "rope_theta": float(dims["rope_theta"] or 1000000.0)}
     if mrope:  # mRoPE splits the rotary half-dimension into (temporal, height, width) sections
         rope["mrope_section"] = _mrope(dims)
     return {
@@ -213,7 +214,8 @@ def _qwen3_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen3VLConfig
 
     text = _qwen_text_dims(dims, vocab_size, ids)
-    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": 5000000.0, "mrope_interleaved": True}
+    theta = float(dims["rope_theta"] or 5000000.0)
+    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": theta, "mrope_interleaved": True}
     vision = {
         "depth": dims["vision_depth"],
         "hidden_size": dims["vision_embed_dim"],
@@ -302,6 +304,8 @@ def _llava_onevision_config(dims: dict, vocab_size: int, ids: dict[str, int]):
 def _gemma3_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Gemma3Config
 
+    if dims["rope_theta"]:
+        raise ConfigError("tiny:gemma3 takes no rope_theta override (its local and global rotary bases go together)")
     text = {
         "vocab_size": vocab_size,
         "hidden_size": dims["hidden_size"],
