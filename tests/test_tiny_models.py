@@ -136,9 +136,9 @@ def test_rope_theta_sets_the_language_models_rotary_base_only(tmp_path, family, 
     from safetensors.torch import load_file
 
     plain, low = build_tiny(family, cache_dir=tmp_path), build_tiny(family, cache_dir=tmp_path, rope_theta=10)
-    assert load_file(plain / "model.safetensors").keys() == load_file(low / "model.safetensors").keys()
-    assert all(torch.equal(a, b) for a, b in zip(load_file(plain / "model.safetensors").values(),
-                                                   load_file(low / "model.safetensors").values()))
+    plain_weights, low_weights = (load_file(p / "model.safetensors") for p in (plain, low))
+    assert plain_weights.keys() == low_weights.keys()
+    assert all(torch.equal(plain_weights[name], low_weights[name]) for name in plain_weights)
     thetas = [json.loads((p / "config.json").read_text())["text_config"]["rope_parameters"]["rope_theta"]
               for p in (plain, low)]
     assert thetas == [default_theta, 10.0]
