@@ -274,7 +274,7 @@ class SharedPrefixRollout:
         attention = config._attn_implementation
         num_rows, prompt_len = row_mask.shape
 
-        def to_attention(keep: torch.Tensor) -> torch.Tensor:  # keep: [N, L], True = attend
+        def to_attention(keep: torch.Tensor) -> torch.Tensor:  # keep: [n, L], True = attend
             if attention == "sdpa":
                 return keep[:, None, None, :]  # [N, 1, 1, L]
             if attention == "eager":  # additive
@@ -286,7 +286,7 @@ class SharedPrefixRollout:
         if not bool(row_mask.all()):
             keep = torch.ones(num_rows, capacity, dtype=torch.bool, device=row_mask.device)
             keep[:, :prompt_len] = row_mask.bool()  # [n, P + max_new]
-        full_mask = None if keep is None else to_attention(keep)  # [N, 1, 1, P + max_new]
+        full_mask = None if keep is None else to_attention(keep)  # [n, 1, 1, P + max_new]
 
         def full(length: int) -> torch.Tensor | None:
             return None if full_mask is None else full_mask[..., :length]
