@@ -174,7 +174,7 @@ def run_mmgrpo(spec: dict) -> dict:
 
     import mmgrpo.engine as engine
     from mmgrpo.config import TrainConfig
-    from mmgrpo.setup import Run
+    from mmgrpo.training.run import Run
 
     torch.set_num_threads(1)
     cfg = TrainConfig.from_args([
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args._result).write_text(json.dumps(result))
         return
 
-    from mmgrpo.runlog import console, progress_bar
+    from mmgrpo.training.runlog import console, progress_bar
 
     if args.summarize:
         summarize_work_dir(args)

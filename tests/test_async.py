@@ -13,11 +13,11 @@ import pytest
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import grpo_step, train
-from mmgrpo.lora import rollout_weights
 from mmgrpo.rollout import SharedPrefixRollout
+from mmgrpo.rollout.base import sampling_params
 from mmgrpo.rollout.pipeline import RolloutPipeline
-from mmgrpo.rollout.sampling import sampling_params
-from mmgrpo.setup import build_run
+from mmgrpo.rollout.weight_sync import rollout_weights
+from mmgrpo.training.run import build_run
 
 REWARD = '''
 def digits(completions, **columns):

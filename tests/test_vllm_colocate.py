@@ -15,9 +15,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 
 from mmgrpo.config import TrainConfig  # noqa: E402
 from mmgrpo.engine import grpo_step, train  # noqa: E402
-from mmgrpo.lora import rollout_weights  # noqa: E402
 from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
-from mmgrpo.setup import build_run  # noqa: E402
+from mmgrpo.rollout.weight_sync import rollout_weights  # noqa: E402
+from mmgrpo.training.run import build_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

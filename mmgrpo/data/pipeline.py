@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from mmgrpo.data.lifetime import WorkerInit
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
-from mmgrpo.lifetime import WorkerInit
 
 
 class EpochSampler(Sampler):
@@ -350,3 +350,36 @@ def media_options(template, model_cfg) -> dict:
     if model_cfg.use_audio_in_video:
         options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
     return options
+
+
+class PromptEncoder:
+    """Runs in DataLoader workers: decoded sample -> template inputs, length checked."""
+
+    def __init__(self, template, max_prompt_length: int):
+        self.template = template
+        self.max_prompt_length = max_prompt_length
+
+    def __call__(self, loaded):
+        encoded = self.template.encode_prompt(loaded)
+        length = encoded.prompt_ids.shape[-1]
+        if length > self.max_prompt_length:
+            raise DataError(
+                f"sample {loaded.id}: prompt is {length} tokens (media included), over --max_prompt_length "
+                f"{self.max_prompt_length}. Raise it, or lower --max_pixels / --video_nframes."
+            )
+        return encoded
+
+
+def prompt_stream(cfg, dataset, template, batch_size: int, strategy):
+    """Batches of (Sample, PromptInputs) forever, reshuffled each epoch, each rank its own share."""
+    loader = make_prompt_loader(
+        dataset,
+        batch_size=batch_size,
+        encode_fn=PromptEncoder(template, cfg.data.max_prompt_length),
+        seed=cfg.seed,
+        num_workers=cfg.data.dataloader_num_workers,
+        media_kwargs=media_options(template, cfg.model),
+        rank=strategy.rank,
+        world_size=strategy.world_size,
+    )
+    return cycle(loader)

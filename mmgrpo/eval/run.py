@@ -19,7 +19,7 @@ import torch
 
 from mmgrpo.eval.results import run_eval
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.runlog import console, progress_bar
+from mmgrpo.training.runlog import console, progress_bar
 
 
 class EngineGenerator:

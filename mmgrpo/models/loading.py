@@ -126,11 +126,11 @@ def infer_model_type(model: str) -> str:
     matches = templates_for_hf_type(hf_type) if hf_type else []
     if len(matches) == 1:
         return matches[0]
-    from mmgrpo.templates.base import _TEMPLATES
+    from mmgrpo.templates.base import TEMPLATES
 
     served = "; ".join(
-        f"{cls.name} ({', '.join(cls.__dict__.get('hf_model_types', ())) or 'declares none'})"
-        for cls in sorted(_TEMPLATES.values(), key=lambda c: c.name) if issubclass(cls, Template)
+        f"{name} ({', '.join(cls.__dict__.get('hf_model_types', ())) or 'declares none'})"
+        for name, cls in TEMPLATES.items() if issubclass(cls, Template)
     )
     if matches:
         raise ConfigError(
@@ -177,3 +177,12 @@ def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None)
     if shortest_edge is None or longest_edge is None:
         return
     image_processor.size = {"shortest_edge": min_pixels or shortest_edge, "longest_edge": max_pixels or longest_edge}
+
+
+def template_options(model_cfg) -> dict:
+    """The template options the model flags give (`load_template`'s keywords)."""
+    return dict(
+        template_plugin=model_cfg.template_plugin, min_pixels=model_cfg.min_pixels, max_pixels=model_cfg.max_pixels,
+        video_fps=model_cfg.video_fps, video_nframes=model_cfg.video_nframes,
+        **({"use_audio_in_video": True} if model_cfg.use_audio_in_video else {}),  # qwen2.5-omni's option
+    )

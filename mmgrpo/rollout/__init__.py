@@ -6,13 +6,16 @@
 
     hf.py             transformers' generate, on any model
     shared_prefix.py  each prompt prefilled once for its G samples; lean decode steps (lean_decode.py)
-    sampling.py       the logit filters and the sampler of the in-process engines
+    token_sampler.py  the logit filters and the sampler of the in-process engines
+    weight_sync.py    the policy's weights as an engine with its own copy receives them
+    pipeline.py       when rollouts run: in step, or one step ahead of training (--async_generate)
+    rounds.py         the step's batch scored once, then completed: dynamic sampling, two-stage generation
     vllm_*.py         vLLM in the training process (vllm_colocate.py) or as a server (vllm_server.py,
                       vllm_client.py), chosen by --use_vllm --vllm_mode (vllm_engine.py)
     multiturn.py      episodes with tool calls over any of them (--max_turns > 1)
 
-A new engine implements `generate` and `update_weights` and gets a branch in
-`build_rollout_engine` (docs/architecture.md).
+A new engine subclasses `RolloutEngine`, implements `generate` (and `update_weights` where it
+holds its own weights) and gets a branch in `build_rollout_engine` (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class RolloutPipeline:
 
     def pending(self) -> tuple[list, Rollout] | None:
         """The rollout in flight, finished (waits for it) but left in place for `result`; None if none.
-        A checkpoint saves it: mmgrpo/resume.py."""
+        A checkpoint saves it: mmgrpo/training/resume.py."""
         if self._prompts is None:
             return None
         if self._thread is not None:

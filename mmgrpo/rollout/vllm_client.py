@@ -23,17 +23,17 @@ import urllib.request
 import torch
 
 from mmgrpo.errors import ConfigError, MMGRPOError
-from mmgrpo.lora import sibling_group
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.rollout.vllm_requests import check_prompt_lengths, rollout_from_completions, sampling_options
 from mmgrpo.rollout.vllm_wire import encode_prompts, model_identity
+from mmgrpo.rollout.weight_sync import sibling_group
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def weight_chunks(named_tensors, chunk_bytes: int):
     """(name, tensor) pairs as dicts of CPU tensors, each closed once it holds `chunk_bytes`, but
-    only between sibling groups (`mmgrpo.lora.sibling_group`): the server's vLLM reloads a fused
+    only between sibling groups (`mmgrpo.rollout.weight_sync.sibling_group`): the server's vLLM reloads a fused
     layer (qkv_proj, gate_up_proj) from the weights of one call, so q/k/v never straddle two chunks.
 
     >>> t = torch.zeros(4)   # 16 bytes
@@ -58,7 +58,7 @@ class RolloutServerError(MMGRPOError):
     """The rollout server is unreachable, died, or refused a request."""
 
 
-class VLLMServerRollout:
+class VLLMServerRollout(RolloutEngine):
     separate_weights = True
 
     def __init__(self, host: str, port: int, model_path: str, template, *, timeout: float = 240.0,
@@ -101,9 +101,6 @@ class VLLMServerRollout:
         self._post("/weights/finish", b"", query=f"version={version}")
         self.weight_version = version
         self.syncs += 1
-
-    def close(self) -> None:
-        pass
 
     # ---- HTTP ------------------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.rollout.vllm_requests import (
     check_prompt_lengths,
     check_supported,
@@ -88,7 +88,7 @@ def native_weight_transfer() -> bool:
     return True
 
 
-class VLLMColocateRollout:
+class VLLMColocateRollout(RolloutEngine):
     separate_weights = True  # samples from its own copy: the step recomputes log-probs and corrects
 
     def __init__(self, model_path: str, template, *, max_model_len: int, dtype: str = "float32", seed: int = 0,

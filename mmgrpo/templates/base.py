@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.registry import Registry
 
 MEDIA_TAGS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(tag) for tag in MEDIA_TAGS) + ")")
@@ -620,23 +621,20 @@ def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 # Registry
 # ---------------------------------------------------------------------------------------------
 
-_TEMPLATES: dict[str, type[Template]] = {}
-
-
 def _normalise(name: str) -> str:
     """'qwen2_5_vl', 'Qwen2.5-VL' and 'qwen2-5-vl' name the same template."""
     return re.sub(r"[._\-]", "-", name.strip().lower())
+
+
+TEMPLATES = Registry("model_type", flag="--model_type", normalise=_normalise)
 
 
 def register_template(name: str):
     """Class decorator: register a Template under `name` (`--model_type`). Duplicates are an error."""
 
     def register(cls: type[Template]) -> type[Template]:
-        key = _normalise(name)
-        if key in _TEMPLATES:
-            raise ConfigError(f"template {name!r} is already registered (by {_TEMPLATES[key].__name__})")
+        TEMPLATES.register(name, cls)
         cls.name = name
-        _TEMPLATES[key] = cls
         return cls
 
     return register
@@ -644,7 +642,7 @@ def register_template(name: str):
 
 def known_templates() -> list[str]:
     """Registered template names, sorted."""
-    return sorted(cls.name for cls in _TEMPLATES.values())
+    return TEMPLATES.names()
 
 
 def templates_for_hf_type(hf_model_type: str) -> list[str]:
@@ -653,7 +651,7 @@ def templates_for_hf_type(hf_model_type: str) -> list[str]:
     >>> templates_for_hf_type("qwen2_5_vl"), templates_for_hf_type("bert")
     (['qwen2.5-vl'], [])
     """
-    return sorted(cls.name for cls in _TEMPLATES.values() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
+    return sorted(name for name, cls in TEMPLATES.items() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
 
 
 def get_template(model_type: str, processor, **kwargs) -> Template:
@@ -661,9 +659,4 @@ def get_template(model_type: str, processor, **kwargs) -> Template:
 
     kwargs are the template's options (see MediaOptions), e.g. `min_pixels`, `max_pixels`.
     """
-    key = _normalise(model_type)
-    if key not in _TEMPLATES:
-        raise ConfigError(
-            f"unknown model_type {model_type!r}; known templates: {', '.join(known_templates())}"
-        )
-    return _TEMPLATES[key](processor, **kwargs)
+    return TEMPLATES.get(model_type, hint="A family of your own: --template_plugin (docs/custom_template.md).")(processor, **kwargs)

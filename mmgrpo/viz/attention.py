@@ -287,7 +287,7 @@ def attention_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> Path:
     from mmgrpo.data.registry import resolve_dataset
     from mmgrpo.rollout import HFRollout, SamplingParams
-    from mmgrpo.runlog import console
+    from mmgrpo.training.runlog import console
 
     args = attention_parser().parse_args(argv)
     if args.layers not in ("all", "last") and not args.layers.lstrip("-").isdigit():

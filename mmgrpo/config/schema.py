@@ -3,7 +3,7 @@
 Nested dataclasses are the single source of truth. The docstring under each field is its
 `--help` text. A YAML file (`--config run.yaml`, nested by section or flat) overrides the
 defaults, and command-line flags override the YAML. Flag names follow TRL and ms-swift.
-Turning them into flags is mmgrpo/config_args.py; checking them, mmgrpo/config_checks.py.
+Turning them into flags is mmgrpo/config/flags.py; checking them, mmgrpo/config/checks.py.
 
     >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
     >>> cfg.rollout.num_generations, cfg.algo.beta
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mmgrpo.config_args import build_parser, config_from_namespace
+from mmgrpo.config.flags import build_parser, config_from_namespace
 from mmgrpo.models.tiny import DEFAULT_MODEL
 
 
@@ -44,7 +44,7 @@ class ModelConfig:
     """Recompute activations in backward: about 20% slower, much less activation memory."""
     shared_prefix: bool = True
     """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
-    # ---- which weights train (mmgrpo/lora.py) ----
+    # ---- which weights train (mmgrpo/models/train_type.py) ----
     train_type: str = "full"
     """`full` (every weight not frozen) or `lora` (peft adapters only; the reference model is the base)."""
     lora_rank: int = 8
@@ -104,7 +104,7 @@ class RolloutConfig:
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
     rollout engine samples from its own copy of the weights, one optimizer step old; see
     --vllm_importance_sampling_correction."""
-    # ---- which completions the step trains on (mmgrpo/rollout/step_sampling.py) ----
+    # ---- which completions the step trains on (mmgrpo/rollout/rounds.py) ----
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
     prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""
@@ -348,9 +348,19 @@ class TrainConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config_checks import validate_train
+        from mmgrpo.config.checks import validate_train
 
         validate_train(self)
+
+    def loss_config(self):
+        """The policy loss's options (`mmgrpo.grpo.losses.LossConfig`, which checks them when made)."""
+        from mmgrpo.grpo.losses import LossConfig
+
+        return LossConfig(
+            loss_type=self.algo.loss_type, epsilon=self.algo.epsilon, epsilon_high=self.algo.epsilon_high,
+            beta=self.algo.beta, max_completion_length=self.rollout.max_completion_length,
+            importance_sampling_level=self.algo.importance_sampling_level, delta=self.algo.delta,
+        )
 
 
 @dataclass
@@ -376,6 +386,6 @@ class SFTConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config_checks import validate_sft
+        from mmgrpo.config.checks import validate_sft
 
         validate_sft(self)
