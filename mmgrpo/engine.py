@@ -310,7 +310,7 @@ def train(cfg: TrainConfig) -> Path:
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
                 torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
@@ -353,6 +353,7 @@ def train(cfg: TrainConfig) -> Path:
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
                 # generating, overlapped with training when async (time/rollout is then the wait)
                 metrics["rollout/generate_s"] = pipeline.take_generate_seconds()
+                metrics["cpu/step_s"] = time.process_time() - started_cpu  # this process's CPU seconds (all threads)
                 finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
