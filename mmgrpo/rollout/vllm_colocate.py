@@ -42,7 +42,9 @@ from mmgrpo.rollout.vllm_requests import (
     check_media_tokens,
     check_prompt_lengths,
     check_supported,
+    check_vllm_prompts,
     completions_of,
+    known_mismatch,
     kv_cache_error,
     one_way_media_attention,
     prompt_media,
@@ -99,13 +101,16 @@ class VLLMColocateRollout:
     def __init__(self, model_path: str, template, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
                  kv_cache_memory_bytes: int | None = None, distributed: bool = False, rank: int = 0,
-                 suppress_placeholders: bool = True, exact_attention: bool = True):
+                 suppress_placeholders: bool = True, exact: bool = True):
         """model_path: the checkpoint the policy was loaded from (vLLM loads its own copy, then syncs).
         suppress_placeholders: never sample the template's placeholder ids (off only to compare
-        log-probs with the trainer's exactly). exact_attention: stop at start-up where vLLM attends
-        media tokens otherwise than the model (off only to check prompt ids and weight names there)."""
+        log-probs with the trainer's exactly). exact: stop at start-up where vLLM computes the family
+        otherwise than transformers (`Template.vllm_mismatch`, or media attention its backend lacks);
+        off only to check prompt ids and weight names there."""
         vllm = require_vllm()
         check_supported(model_path, template)
+        if exact and (mismatch := known_mismatch(template)) is not None:
+            raise mismatch
         cuda = torch.cuda.is_available()
         if enable_sleep_mode and not cuda:
             raise ConfigError("--vllm_enable_sleep_mode needs a CUDA GPU (vLLM on CPU has no sleep mode); drop it.")
@@ -125,7 +130,7 @@ class VLLMColocateRollout:
         except (ValueError, RuntimeError) as error:
             flag = "--vllm_gpu_memory_utilization" if cuda else "--vllm_kv_cache_memory_bytes"
             raise (weight_load_error(error, template, model_path) or kv_cache_error(error, flag) or error) from None
-        mismatch = one_way_media_attention(self.llm, template) if exact_attention and not cuda else None
+        mismatch = one_way_media_attention(self.llm, template) if exact and not cuda else None
         if mismatch is not None:
             self.close()
             raise mismatch
@@ -138,6 +143,7 @@ class VLLMColocateRollout:
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions with vLLM's sampling log-probs."""
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
         sampling_rate = self.template.sampling_rate
         requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, sampling_rate) for p in prompts]
         params = [

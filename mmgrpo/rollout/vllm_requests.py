@@ -45,19 +45,20 @@ def require_vllm():
     return vllm
 
 
-def architectures(model_path: str) -> list[str]:
-    """The `architectures` a checkpoint's config.json names (what vLLM picks its model class by)."""
+def architectures(model_path: str, template) -> list[str]:
+    """The `architectures` vLLM picks its model class by: the checkpoint's config.json, as the
+    family's template gives it to vLLM (`Template.vllm_config`)."""
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return []
-    return list(json.loads(config.read_text()).get("architectures") or [])
+    return list(template.vllm_config(json.loads(config.read_text())).get("architectures") or [])
 
 
 def check_supported(model_path: str, template) -> None:
     """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture, or the
     family's template says why vLLM cannot run this checkpoint (`Template.vllm_unsupported`)."""
     vllm = require_vllm()
-    names = architectures(model_path)
+    names = architectures(model_path, template)
     supported = set(vllm.ModelRegistry.get_supported_archs())
     if names and not any(name in supported for name in names):
         raise ConfigError(
@@ -70,6 +71,19 @@ def check_supported(model_path: str, template) -> None:
             f"--use_vllm: vLLM {vllm.__version__} cannot run {model_path} (--model_type {template.name!r}): {reason}; "
             f"{ALTERNATIVES}."
         )
+
+
+def known_mismatch(template) -> ConfigError | None:
+    """A ConfigError naming the family where its template records that vLLM computes other log-probs
+    than transformers for it (`Template.vllm_mismatch`), else None."""
+    if not template.vllm_mismatch:
+        return None
+    import vllm
+
+    return ConfigError(
+        f"--use_vllm: vLLM {vllm.__version__} would sample --model_type {template.name!r} from another model than "
+        f"the policy: {template.vllm_mismatch}. {ALTERNATIVES[0].upper()}{ALTERNATIVES[1:]}."
+    )
 
 
 def one_way_media_attention(llm, template) -> ConfigError | None:
@@ -175,26 +189,39 @@ def check_prompt_lengths(prompts: list, max_model_len: int, max_new_tokens: int)
 
 
 def check_media_tokens(prompts: list, prompt_token_ids: list[list[int]], template) -> None:
-    """DataError naming the first prompt whose media vLLM's processor expanded to other token counts
-    than the template did: vLLM would sample from other inputs than the policy trains on.
+    """DataError naming the first prompt whose media vLLM's processor expanded otherwise than the
+    template did (other counts, or another order: a video's frames and sound interleaved otherwise):
+    vLLM would sample from other inputs than the policy trains on.
 
-    Only the media tokens are compared: an engine that re-tokenizes a multi-turn prompt's text may
-    split it differently (mmgrpo/templates/turns.py), while every image, video and audio clip must
-    become as many tokens as the policy's forward gives it.
+    Only the media tokens are compared, in order: an engine that re-tokenizes a multi-turn prompt's
+    text may split it differently (mmgrpo/templates/turns.py), while every image, video and audio clip
+    must become the tokens the policy's forward gives it.
     """
-    import vllm
-
+    media = {hook.token_id: modality for modality, hook in template.media.items()}
     for prompt, ids in zip(prompts, prompt_token_ids):
-        expected = prompt.prompt_ids.tolist()
-        for modality, hook in template.media.items():
-            ours, theirs = expected.count(hook.token_id), list(ids).count(hook.token_id)
-            if ours != theirs:
-                note = f" ({template.vllm_differences})" if template.vllm_differences else ""
-                raise DataError(
-                    f"sample {prompt.id}: vLLM {vllm.__version__} expands its {modality} input to {theirs} tokens, the "
-                    f"template of --model_type {template.name} (as transformers) to {ours}{note}; vLLM would sample "
-                    "from other inputs than the policy trains on. Drop --use_vllm, or leave such samples out."
-                )
+        ours = [token for token in prompt.prompt_ids.tolist() if token in media]
+        theirs = [token for token in ids if token in media]
+        if ours != theirs:
+            import vllm
+
+            def counts(tokens):
+                return ", ".join(f"{tokens.count(token)} {modality}" for token, modality in media.items())
+
+            raise DataError(
+                f"sample {prompt.id}: vLLM {vllm.__version__} expands its media to {counts(theirs)} tokens, the template "
+                f"of --model_type {template.name} (as transformers) to {counts(ours)}"
+                f"{' in another order' if sorted(ours) == sorted(theirs) else ''}; vLLM would sample from other inputs "
+                "than the policy trains on. Drop --use_vllm, or leave such samples out."
+            )
+
+
+def check_vllm_prompts(prompts: list, template) -> None:
+    """DataError naming the first prompt the family's template says vLLM cannot take as the policy does
+    (`Template.vllm_prompt_problem`), before vLLM runs it."""
+    for prompt in prompts:
+        problem = template.vllm_prompt_problem(prompt)
+        if problem:
+            raise DataError(f"sample {prompt.id}: --use_vllm: {problem}. Drop --use_vllm, or leave such samples out.")
 
 
 # ---- sampling -----------------------------------------------------------------------------------

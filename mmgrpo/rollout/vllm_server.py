@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.rollout.vllm_colocate import llm_options
     from mmgrpo.rollout.vllm_requests import (
         check_supported,
+        known_mismatch,
         kv_cache_error,
         one_way_media_attention,
         require_vllm,
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     model_type = template.name
     vllm = require_vllm()
     check_supported(str(path), template)
+    if (mismatch := known_mismatch(template)) is not None:
+        raise mismatch
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cuda = torch.cuda.is_available()
     if not cuda:

@@ -12,12 +12,14 @@ third form (transformers 5.19 writes Qwen2-Audio's LLM as `language_model.model.
 SigLIP's `vision_model.` level). Without a rename vLLM stops at start-up ("There is no module or
 parameter named ...") or at the first sync.
 
-The checkpoint: where the rules rename a tensor of the folder's safetensors files, vLLM loads a view
-of the folder instead, written once per checkpoint under `$MMGRPO_CACHE/vllm` (default
-~/.cache/mmgrpo/vllm; safe to delete): the same files linked, and each safetensors file
-rewritten with the new names in its header and its tensor bytes copied as they are (one file at a
-time through a buffer: the memory it takes is bounded, the disk it takes is the weights' size).
-Checkpoints already in the original layout (those on the Hub) are used as they are.
+The checkpoint: where the rules rename a tensor of the folder's safetensors files, or the template
+gives vLLM another config (`Template.vllm_config`: Qwen2.5-Omni's thinker, which vLLM registers only
+inside the full model), vLLM loads a view of the folder instead, written once per checkpoint under
+`$MMGRPO_CACHE/vllm` (default ~/.cache/mmgrpo/vllm; safe to delete): the same files linked, the
+config rewritten, and each safetensors file rewritten with the new names in its header and its
+tensor bytes copied as they are (one file at a time through a buffer: the memory it takes is
+bounded, the disk it takes is the weights' size). Checkpoints already in the original layout
+(those on the Hub) are used as they are.
 """
 
 from __future__ import annotations
@@ -71,13 +73,15 @@ def renamed_names(folder: Path, template) -> dict[str, str]:
 
 
 def vllm_checkpoint(model_path: str, template) -> str:
-    """The folder vLLM should load: `model_path` where its tensor names are what vLLM loads (or it is
-    not a local folder: vLLM fetches it), else a renamed view of it (module docstring)."""
+    """The folder vLLM should load: `model_path` where its tensor names and config are what vLLM loads
+    (or it is not a local folder: vLLM fetches it), else a view of it (module docstring)."""
     folder = Path(model_path)
-    if not template.vllm_weight_names or not folder.is_dir():
+    if not folder.is_dir() or not (folder / "config.json").is_file():
         return model_path
-    renamed = renamed_names(folder, template)
-    if not renamed:
+    renamed = renamed_names(folder, template) if template.vllm_weight_names else {}
+    config = json.loads((folder / "config.json").read_text())
+    vllm_config = template.vllm_config(config)
+    if not renamed and vllm_config == config:
         return model_path
     from mmgrpo.models.tiny import default_cache_dir, publish_checkpoint
 
@@ -86,21 +90,27 @@ def vllm_checkpoint(model_path: str, template) -> str:
         "folder": str(folder.resolve()),
         "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
         "rules": template.vllm_weight_names,
+        "config": vllm_config,
     }).encode()).hexdigest()[:12]
     target = default_cache_dir().parent / "vllm" / f"{folder.resolve().name}-{key}"
     if not (target / "config.json").exists():
-        publish_checkpoint(target, lambda tmp: _write_view(files, renamed, tmp))
+        new_config = vllm_config if vllm_config != config else None
+        publish_checkpoint(target, lambda tmp: _write_view(files, renamed, new_config, tmp))
     return str(target)
 
 
-def _write_view(files: list[Path], renamed: dict[str, str], out: Path) -> None:
+def _write_view(files: list[Path], renamed: dict[str, str], config: dict | None, out: Path) -> None:
+    """Link `files` into `out`, but rename the tensors of the safetensors files (and their index) and
+    write `config` (None: the checkpoint's own) as config.json."""
     for file in files:
-        if file.suffix == ".safetensors":
+        if file.suffix == ".safetensors" and renamed:
             _rename_safetensors(file, out / file.name, renamed)
-        elif file.name == INDEX_FILE:
+        elif file.name == INDEX_FILE and renamed:
             index = json.loads(file.read_text())
             index["weight_map"] = {renamed.get(k, k): v for k, v in index["weight_map"].items()}
             (out / file.name).write_text(json.dumps(index, indent=2))
+        elif file.name == "config.json" and config is not None:
+            (out / file.name).write_text(json.dumps(config, indent=2) + "\n")
         else:
             os.symlink(file.resolve(), out / file.name)
 

@@ -113,9 +113,10 @@ class Template:
     # the checkpoint vLLM starts from and for every weight sync (mmgrpo/rollout/vllm_weights.py).
     # A name already in the original layout must come out unchanged.
     vllm_weight_names: tuple[tuple[str, str], ...] = ()
-    # Inputs vLLM's processor expands differently from transformers (and this template), said in the
-    # error a rollout with such a prompt stops with (mmgrpo/rollout/vllm_requests.py:check_media_tokens).
-    vllm_differences: str = ""
+    # Where vLLM's own implementation of the family computes other log-probs than transformers (a
+    # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
+    # another model than the policy. Checks of prompt ids and weight names turn it off.
+    vllm_mismatch: str = ""
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
@@ -527,8 +528,17 @@ class Template:
         multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
         return (AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM), config, {}
 
+    def vllm_config(self, config: dict) -> dict:
+        """The config.json vLLM should load for a checkpoint of this family whose config.json is
+        `config` (where vLLM registers the family under another architecture); default: `config`."""
+        return config
+
     def vllm_unsupported(self) -> str | None:
         """Why vLLM cannot run this checkpoint of the family (said at start-up with --use_vllm), or None."""
+        return None
+
+    def vllm_prompt_problem(self, prompt: PromptInputs) -> str | None:
+        """Why vLLM cannot take this prompt as the policy does (said in the error naming the sample), or None."""
         return None
 
     @classmethod

@@ -142,10 +142,6 @@ class LlavaOnevisionTemplate(Template):
         (r"^model\.(multi_modal_projector\.|image_newline$)", r"\1"),
         *SIGLIP_TOWER_NAMES,
     )
-    vllm_differences = (
-        "vLLM 0.32 tiles every image of a prompt with several (anyres); transformers takes each one's base view: "
-        "keep one image per prompt with --use_vllm"
-    )
     shared_prefix = True  # batch_num_images stays per prompt
     lean_decode = True  # the llava-onevision-qwen2 checkpoints' LLM is Qwen2
 
@@ -154,6 +150,12 @@ class LlavaOnevisionTemplate(Template):
             "image": AnyresImages(self.processor, "<image>", self.token_id("<image>")),
             "video": PooledVideos(self.processor, "<video>", self.token_id("<video>")),
         }
+
+    def vllm_prompt_problem(self, prompt) -> str | None:
+        if len(prompt.images) > 1:
+            return ("vLLM 0.32 tiles every image of a prompt with several (anyres), transformers takes each one's base "
+                    f"view ({len(prompt.images)} images here): keep one image per prompt")
+        return None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML with a default system turn; each medium -> `<image>\\n` or `<video>\\n`."""
