@@ -24,7 +24,14 @@ import torch
 
 from mmgrpo.errors import ConfigError, MMGRPOError
 from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
-from mmgrpo.rollout.vllm_requests import check_prompt_lengths, rollout_from_completions, sampling_options
+from mmgrpo.rollout.vllm_requests import (
+    check_media_tokens,
+    check_prompt_lengths,
+    check_vllm_prompts,
+    rollout_from_completions,
+    sampling_options,
+)
+from mmgrpo.rollout.vllm_weights import vllm_named
 from mmgrpo.rollout.vllm_wire import encode_prompts, model_identity
 from mmgrpo.rollout.weight_sync import sibling_group
 
@@ -83,6 +90,7 @@ class VLLMServerRollout(RolloutEngine):
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
         options = []
         for b in range(len(prompts)):
             option = sampling_options(sampling, self.template, b, suppress=self.suppress_placeholders)
@@ -91,12 +99,14 @@ class VLLMServerRollout(RolloutEngine):
         body = encode_prompts(prompts, options, self.processor_kwargs, self.template.sampling_rate, self.weight_version)
         reply = self._post("/generate", body)
         self.last_prompt_token_ids = reply["prompt_token_ids"]
+        check_media_tokens(prompts, reply["prompt_token_ids"], self.template)
         return rollout_from_completions(reply["completions"], self.template, sampling.max_new_tokens,
                                         reply["weight_version"])
 
     def update_weights(self, named_tensors, version: int) -> None:
-        """Send (name, tensor) pairs in chunks of about `chunk_bytes`, then tag them `version`."""
-        for chunk in weight_chunks(named_tensors, self.chunk_bytes):
+        """Send (HF name, tensor) pairs, renamed as vLLM loads them, in chunks of about `chunk_bytes`,
+        then tag them `version`."""
+        for chunk in weight_chunks(vllm_named(named_tensors, self.template), self.chunk_bytes):
             self._send_chunk(chunk)
         self._post("/weights/finish", b"", query=f"version={version}")
         self.weight_version = version

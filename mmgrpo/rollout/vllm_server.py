@@ -12,7 +12,8 @@ version tag):
                                    "prompt_token_ids", "weight_version"}; refused (409) when the weights are not
                                    the version the trainer expects (a restarted server lost them)
     POST /weights?path=P           load the safetensors file P (same host, /dev/shm) or the body into vLLM,
-                                   in place; the tensors a chunk does not name keep their values
+                                   in place; the tensors a chunk does not name keep their values (the
+                                   trainer names them as vLLM loads them: mmgrpo/rollout/vllm_weights.py)
     POST /weights/finish?version=N caches reset (prefix, encoder), the weights are version N
 
 One request runs at a time (a lock): the trainer syncs between rollouts, never during one.
@@ -28,7 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.vllm_requests import completions_of, vllm_prompt, vllm_sampling
+from mmgrpo.rollout.vllm_requests import completions_of, repack_tied_heads, vllm_prompt, vllm_sampling
 from mmgrpo.rollout.vllm_wire import decode_prompts, model_identity
 
 
@@ -71,7 +72,11 @@ class RolloutService:
         return 200, {"loaded": len(tensors)}
 
     def finish(self, version: int) -> tuple[int, dict]:
+        import torch
+
         with self.lock:
+            if not torch.cuda.is_available():
+                repack_tied_heads(self.llm)  # after the last chunk: the embedding a tied head shares is in
             self.llm.reset_prefix_cache()
             engine = self.llm.llm_engine
             if hasattr(engine, "reset_encoder_cache"):
@@ -150,18 +155,27 @@ def main(argv: list[str] | None = None) -> None:
 
     from mmgrpo.models.loading import load_template
     from mmgrpo.rollout.vllm_colocate import llm_options
-    from mmgrpo.rollout.vllm_requests import check_supported, kv_cache_error, require_vllm
+    from mmgrpo.rollout.vllm_requests import (
+        check_supported,
+        known_mismatch,
+        kv_cache_error,
+        one_way_media_attention,
+        require_vllm,
+    )
+    from mmgrpo.rollout.vllm_weights import vllm_checkpoint, weight_load_error
 
     path, _, template = load_template(args.model, args.model_type)  # no --model_type: inferred from the checkpoint
     model_type = template.name
     vllm = require_vllm()
     check_supported(str(path), template)
+    if (mismatch := known_mismatch(template)) is not None:
+        raise mismatch
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     options = llm_options(
-        str(path), max_model_len=args.vllm_max_model_len, dtype=args.dtype, seed=args.seed, cuda=cuda,
+        vllm_checkpoint(str(path), template), max_model_len=args.vllm_max_model_len, dtype=args.dtype, seed=args.seed, cuda=cuda,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
         enable_sleep_mode=False, kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes, distributed=False,
     )
@@ -169,8 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         llm = vllm.LLM(**options)
     except (ValueError, RuntimeError) as error:
-        raise (kv_cache_error(error, "--vllm_kv_cache_memory_bytes" if not cuda else "--vllm_gpu_memory_utilization")
-               or error) from None
+        flag = "--vllm_kv_cache_memory_bytes" if not cuda else "--vllm_gpu_memory_utilization"
+        raise (weight_load_error(error, template, str(path)) or kv_cache_error(error, flag) or error) from None
+    if not cuda and (error := one_way_media_attention(llm, template)) is not None:
+        raise error
     server.RequestHandlerClass = handler_for(RolloutService(llm, str(path), args.vllm_max_model_len))
     print(f"mmgrpo rollout-server: serving {path} ({model_type}) on http://{args.host}:{args.port}", flush=True)
     try:
