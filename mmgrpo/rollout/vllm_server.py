@@ -207,7 +207,10 @@ def handler_for(service: RolloutService):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting (its timeout)
+                pass
 
         def do_GET(self):
             if urlparse(self.path).path == "/health":
