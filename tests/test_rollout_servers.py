@@ -98,6 +98,21 @@ def test_a_sender_gone_mid_sync_is_an_error_for_the_receiver():
     assert kind == "error", message
 
 
+def test_a_bucket_is_built_as_the_gathered_tensors_come_never_the_whole_model():
+    pulled = []
+
+    def gathered():  # what a sharded model yields: one full tensor at a time
+        for pair in WEIGHTS.items():
+            pulled.append(pair[0])
+            yield pair
+
+    held = 0
+    for bucket in weight_chunks(gathered(), chunk_bytes=1000):
+        held += len(bucket)
+        assert len(pulled) <= held + 1, (pulled, list(bucket))  # the bucket, and the next tensor that closed it
+    assert held == len(WEIGHTS)
+
+
 def _cfg(*extra):
     return TrainConfig.from_args(["--use_vllm", "--vllm_mode", "server", "--report_to", "none", *extra])
 

@@ -21,25 +21,13 @@ import os
 import signal
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_worker import image_prompts  # noqa: E402
-from vllm_dist_worker import max_logp_gap  # noqa: E402
-
-
-def counted(named_tensors, record: dict):
-    """The pairs as they are, recording the most tensors alive at once (rank 0 holds a bucket)."""
-    alive: list[weakref.ref] = []
-    for name, tensor in named_tensors:
-        alive = [ref for ref in alive if ref() is not None]
-        alive.append(weakref.ref(tensor))
-        record["peak_alive"] = max(record.get("peak_alive", 0), len(alive))
-        record["sent"] = record.get("sent", 0) + 1
-        yield name, tensor
+from vllm_dist_worker import counted, max_logp_gap  # noqa: E402
 
 
 def killing(named_tensors, pid: int, after: int):
