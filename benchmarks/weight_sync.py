@@ -32,11 +32,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 MODELS = {
-    "2.7m": dict(hidden_size=256, intermediate_size=512, num_attention_heads=8),
+    "2.7m": dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_hidden_layers=3),
     "100m": dict(hidden_size=320, intermediate_size=1280, num_attention_heads=10, num_key_value_heads=2,
                  vocab_size=151936),
 }
-TRANSFERS = ("http", "collective")
+# (transfer, address): HTTP to a server on this host goes through /dev/shm, to another host in the
+# request body (here: this host's own network address, through the kernel's TCP stack)
+ARMS = {"http (/dev/shm)": ("http", "local"), "http (body)": ("http", "network"),
+        "collective (gloo)": ("collective", "local")}
+
 # NCCL's published bus bandwidth at large messages (nccl-tests), GB/s: 8x H100 SXM over NVLink 4
 # measures 460-480 (all_reduce); across nodes one NDR InfiniBand NIC carries at most 400 Gb/s = 50 GB/s.
 NCCL_GBPS = {"NVLink (H100 SXM, one node)": 450.0, "InfiniBand NDR, one NIC (across nodes)": 45.0}
@@ -49,9 +53,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def network_address() -> str | None:
+    """This host's address on its default route (None without one): a server reached there is "remote"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 9))  # picks the route, sends nothing
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
 def start_server(model_path: str, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "mmgrpo.cli", "rollout-server", "--model", model_path, "--model_type", "qwen2-vl",
-               "--port", str(port), "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20)]
+               "--host", "0.0.0.0", "--port", str(port), "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20)]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while True:
@@ -87,21 +102,22 @@ def measure(model_name: str, repeats: int, progress) -> dict:
     server = start_server(path, port)
     try:
         started = time.perf_counter()
-        clients = {transfer: VLLMServerRollout([("127.0.0.1", port)], path, template, transfer=transfer, timeout=600)
-                   for transfer in TRANSFERS}
+        hosts = {"local": "127.0.0.1", "network": network_address()}
+        clients = {arm: VLLMServerRollout([(hosts[where], port)], path, template, transfer=transfer, timeout=600)
+                   for arm, (transfer, where) in ARMS.items() if hosts[where]}
         setup = time.perf_counter() - started
-        results = {transfer: {"wall": [], "cpu": [], "server_cpu": []} for transfer in TRANSFERS}
-        task = progress.add_task(f"{model_name} weight syncs", total=(repeats + 1) * len(TRANSFERS))
+        results = {arm: {"wall": [], "cpu": [], "server_cpu": []} for arm in clients}
+        task = progress.add_task(f"{model_name} weight syncs", total=(repeats + 1) * len(clients))
         version = 0
         for repeat in range(repeats + 1):  # the first round warms up
-            for transfer, client in clients.items():
+            for arm, client in clients.items():
                 weights = ((name, p.detach()) for name, p in model.named_parameters())
                 wall, cpu, server_cpu = time.perf_counter(), time.process_time(), cpu_seconds(server.pid)
                 client.update_weights(weights, version)
                 if repeat:
-                    results[transfer]["wall"].append(time.perf_counter() - wall)
-                    results[transfer]["cpu"].append(time.process_time() - cpu)
-                    results[transfer]["server_cpu"].append(cpu_seconds(server.pid) - server_cpu)
+                    results[arm]["wall"].append(time.perf_counter() - wall)
+                    results[arm]["cpu"].append(time.process_time() - cpu)
+                    results[arm]["server_cpu"].append(cpu_seconds(server.pid) - server_cpu)
                 version += 1
                 progress.advance(task)
         for client in clients.values():
@@ -109,21 +125,26 @@ def measure(model_name: str, repeats: int, progress) -> dict:
     finally:
         server.terminate()
         server.wait(60)
-    return {"parameters": parameters, "gigabytes": gigabytes, "setup_s": setup, **results}
+    return {"parameters": parameters, "gigabytes": gigabytes, "setup_s": setup, "arms": results}
+
+
+def seconds_per_gb(measured: dict) -> dict[str, float]:
+    return {arm: statistics.median(row["wall"]) / measured["gigabytes"] for arm, row in measured["arms"].items()}
 
 
 def report(name: str, measured: dict) -> list[str]:
-    gb = measured["gigabytes"]
+    gb, arms = measured["gigabytes"], measured["arms"]
     lines = [f"\n{name}: {measured['parameters'] / 1e6:.1f}M parameters, {gb * 1e3:.0f} MB per sync (fp32)",
              "| transfer | s / sync | s / GB | CPU s / sync (trainer + server) |", "|---|---|---|---|"]
-    medians = {}
-    for transfer in TRANSFERS:
-        row = measured[transfer]
-        medians[transfer] = statistics.median(row["wall"])
-        lines.append(f"| {transfer} | {medians[transfer]:.3f} | {medians[transfer] / gb:.2f} | "
+    for arm, row in arms.items():
+        wall = statistics.median(row["wall"])
+        lines.append(f"| {arm} | {wall:.3f} | {wall / gb:.2f} | "
                      f"{statistics.median(row['cpu']):.2f} + {statistics.median(row['server_cpu']):.2f} |")
-    lines.append(f"HTTP / collective: {medians['http'] / medians['collective']:.2f}x "
-                 f"(per repeat: {', '.join(f'{h / c:.2f}' for h, c in zip(measured['http']['wall'], measured['collective']['wall']))})")
+    collective = arms["collective (gloo)"]["wall"]
+    for arm in [arm for arm in arms if arm.startswith("http")]:
+        ratios = [h / c for h, c in zip(arms[arm]["wall"], collective)]
+        lines.append(f"{arm} / collective: {statistics.median(ratios):.2f}x median of the pairs "
+                     f"({', '.join(f'{r:.2f}' for r in ratios)})")
     return lines
 
 
@@ -131,9 +152,8 @@ def nccl_lines(measured: dict) -> list[str]:
     lines = [f"\nA 7B model in bf16 ({SEVEN_B_GB:.1f} GB per sync) over NCCL, at its published bandwidth (transfer only):"]
     lines += [f"  {link}: {SEVEN_B_GB / gbps:.2f} s ({gbps:.0f} GB/s)" for link, gbps in NCCL_GBPS.items()]
     for name, m in measured.items():
-        per_gb = {t: statistics.median(m[t]["wall"]) / m["gigabytes"] for t in TRANSFERS}
-        lines.append(f"  as measured here at {name} ({', '.join(f'{t} {v:.2f} s/GB' for t, v in per_gb.items())}): "
-                     f"{', '.join(f'{t} {v * SEVEN_B_GB:.0f} s' for t, v in per_gb.items())} on CPU")
+        lines.append(f"  at the s/GB measured here on CPU ({name}): "
+                     f"{', '.join(f'{arm} {v * SEVEN_B_GB:.0f} s' for arm, v in seconds_per_gb(m).items())}")
     return lines
 
 
@@ -143,15 +163,16 @@ def plot(measured: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    width = 0.35
-    for i, transfer in enumerate(TRANSFERS):
-        values = [statistics.median(m[transfer]["wall"]) / m["gigabytes"] for m in measured.values()]
-        axis.bar([x + i * width for x in range(len(measured))], values, width, label=transfer)
-    axis.set_xticks([x + width / 2 for x in range(len(measured))],
-                    [f"{name} ({m['gigabytes'] * 1e3:.0f} MB)" for name, m in measured.items()])
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    arms = list(next(iter(measured.values()))["arms"])
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        values = [seconds_per_gb(m)[arm] for m in measured.values()]
+        axis.bar([x + i * width for x in range(len(measured))], values, width, label=arm)
+    axis.set_xticks([x + width * (len(arms) - 1) / 2 for x in range(len(measured))],
+                    [f"{name} ({m['gigabytes'] * 1e3:.0f} MB per sync)" for name, m in measured.items()])
     axis.set_ylabel("seconds per GB (lower is better)")
-    axis.set_title("Weight sync to a vLLM rollout server (CPU, gloo)")
+    axis.set_title("Weight sync into a vLLM rollout server (CPU)")
     axis.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,14 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.vllm_client import RolloutServer, check_servers, weight_chunks
 from mmgrpo.rollout.vllm_wire import model_fingerprint, model_identity
-from mmgrpo.rollout.weight_group import join_group, open_store, receive_buckets, send_bucket, send_end
+from mmgrpo.rollout.weight_group import (
+    BucketBuffer,
+    join_group,
+    open_store,
+    receive_buckets,
+    send_bucket,
+    send_end,
+)
 
 WEIGHTS = {  # names as a model has them: sibling groups of mixed dtypes and odd sizes
     "model.layers.0.self_attn.q_proj.weight": torch.randn(33, 17),
@@ -37,7 +44,7 @@ def _receiver(port: int, session: str, results, die_after: int | None) -> None:
                        address="127.0.0.1", timeout=20)
     received = {}
     try:
-        for bucket in receive_buckets(group, torch.device("cpu")):
+        for bucket in receive_buckets(group, BucketBuffer()):
             received.update({name: tensor.clone() for name, tensor in bucket.items()})
             results.put(("bucket", sorted(bucket)))
             if die_after is not None and len(received) >= die_after:
@@ -59,9 +66,9 @@ def _start_receiver(session: str, die_after: int | None = None):
 
 def test_buckets_arrive_whole_and_exact_over_gloo():
     store, group, process, results = _start_receiver("exact")
-    buckets = list(weight_chunks(WEIGHTS.items(), chunk_bytes=1000))
-    for bucket in buckets:
-        send_bucket(group, bucket, torch.device("cpu"))
+    buckets, buffer = list(weight_chunks(WEIGHTS.items(), chunk_bytes=1000)), BucketBuffer()
+    for bucket in buckets:  # one buffer for all: each bucket overwrites the last one's bytes
+        send_bucket(group, bucket, buffer)
     send_end(group, torch.device("cpu"))
     arrived = [results.get(timeout=60) for _ in range(len(buckets) + 1)]
     process.join(30)
@@ -80,7 +87,7 @@ def test_a_receiver_killed_mid_sync_is_an_error_at_once_for_the_sender():
     started = time.monotonic()
     with pytest.raises(RuntimeError):  # the receiver's sockets closed: gloo raises, no 20 s wait
         for bucket in weight_chunks(WEIGHTS.items(), chunk_bytes=1):
-            send_bucket(group, bucket, torch.device("cpu"))
+            send_bucket(group, bucket, BucketBuffer())
             time.sleep(0.2)
         send_end(group, torch.device("cpu"))
     assert time.monotonic() - started < 15
@@ -90,7 +97,7 @@ def test_a_receiver_killed_mid_sync_is_an_error_at_once_for_the_sender():
 
 def test_a_sender_gone_mid_sync_is_an_error_for_the_receiver():
     store, group, process, results = _start_receiver("sender-dies")
-    send_bucket(group, dict(list(WEIGHTS.items())[:1]), torch.device("cpu"))
+    send_bucket(group, dict(list(WEIGHTS.items())[:1]), BucketBuffer())
     assert results.get(timeout=60)[0] == "bucket"
     del group  # the trainer's end of the group closes (as when its process is killed)
     kind, message = results.get(timeout=30)

@@ -45,6 +45,7 @@ from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.rollout.vllm_requests import check_prompt_lengths, rollout_from_completions, sampling_options
 from mmgrpo.rollout.vllm_wire import encode_prompts, model_fingerprint, model_identity
 from mmgrpo.rollout.weight_group import (
+    BucketBuffer,
     group_device,
     is_local,
     join_group,
@@ -130,12 +131,13 @@ class RolloutServer:
                     ) from None
                 time.sleep(0.5)
 
-    def answers(self, timeout: float = 5.0) -> bool:
+    def health_now(self, timeout: float = 5.0) -> dict | None:
+        """/health once, or None where the server does not answer."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout):
-                return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
+                return json.loads(response.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+            return None
 
     def post(self, route: str, body: bytes = b"", query: str = "", timeout: float | None = None) -> dict:
         request = urllib.request.Request(self.url + route + (f"?{query}" if query else ""), data=body, method="POST")
@@ -156,7 +158,10 @@ class RankAgreement:
     together instead of some waiting in the next collective for a rank that stopped.
 
     Two groups of their own: rollouts may run in a thread beside the syncs (`--async_generate`), and
-    one group's collectives must come in the same order on every rank.
+    one group's collectives must come in the same order on every rank. So every rank calls
+    `generate` (and `update_weights`) equally often, as HF's synced generation already needs under
+    FSDP2 / ZeRO-3: extra rounds are agreed across ranks (mmgrpo/rollout/rounds.py), and multi-turn
+    episodes, whose turns differ per rank, run in one process (mmgrpo/config/checks.py).
     """
 
     def __init__(self, world_size: int, timeout: float):
@@ -328,7 +333,7 @@ class TrainerWeightGroup:
 
     def __init__(self, servers: list[RolloutServer], backend: str, host: str | None, port: int, timeout: float):
         self.servers, self.backend, self.timeout = servers, backend, timeout
-        self.device = group_device(backend)
+        self.buffer = BucketBuffer(group_device(backend))  # one bucket's bytes, reused by every sync
         self.session = uuid.uuid4().hex[:12]
         address = host or reachable_address([server.host for server in servers])
         try:
@@ -356,9 +361,9 @@ class TrainerWeightGroup:
         for server in self.servers:
             server.post("/weights/receive", query=f"session={self.session}")
         try:
-            for bucket in weight_chunks(named_tensors, bucket_bytes, self.device):
-                send_bucket(self.group, bucket, self.device)
-            send_end(self.group, self.device)
+            for bucket in weight_chunks(named_tensors, bucket_bytes, self.buffer.device):
+                send_bucket(self.group, bucket, self.buffer)
+            send_end(self.group, self.buffer.device)
         except RuntimeError as error:  # a server died or hangs mid-sync
             self.group = None  # dropped: its sockets close, and the servers still in it stop waiting
             raise RolloutServerError(
@@ -366,11 +371,15 @@ class TrainerWeightGroup:
             ) from None
 
     def _stopped(self) -> str:
-        """Which servers stopped, by who still answers."""
-        silent = [server.url for server in self.servers if not server.answers()]
+        """Which servers stopped, by who still answers and what the others say of their sync."""
+        healths = {server.url: server.health_now() for server in self.servers}
+        silent = [url for url, health in healths.items() if health is None]
         if silent:
             return f"the rollout server at {', '.join(silent)} stopped answering"
-        return f"a rollout server of {', '.join(server.url for server in self.servers)} stopped receiving"
+        failed = [f"{url} ({health['sync_error']})" for url, health in healths.items() if health.get("sync_error")]
+        if failed:
+            return f"the rollout server at {', '.join(failed)} failed"
+        return f"a rollout server of {', '.join(healths)} stopped receiving"
 
     def close(self) -> None:
         """Tell the servers this trainer is done: they drop its group at once (best effort)."""

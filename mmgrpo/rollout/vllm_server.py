@@ -44,7 +44,7 @@ import mmgrpo
 from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.vllm_requests import completions_of, vllm_prompt, vllm_sampling
 from mmgrpo.rollout.vllm_wire import decode_prompts, model_fingerprint, model_identity
-from mmgrpo.rollout.weight_group import connect_store, group_device, join_group, receive_buckets
+from mmgrpo.rollout.weight_group import BucketBuffer, connect_store, group_device, join_group, receive_buckets
 
 
 @dataclass
@@ -59,6 +59,7 @@ class WeightGroup:
     error: str | None = None  # why joining or the last sync failed
     receiving: threading.Thread | None = None
     received: int = 0  # tensors of the sync now or last received
+    buffer: BucketBuffer | None = None  # where buckets arrive, reused by every sync of this group
 
 
 class RolloutService:
@@ -71,14 +72,16 @@ class RolloutService:
         self.instance = uuid.uuid4().hex[:8]  # changes with every start: a restart is visible
         self.weight_version = 0
         self.lock = threading.Lock()  # the engine: generate, reload, cache reset
-        self.group: WeightGroup | None = None
+        self.group: WeightGroup | None = None  # the group of the trainer connected now
+        self.sync: WeightGroup | None = None  # the group of the sync in flight, until /weights/finish
+        self.sync_error: str | None = None  # why the last sync over a group failed (the trainer asks /health)
         self.group_lock = threading.Lock()  # joins and drops
 
     def health(self) -> dict:
         return {"identity": self.identity, "fingerprint": self.fingerprint, "model": self.model_path,
                 "mmgrpo": mmgrpo.__version__, "device": self.device, "instance": self.instance,
                 "weight_version": self.weight_version, "max_model_len": self.max_model_len,
-                "group": self.group.session if self.group else None}
+                "group": self.group.session if self.group else None, "sync_error": self.sync_error}
 
     def generate(self, body: bytes) -> tuple[int, dict]:
         meta, media = decode_prompts(body)
@@ -104,14 +107,13 @@ class RolloutService:
         return 200, {"loaded": len(tensors)}
 
     def finish(self, version: int) -> tuple[int, dict]:
-        group = self.group
-        if group is not None and group.receiving is not None:
-            group.receiving.join(group.timeout)
-            if group.receiving.is_alive():
-                return 504, {"error": f"the sync's buckets did not all arrive within {group.timeout:.0f} s"}
-            group.receiving = None
-            if group.error:
-                return 500, {"error": group.error}
+        sync, self.sync = self.sync, None  # the group of the sync over a group (None: over HTTP)
+        if sync is not None:
+            sync.receiving.join(sync.timeout)
+            if sync.receiving.is_alive():
+                return 504, {"error": f"the sync's buckets did not all arrive within {sync.timeout:.0f} s"}
+            if sync.error:  # the group broke or a bucket did not load: the weights stay partial (version -1)
+                return 500, {"error": sync.error}
         with self.lock:
             self.llm.reset_prefix_cache()
             engine = self.llm.llm_engine
@@ -143,8 +145,9 @@ class RolloutService:
             return 500, {"error": f"joining the trainer's weight group failed: {group.error or 'timed out'}"}
         if group.receiving is not None and group.receiving.is_alive():
             return 409, {"error": "a sync is already running"}
-        group.error, group.received = None, 0
+        group.error, group.received, self.sync_error = None, 0, None
         group.receiving = threading.Thread(target=self._receive, args=(group,), daemon=True)
+        self.sync = group
         group.receiving.start()
         return 202, {"receiving": session}
 
@@ -168,15 +171,20 @@ class RolloutService:
 
     def _receive(self, group: WeightGroup) -> None:
         with self.lock:
+            stage = "the weight group broke"
             try:
-                for bucket in receive_buckets(group.process_group, group_device(group.backend)):
+                group.buffer = group.buffer or BucketBuffer(group_device(group.backend))
+                for bucket in receive_buckets(group.process_group, group.buffer):
+                    stage = "loading them into vLLM failed"
                     self._reload(bucket)
                     group.received += len(bucket)
-            except Exception as error:  # the trainer died or hung mid-sync
+                    stage = "the weight group broke"
+            except Exception as error:  # the trainer died or hung mid-sync, or vLLM refused a weight
                 first = str(error).splitlines()[0] if str(error) else type(error).__name__
-                group.error = f"the weight group broke after {group.received} tensors: {first}"
+                group.error = f"{stage} after {group.received} tensors: {type(error).__name__}: {first}"
                 self.weight_version = -1  # partial weights: every rollout is refused until a whole sync
-                print(f"mmgrpo rollout-server: {group.error}; dropped it, the weights are partial until a "
+                self.sync_error = group.error
+                print(f"mmgrpo rollout-server: {group.error}; dropped the group, the weights are partial until a "
                       "trainer sends them whole", flush=True)
                 if self.group is group:  # not under group_lock: a join waiting for this thread holds it
                     self.group = None

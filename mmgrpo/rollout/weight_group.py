@@ -4,12 +4,13 @@
     store = open_store(address, port, timeout)                  # the meeting point, hosted by the trainer
     ... each server is asked to join (POST /weights/group), then:
     group = join_group(store, session, rank=0, world_size=1 + S, backend="gloo", address=..., timeout=...)
+    buffer = BucketBuffer(device)                               # reused by every bucket
     for bucket in weight_chunks(named_tensors, bucket_bytes, device):
-        send_bucket(group, bucket, device)
+        send_bucket(group, bucket, buffer)
     send_end(group, device)
     # each server (mmgrpo/rollout/vllm_server.py), rank 1..S
     group = join_group(connect_store(...), session, rank=i, world_size=1 + S, ...)
-    for bucket in receive_buckets(group, device):               # {HF name: tensor} until the end mark
+    for bucket in receive_buckets(group, BucketBuffer(device)):  # {HF name: tensor} until the end mark
         reload(bucket)
 
 A torch.distributed process group of its own, apart from the trainer's: rank 0 is trainer rank 0
@@ -99,14 +100,31 @@ def group_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> tuple[list, torch.Tensor]:
+class BucketBuffer:
+    """One uint8 buffer per side of the group, as large as the largest bucket and reused by every
+    bucket of every sync: packing and receiving then write memory that is already mapped (a fresh
+    buffer per bucket paid a page fault per 4 KiB, as much as the transfer itself on CPU).
+    A bucket's tensors are views of it until the next bucket: the server's vLLM copies them into its
+    own parameters before it receives the next."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.data = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def take(self, size: int) -> torch.Tensor:
+        if self.data.numel() < size:
+            self.data = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.data[:size]
+
+
+def pack(tensors: dict[str, torch.Tensor], buffer: BucketBuffer | None = None) -> tuple[list, torch.Tensor]:
     """(table, payload): each tensor's [name, dtype, shape, offset] and all their bytes in one uint8 tensor."""
     table, offset = [], 0
     for name, tensor in tensors.items():
         table.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
         offset += math.ceil(tensor.numel() * tensor.element_size() / ALIGN) * ALIGN
-    device = next(iter(tensors.values())).device
-    payload = torch.empty(offset, dtype=torch.uint8, device=device)  # [bytes]
+    buffer = buffer or BucketBuffer(next(iter(tensors.values())).device)
+    payload = buffer.take(offset)  # [bytes]
     for (_, _, _, start), tensor in zip(table, tensors.values()):
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         payload[start: start + flat.numel()] = flat
@@ -129,9 +147,10 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
-def send_bucket(group, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+def send_bucket(group, tensors: dict[str, torch.Tensor], buffer: BucketBuffer) -> None:
     """Trainer rank 0: broadcast one bucket (whole sibling groups) to every server."""
-    table, payload = pack({name: tensor.to(device) for name, tensor in tensors.items()})
+    device = buffer.device
+    table, payload = pack({name: tensor.to(device) for name, tensor in tensors.items()}, buffer)
     encoded = torch.frombuffer(bytearray(json.dumps(table).encode()), dtype=torch.uint8).to(device)
     _broadcast(group, torch.tensor([encoded.numel(), payload.numel()], dtype=torch.int64, device=device))
     _broadcast(group, encoded)
@@ -143,8 +162,10 @@ def send_end(group, device: torch.device) -> None:
     _broadcast(group, torch.zeros(2, dtype=torch.int64, device=device))
 
 
-def receive_buckets(group, device: torch.device):
-    """A server: the buckets of one sync as {HF name: tensor}, until the trainer's end mark."""
+def receive_buckets(group, buffer: BucketBuffer):
+    """A server: the buckets of one sync as {HF name: tensor}, until the trainer's end mark. A bucket's
+    tensors are views of `buffer`, valid until the next bucket is asked for."""
+    device = buffer.device
     while True:
         header = torch.zeros(2, dtype=torch.int64, device=device)
         _broadcast(group, header)
@@ -153,6 +174,6 @@ def receive_buckets(group, device: torch.device):
             return
         encoded = torch.empty(table_bytes, dtype=torch.uint8, device=device)
         _broadcast(group, encoded)
-        payload = torch.empty(payload_bytes, dtype=torch.uint8, device=device)
+        payload = buffer.take(payload_bytes)
         _broadcast(group, payload)
         yield unpack(json.loads(encoded.cpu().numpy().tobytes().decode()), payload)
