@@ -120,15 +120,23 @@ def test_a_trainer_killed_mid_sync_leaves_the_server_serving_the_next(servers, t
     assert health(port_a)["instance"] == before and process_a.poll() is None  # the same server, never restarted
 
 
-def test_two_nodes_on_one_host_train_against_one_server(servers, tmp_path):
+def test_two_nodes_on_one_host_train_zero3_without_vllm_against_one_server(servers, tmp_path):
+    """Two torchrun "nodes" of one rank each, ZeRO-3 in the main venv (DeepSpeed, no vLLM, torch 2.14)
+    against a server in .venv-vllm (torch 2.13): a trainer needs no vLLM, and the gloo group spans both."""
+    main_python = ROOT / ".venv" / "bin" / "python"
+    if subprocess.run([str(main_python), "-c", "import deepspeed"], capture_output=True).returncode:
+        pytest.skip("the main venv (.venv, with DeepSpeed) is not built: `make venv`")
     (port_a, _, _), _ = servers
+    model = health(port_a)["model"]  # the server's tiny checkpoint (each venv builds its own copy)
+    flags = train_flags(tmp_path, [port_a], "--max_steps", "2", "--deepspeed", "zero3")
+    flags[flags.index("--parallel"): flags.index("--parallel") + 2] = []
+    flags[flags.index("tiny:qwen2-vl")] = model
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                               "--rdzv_endpoint", endpoint, "-m", "mmgrpo.cli", "train",
-                               *train_flags(tmp_path, [port_a], "--max_steps", "2")],
+    nodes = [subprocess.Popen([str(main_python), "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "1", "--rdzv_endpoint", endpoint, "-m", "mmgrpo.cli", "train", *flags],
                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    outputs = [node.communicate(timeout=900)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     metrics = metrics_of(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["time/weight_sync"] > 0 for m in metrics)

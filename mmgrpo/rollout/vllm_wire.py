@@ -97,12 +97,15 @@ def model_identity(model_path: str) -> dict:
 
 
 def model_fingerprint(model_path: str) -> str:
-    """A short hash of a checkpoint: its config, the names and sizes of its weight files, and the first
-    and last MiB of each. Copies of one checkpoint agree on any host; another checkpoint of the same
-    architecture (a fine-tune, another step) differs. Reads a few MiB, whatever the model's size.
+    """A short hash of a checkpoint: its config (less the transformers version that wrote it), the
+    names and sizes of its weight files, and the first and last MiB of each. Copies of one checkpoint
+    agree on any host; another checkpoint of the same architecture (a fine-tune, another step)
+    differs. Reads a few MiB, whatever the model's size.
     """
     folder = Path(model_path)
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("transformers_version", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}".encode())
