@@ -120,6 +120,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_server_serving_the_next(servers, t
     assert health(port_a)["instance"] == before and process_a.poll() is None  # the same server, never restarted
 
 
+@pytest.mark.slow  # DeepSpeed's start-up: 6 min at a load average of 20 on 2 cores (FSDP2: 1 min)
 def test_two_nodes_on_one_host_train_zero3_without_vllm_against_one_server(servers, tmp_path):
     """Two torchrun "nodes" of one rank each, ZeRO-3 in the main venv (DeepSpeed, no vLLM, torch 2.14)
     against a server in .venv-vllm (torch 2.13): a trainer needs no vLLM, and the gloo group spans both."""
