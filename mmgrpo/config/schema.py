@@ -128,12 +128,25 @@ class RolloutConfig:
     """Colocate on GPUs: vLLM releases its KV cache and moves its weights to host memory between rollouts."""
     vllm_kv_cache_memory_bytes: int | None = None
     """vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB; on GPUs it overrides --vllm_gpu_memory_utilization)."""
-    vllm_server_host: str = "127.0.0.1"
-    """Server mode: the host of `mmgrpo rollout-server`."""
-    vllm_server_port: int = 8000
-    """Server mode: its port."""
+    vllm_server_host: list[str] = field(default_factory=lambda: ["127.0.0.1"])
+    """Server mode: the host of each `mmgrpo rollout-server` (one host for all ports, or one per port)."""
+    vllm_server_port: list[int] = field(default_factory=lambda: [8000])
+    """Server mode: the port of each server (one port for all hosts, or one per host). Rank r of W sends its
+    prompts to server r mod S (with more servers than ranks: spread over servers r, r + W, ...)."""
     vllm_server_timeout: float = 240.0
-    """Server mode: seconds to wait for the server at start-up, and for any one request before failing."""
+    """Server mode: seconds to wait for the servers at start-up, for any one request, and for any collective of
+    the weight group, before the run stops with a line naming the server."""
+    vllm_weight_transfer: str = "collective"
+    """Server mode: how weights reach the servers. `collective`: broadcast from trainer rank 0 over a process
+    group of their own (NCCL where trainer and servers are all on GPUs, gloo otherwise); `http`: safetensors
+    chunks (through /dev/shm to a server on this host)."""
+    vllm_weight_bucket_mb: int = 256
+    """Server mode: weights travel in buckets of about this many MB (a fused layer's weights never split)."""
+    vllm_group_host: str | None = None
+    """Server mode, collective transfer: the address of trainer rank 0 that every server reaches. None: the
+    address of this host on the route to the servers (127.0.0.1 when they all run here)."""
+    vllm_group_port: int = 0
+    """Server mode, collective transfer: the port of the weight group's store on trainer rank 0. 0: a free one."""
 
 
 @dataclass

@@ -10,8 +10,9 @@
     weight_sync.py    the policy's weights as an engine with its own copy receives them
     pipeline.py       when rollouts run: in step, or one step ahead of training (--async_generate)
     rounds.py         the step's batch scored once, then completed: dynamic sampling, two-stage generation
-    vllm_*.py         vLLM in the training process (vllm_colocate.py) or as a server (vllm_server.py,
+    vllm_*.py         vLLM in the training process (vllm_colocate.py) or as servers (vllm_server.py,
                       vllm_client.py), chosen by --use_vllm --vllm_mode (vllm_engine.py)
+    weight_group.py   weights broadcast from trainer rank 0 to every server over a group of their own
     multiturn.py      episodes with tool calls over any of them (--max_turns > 1)
 
 A new engine subclasses `RolloutEngine`, implements `generate` (and `update_weights` where it
