@@ -154,7 +154,7 @@ def test_a_rollout_server_loads_the_renamed_checkpoint_and_weights():
     port = free_port()
     server = start_server(port, "tiny:llava-onevision")
     try:
-        engine = VLLMServerRollout("127.0.0.1", port, path, template, suppress_placeholders=False)
+        engine = VLLMServerRollout([("127.0.0.1", port)], path, template, suppress_placeholders=False)
         perturb(model)
         engine.update_weights(rollout_weights(model, None, single_process()), 1)
         ours = engine.generate(prompts, GREEDY)
