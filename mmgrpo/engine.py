@@ -166,9 +166,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "micro_batches": len(micro),
         # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
         "rollout/staleness": (step - 1) - rollout.weight_version,
-        # asynchronous: the share of the batch's completions sampled 0, 1, ... K steps back
-        **{f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(cfg.rollout.staleness_bound + 1)
-           if cfg.rollout.staleness_bound},
+        **staleness_shares(staleness, cfg.rollout.staleness_bound),
         **sampling_metrics,
         **weight_metrics,
         **loss_metrics,
@@ -190,6 +188,15 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         for p, record in enumerate(records):
             record["trajectories"] = rollout.columns["trajectory"][p * G : (p + 1) * G]
     return metrics, records
+
+
+def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, float]:
+    """Asynchronous training: the share of the batch's completions sampled 0, 1, ... K steps back.
+
+    >>> staleness_shares(torch.tensor([2, 2, 0, 2]), 2)
+    {'staleness/share_0': 0.25, 'staleness/share_1': 0.0, 'staleness/share_2': 0.75}
+    """
+    return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1 if max_staleness else 0)}
 
 
 def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:

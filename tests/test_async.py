@@ -11,8 +11,10 @@ same losses.
 import copy
 import dataclasses
 import json
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from mmgrpo.rollout.base import RolloutEngine, sampling_params, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.rollout.weight_sync import rollout_weights
 from mmgrpo.rollout.worker import RolloutWorker, snapshot
+from mmgrpo.training.checkpoint import MARKER
 from mmgrpo.training.run import build_run
 from mmgrpo.training.state import seed_everything
 
@@ -261,3 +264,37 @@ def test_the_worker_loads_each_rollouts_weights_between_rollouts_and_never_guess
             worker.submit(prompts, sampling, version=2).result()
     finally:
         worker.close()
+
+
+def test_a_checkpoint_of_the_earlier_one_rollout_layout_resumes_exactly(tmp_path):
+    """Checkpoints written before K > 1 kept one rollout (rollout_in_flight.pt) and the stream's
+    position before its prompts: they resume into the same run."""
+    whole = metrics_of(train(config(tmp_path / "whole", "--async_generate", "--max_steps", "4", "--save_steps", "2")))
+    out = tmp_path / "earlier"
+    copy_checkpoint(tmp_path / "whole" / "run" / "checkpoint-2", out)
+    checkpoint = out / "checkpoint-2"
+    [record] = torch.load(checkpoint / "rollouts_in_flight_0.pt", weights_only=True)
+    torch.save(record["rollout"], checkpoint / "rollout_in_flight.pt")
+    (checkpoint / "rollouts_in_flight_0.pt").unlink()
+    state = json.loads((checkpoint / "training_state.json").read_text())
+    state["data"]["epoch"], state["data"]["batch"] = record["position"]
+    state["rollout_in_flight"] = True
+    (checkpoint / "training_state.json").write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / MARKER).read_text())  # the sizes the checkpoint is checked against
+    manifest["files"] = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file() and p.name != MARKER}
+    (checkpoint / MARKER).write_text(json.dumps(manifest))
+    logged = metrics_of(train(config(tmp_path / "resumed", "--async_generate", "--max_steps", "4", "--save_steps", "2",
+                                     "--output_dir", str(out), "--resume_from_checkpoint", "latest")))
+    assert strip(logged) == strip(whole)
+
+
+@pytest.mark.slow
+def test_the_async_benchmark_runs_and_reports_each_modes_staleness():
+    """benchmarks/async_rollout.py --smoke: one short `mmgrpo train` per mode, and the table docs/benchmarks.md shows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import async_rollout
+
+    lines = async_rollout.main(["--smoke"])
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+    assert [(row[0], row[8]) for row in rows] == [("sync", "0"), ("K=1", "1"), ("K=2", "2")]  # mode, staleness
+    assert all(float(row[1]) > 0 for row in rows)  # samples/s
