@@ -21,8 +21,9 @@ model does not end its answers, so each row runs to its budget):
           max_completion_length) mixed with count prompts at the full length: a step's rollout is
           short or long by the prompts it drew, as with real answers
 
-Printed per mode, medians over the timed steps of all its runs:
-  samples/s      B x G / the step's wall time (summed over trainer ranks)
+Printed per mode, means over the timed steps of a run (a step's checkpoint save left out), medians
+over its runs:
+  samples/s      completions of all trainer ranks / wall seconds
   rollout wait   time/rollout: what the step waited for its completions (async: only what generating
                  took beyond the training it overlapped)
   generate       rollout/generate_s: the engine's seconds on the step's rollouts (async: in the background)
@@ -99,16 +100,20 @@ def run_once(args, mode_flags: list[str], out: Path) -> tuple[list[dict], float]
 
 
 def summary(steps: list[dict], cpu: float) -> dict[str, float]:
-    def median(fn):
-        return statistics.median(fn(m) for m in steps)
+    """Means over the timed steps (a slow step counts: hiding those is what K > 1 is for), each
+    step's time without its checkpoint save (the last step always saves)."""
+    def mean(fn):
+        return statistics.fmean(fn(m) for m in steps)
 
+    seconds = [m["time/step"] - m["time/save"] for m in steps]
+    samples = [m["samples_per_s"] * m["time/step"] for m in steps]  # B x G, over all ranks
     return {
-        "samples_per_s": median(lambda m: m["samples_per_s"]),
-        "s_per_step": median(lambda m: m["time/step"]),
-        "wait": median(lambda m: m["time/rollout"]),
-        "generate": median(lambda m: m["rollout/generate_s"]),
-        "train": median(lambda m: sum(m.get(k, 0.0) for k in TRAIN_PHASES)),
-        "sync": median(lambda m: m.get("time/weight_sync", 0.0)),
+        "samples_per_s": sum(samples) / sum(seconds),
+        "s_per_step": statistics.fmean(seconds),
+        "wait": mean(lambda m: m["time/rollout"]),
+        "generate": mean(lambda m: m["rollout/generate_s"]),
+        "train": mean(lambda m: sum(m.get(k, 0.0) for k in TRAIN_PHASES)),
+        "sync": mean(lambda m: m.get("time/weight_sync", 0.0)),
         "staleness": max(m["rollout/staleness"] for m in steps),
         "cpu": cpu,
     }

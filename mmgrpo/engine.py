@@ -196,7 +196,9 @@ def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, f
     >>> staleness_shares(torch.tensor([2, 2, 0, 2]), 2)
     {'staleness/share_0': 0.25, 'staleness/share_1': 0.0, 'staleness/share_2': 0.75}
     """
-    return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1 if max_staleness else 0)}
+    if not max_staleness:
+        return {}
+    return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
 
 
 def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:

@@ -122,8 +122,8 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
     pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
     if state.rollout_in_flight:
         if not run.cfg.rollout.staleness_bound:
-            raise CheckpointError(f"checkpoint {path} was saved with rollouts in flight (--max_staleness or "
-                                  "--async_generate): resume with --max_staleness too.")
+            raise CheckpointError(f"checkpoint {path} was saved by asynchronous training with {int(state.rollout_in_flight)} "
+                                  f"rollout(s) in flight: resume with --max_staleness {int(state.rollout_in_flight)} too.")
         pipeline.restore(restore_in_flight(Path(path), strategy.rank, state, batches, position), state.step)
     return state
 
