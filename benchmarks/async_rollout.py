@@ -200,7 +200,10 @@ def start_rollout_server(model: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # vLLM on CPU binds its OpenMP threads to every core by default ("auto"), spinning where the
+    # trainer would run: one thread, unbound, leaves the trainer a core of its own
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     server = subprocess.Popen(
         [sys.executable, "-m", "mmgrpo.cli", "rollout-server", "--model", model, "--model_type", "qwen2-vl",
          "--port", str(port), "--vllm_max_model_len", "2048", "--vllm_kv_cache_memory_bytes", str(256 << 20)],

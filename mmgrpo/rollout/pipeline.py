@@ -47,6 +47,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from mmgrpo.forward.policy import autocast
 from mmgrpo.rollout.base import Rollout, SamplingParams, step_seed
 from mmgrpo.rollout.rounds import complete_batch, score
 from mmgrpo.rollout.weight_sync import rollout_weights
@@ -85,11 +86,7 @@ class RolloutPipeline:
         self.weights = lambda: rollout_weights(run.model, run.peft_model, run.strategy)
         self.version = 0  # optimizer steps the policy's weights have taken
         self.ahead: dict[int, Ahead] = {}  # by step
-        self.worker = None
-        if self.max_staleness:
-            from mmgrpo.forward.policy import autocast
-
-            self.worker = RolloutWorker(self.engine, lambda: autocast(run.bf16, run.device))
+        self.worker = RolloutWorker(self.engine, lambda: autocast(run.bf16, run.device)) if self.max_staleness else None
         # the version the engine holds once everything asked of it has run
         self._asked_version = getattr(self.engine, "weight_version", 0)
         self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of
@@ -171,8 +168,6 @@ class RolloutPipeline:
             weights = self._newest_weights()
         if self.worker is not None:
             return self.worker.submit(encoded, sampling, self.version, weights)
-        from mmgrpo.forward.policy import autocast
-
         request = RolloutRequest(encoded, sampling, self.version)
         started = time.perf_counter()
         with timers("rollout"), autocast(self.run.bf16, self.run.device):
