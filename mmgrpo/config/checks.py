@@ -137,6 +137,11 @@ def validate_train(cfg) -> None:
         from mmgrpo.rollout.vllm_engine import validate_vllm
 
         validate_vllm(cfg)
+    if cfg.rollout.max_staleness is not None and cfg.rollout.max_staleness < 1:
+        raise ConfigError(
+            f"--max_staleness {cfg.rollout.max_staleness}: give K >= 1, the most optimizer steps a rollout's weights may "
+            "lag behind the policy it trains (1: one step off-policy, as --async_generate); leave it out to train synchronously."
+        )
     if cfg.rollout.max_resample_times < 0:
         raise ConfigError("--max_resample_times must be >= 0.")
     if not 0 <= cfg.rollout.first_stage_generations < cfg.rollout.num_generations:

@@ -101,9 +101,14 @@ class RolloutConfig:
     tool_timeout: float = 10.0
     """Seconds a tool call may run; a slower one is answered with an error message (counted in tools/errors)."""
     async_generate: bool = False
-    """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
-    rollout engine samples from its own copy of the weights, one optimizer step old; see
-    --vllm_importance_sampling_correction."""
+    """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name): the
+    same as --max_staleness 1. The rollout engine samples from its own copy of the weights, one optimizer step
+    old; see --vllm_importance_sampling_correction."""
+    max_staleness: int | None = None
+    """Asynchronous training with bounded staleness: rollouts are generated up to K steps ahead of the trainer,
+    step t's on the weights of step t - 1 - K (so K steps stale; 1 is --async_generate), and a rollout staler than
+    K is never trained on (dropped and generated again, rollout/dropped_stale). Larger K absorbs rollouts that
+    take longer than a step. None: synchronous, or 1 with --async_generate (mmgrpo/rollout/pipeline.py)."""
     # ---- which completions the step trains on (mmgrpo/rollout/rounds.py) ----
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
@@ -147,6 +152,13 @@ class RolloutConfig:
     address of this host on the route to the servers (127.0.0.1 when they all run here)."""
     vllm_group_port: int = 0
     """Server mode, collective transfer: the port of the weight group's store on trainer rank 0. 0: a free one."""
+
+    @property
+    def staleness_bound(self) -> int:
+        """K of asynchronous training (--max_staleness, or 1 for --async_generate); 0: synchronous."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.async_generate else 0
 
 
 @dataclass

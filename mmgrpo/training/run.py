@@ -195,7 +195,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
     rollout = build_rollout_engine(
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
-        asynchronous=cfg.rollout.async_generate, peft_model=peft_model,
+        asynchronous=cfg.rollout.staleness_bound > 0, peft_model=peft_model,
         vllm=(cfg, str(path)) if cfg.rollout.use_vllm else None,  # --use_vllm: vLLM loads `path` itself, then syncs
         max_turns=cfg.rollout.max_turns, tools=cfg.rollout.tools, tool_timeout=cfg.rollout.tool_timeout,
     )
