@@ -191,7 +191,7 @@ def copy_checkpoint(checkpoint, out):
 
 
 def strip(rows):
-    varying = ("time/", "samples_per_s", "memory/", "rollout/generate_s")
+    varying = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")
     return [{k: v for k, v in row.items() if not k.startswith(varying)} for row in rows]
 
 
