@@ -9,6 +9,7 @@ One step (`grpo_step`), each phase under a named timer logged as time/<phase>:
     plan      the log-prob forwards' micro-batches, their prompts collated once
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
     adv       advantages by --advantage_estimator, modality weights
+    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/fusion/probe.py)
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
 The loop (`train`) adds data (waiting for the next prompts), eval, save, and time/other: the
 rest of the step's wall time, so the time/* values add up to time/step.
@@ -33,12 +34,14 @@ from mmgrpo.config_checks import parse_modality_weights
 from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast
+from mmgrpo.fusion.probe import probe_step
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.importance import sampling_importance_weights
 from mmgrpo.grpo.losses import LossConfig, policy_loss
 from mmgrpo.lora import rollout_weights
+from mmgrpo.optim import group_rates
 from mmgrpo.preflight import preflight
 from mmgrpo.resume import resume_run, save_run
 from mmgrpo.rewards.columns import reward_columns
@@ -177,6 +180,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             advantages = advantages * dynamic
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
+    group_lrs = group_rates(run.optimizer, run.scheduler)  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
+    probe_metrics = {}
+    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
+        with timers("probe"):
+            probe_metrics = probe_step(run, encoded, completion_ids, completion_mask, G)
     with timers("update"):
         loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps, is_weights)
@@ -191,6 +199,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
         "learning_rate": learning_rate,
+        **group_lrs,
+        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
         "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
         "micro_batches": len(micro),
         # optimizer steps between the weights that sampled and the policy that trains on them

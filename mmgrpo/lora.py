@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import FUSION_ATTR, save_fusion, split_fusion_state
 
 PARTS = ("vision", "aligner", "llm")
 
@@ -78,7 +79,7 @@ def lora_targets(model: nn.Module, components: dict[str, str], model_cfg) -> lis
     targets, linear_names = [], []
     for name, module in model.named_modules():
         part = part_of(name, components)
-        if not isinstance(module, nn.Linear) or name == lm_head or part in frozen:
+        if not isinstance(module, nn.Linear) or name == lm_head or part in frozen or name.startswith(FUSION_ATTR + "."):
             continue
         linear_names.append(name)
         if part in wanted_parts or any(name == s or name.endswith("." + s) for s in suffixes):
@@ -112,7 +113,7 @@ def check_trainable(model_cfg, skeleton: nn.Module, components: dict[str, str]) 
     """The checks of `apply_train_type`, on a weightless (meta device) model, before loading weights."""
     if model_cfg.train_type == "lora":
         lora_targets(skeleton, components, model_cfg)
-    else:
+    elif model_cfg.train_type == "full":
         freeze(skeleton, components, model_cfg)
 
 
@@ -120,8 +121,12 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     """Freeze parts (full) or inject LoRA adapters (lora). Returns (model, peft_model or None).
 
     `model` stays the object the policy uses (peft injects its layers in place); the PeftModel
-    around it saves adapters and disables them for the reference forward.
+    around it saves adapters and disables them for the reference forward. `fusion`: every weight
+    of the model is frozen (its fusion modules, added next, are what trains: mmgrpo/fusion/).
     """
+    if model_cfg.train_type == "fusion":
+        model.requires_grad_(False)
+        return model, None
     if model_cfg.train_type != "lora":
         freeze(model, components, model_cfg)
         return model, None
@@ -170,6 +175,7 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
         adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
                    if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {})}
         changed = [n.replace(".base_layer.", ".") for n in adapted]
+        changed += [n for n, p in params.items() if p.requires_grad and n.startswith(FUSION_ATTR + ".")]  # fusion modules
     groups = {sibling_group(n) for n in changed}
     for name in params:
         hf_name = name.replace(".base_layer.", ".")
@@ -187,9 +193,13 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
 
 
 def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
-    """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter."""
+    """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter, and
+    any fusion modules as fusion_modules.safetensors + fusion_config.json."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    state_dict, fusion_state = split_fusion_state(state_dict)
+    if fusion_state:  # fusion modules: their own safetensors and config beside the model's (mmgrpo/fusion/)
+        save_fusion(model, path, fusion_state)
     if peft_model is None:
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         return
