@@ -311,6 +311,11 @@ def check_fusion_model(model_cfg, optim_cfg, skeleton: nn.Module, template, mode
                 f"drop --{flag}."
             )
     if model_cfg.fusion_module is not None:
+        if not template.placeholder_ids:
+            raise ConfigError(
+                f"--fusion_module {model_cfg.fusion_module}: template {template.name!r} takes no image, video or audio, "
+                "so there are no modality features to attend to; pick a multimodal family."
+            )
         parse_layers(model_cfg.fusion_layers, len(decoder_layers(skeleton, template)))
     elif model_cfg.train_type == "fusion" and saved_spec(model_path) is None:
         raise ConfigError(
