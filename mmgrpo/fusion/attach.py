@@ -19,7 +19,7 @@ model's own modules and parameter names are untouched. Three forward hooks conne
 A continuation with G rows per prompt folds each group into one row ([B * G, L, H] ->
 [B, G * L, H]): the memory is computed and read once per group, never copied G times. Rows in
 groups of unequal size say which prompt each row continues (`continuing_rows`, the shared-prefix
-forward's micro-batches); the lean decode step (mmgrpo/rollout/lean_decode.py) calls `apply`
+forward's micro-batches); the lean decode step (mmgrpo/rollout/lean_decode.py) calls `fuse`
 itself. A naive forward over prompt + completion says where the prompt ends (`prompt_length`),
 so co-attention's features read only the prompt's text, as in the shared-prefix forward.
 
@@ -175,7 +175,7 @@ class Fusion(nn.Module):
         else:
             raise RuntimeError(f"fusion modules: {rows} rows continue {prompts} prompts; say which with continuing_rows")
 
-    def apply(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    def fuse(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """The module after `layer` on its output hidden [rows, L, H]."""
         module = self.blocks[str(layer)]
         if self._fresh:
@@ -226,8 +226,8 @@ class _LayerHook:
         if not self.fusion._active:
             return None
         if isinstance(output, tuple):
-            return (self.fusion.apply(self.layer, output[0]), *output[1:])
-        return self.fusion.apply(self.layer, output)
+            return (self.fusion.fuse(self.layer, output[0]), *output[1:])
+        return self.fusion.fuse(self.layer, output)
 
 
 def attach_fusion(model: nn.Module, template, spec: FusionSpec, *, seed: int = 0) -> Fusion:
