@@ -158,6 +158,11 @@ def validate_train(cfg) -> None:
             f"--fusion_module {cfg.model.fusion_module} with --use_vllm: vLLM runs the model's stock architecture, "
             "without fusion modules. Drop --use_vllm (the in-process engines run the modules) or --fusion_module."
         )
+    if cfg.rollout.max_turns > 1 and cfg.model.fusion_module:
+        raise ConfigError(
+            f"--fusion_module with --max_turns {cfg.rollout.max_turns}: the modules read the prompt's media, and a tool's "
+            "images arrive inside the completion; drop one of them (docs/fusion.md)."
+        )
     if cfg.rollout.use_vllm:  # before any model loads: vLLM installed, flags that fit
         from mmgrpo.rollout.vllm_engine import validate_vllm
 

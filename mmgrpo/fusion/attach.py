@@ -141,8 +141,10 @@ class Fusion(nn.Module):
         if not (torch.is_tensor(mask) and mask.dim() == 2 and mask.shape == ids.shape):
             mask = torch.ones_like(ids)
         media = torch.isin(ids, torch.tensor(self.placeholder_ids, device=ids.device)) & mask.bool()  # [B, L]
+        if self._prompt_length is not None:  # a naive forward over prompt + completion: the prompt's part only
+            media[:, self._prompt_length :] = False
         text = mask.bool() & ~media
-        if self._prompt_length is not None:  # a naive forward over prompt + completion: the prompt's text only
+        if self._prompt_length is not None:
             text[:, self._prompt_length :] = False
         counts = media.sum(1)  # [B]
         width = int(counts.max()) if rows else 0

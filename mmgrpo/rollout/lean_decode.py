@@ -10,6 +10,7 @@ layers' weights:
     embed -> per layer: RMSNorm, q/k/v (+ Qwen3's q/k norms), RoPE, write K/V into the
     rollout's buffer, SDPA over it, o_proj, residual, RMSNorm, SwiGLU MLP, residual
     -> final RMSNorm
+    (fusion modules after their layers where the model has them: mmgrpo/fusion/)
 
 The buffer (`GroupedPrefixKV`) holds each prompt's K/V once, followed by its G rows' tokens,
 and one SDPA call per prompt serves its G rows; transformers' cache would hold G copies.
