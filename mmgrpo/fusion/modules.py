@@ -127,23 +127,17 @@ class GatedCrossAttention(FusionModule):
 
 class CoAttention(GatedCrossAttention):
     """Co-attention (ViLBERT's two directions): the modality features first attend to the prompt's
-    text at this depth (their own tanh gate), then the text attends to those updated features
-    as in `GatedCrossAttention`. Both gates start at 0. The features read the prompt only, never a
-    completion, so they are computed once per prompt and decoding stays causal."""
+    text at this depth (a gated cross-attention of their own, `feature_read`), then the text attends
+    to those updated features as in `GatedCrossAttention`. Both gates start at 0. The features read
+    the prompt only, never a completion, so they are computed once per prompt and decoding stays causal."""
 
     def __init__(self, hidden_size: int, num_heads: int, layer: int = 0):
         super().__init__(hidden_size, num_heads, layer)
-        self.feature_norm, self.text_norm = nn.LayerNorm(hidden_size), nn.LayerNorm(hidden_size)
-        self.feature_query = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.text_key_value = nn.Linear(hidden_size, 2 * hidden_size, bias=False)
-        self.feature_out = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.feature_gate = nn.Parameter(torch.zeros(1))
+        self.feature_read = GatedCrossAttention(hidden_size, num_heads, layer)  # features <- the prompt's text
 
     def prepare(self, features, feature_mask, text, text_mask) -> dict[str, torch.Tensor]:
-        query = split_heads(self.feature_query(self.feature_norm(features)), self.num_heads)  # [B, heads, M, d]
-        key, value = self.text_key_value(self.text_norm(text)).chunk(2, dim=-1)  # [B, L, H] each
-        read = attend(query, split_heads(key, self.num_heads), split_heads(value, self.num_heads), text_mask)  # [B, M, H]
-        updated = features + torch.tanh(self.feature_gate) * self.feature_out(read)
+        text_memory = self.feature_read.prepare(text, text_mask, None, None)
+        updated = self.feature_read(features, text_memory, text_mask)  # [B, M, H]
         return super().prepare(updated, feature_mask, text, text_mask)
 
 
