@@ -155,6 +155,17 @@ def test_train_type_fusion_trains_the_modules_and_nothing_else(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["learning_rate/fusion"] > 0 and "learning_rate/vit" not in rows[0]
 
+    # `train --model` the checkpoint: its trained modules go on training (their reference: a copy of the start)
+    again = train(TrainConfig.from_args([
+        *FAST, "--model", str(checkpoint), "--reward_funcs", f"{reward}:digits", "--max_steps", "1", "--learning_rate", "1e-2",
+        "--train_type", "fusion", "--output_dir", str(tmp_path / "again"),
+    ]))
+    continued = load_file(str(again / "checkpoint-1" / "fusion_modules.safetensors"))
+    assert continued.keys() == modules.keys() and not torch.equal(continued["blocks.0.gate"], modules["blocks.0.gate"])
+    with pytest.raises(ConfigError, match="holds fusion modules gated_xattn after layers 0,1, not --fusion_module coattn"):
+        train(TrainConfig.from_args([*FAST, "--model", str(checkpoint), "--max_steps", "1", "--fusion_module", "coattn",
+                                     "--fusion_layers", "0,1", "--output_dir", str(tmp_path / "mismatch")]))
+
 
 def test_modules_move_after_the_gates_open(tiny_qwen2_vl_path, template):
     """One optimizer step moves only the gates (every other gradient is multiplied by tanh(0)); the next moves the rest."""
