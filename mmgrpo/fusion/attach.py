@@ -127,17 +127,15 @@ class Fusion(nn.Module):
         self._active = self.enabled
         if not self._active:
             return
-        rows = (inputs_embeds if inputs_embeds is not None else input_ids).shape[0]
+        source = inputs_embeds if inputs_embeds is not None else input_ids
+        rows, length = source.shape[:2]
         if cache is not None and cache.get_seq_length() > 0:  # continuing earlier tokens of these prompts
             self.continue_rows(rows)
             return
-        ids, mask = self._pending or (input_ids, attention_mask)
+        ids, mask = self._pending or (input_ids, attention_mask)  # the backbone's: where the media tokens are
         self._pending = None
-        if inputs_embeds is None or ids is None or ids.shape[0] != rows:  # text decoded alone: no media
-            ids = None
-        source = inputs_embeds if inputs_embeds is not None else input_ids
-        if ids is None:
-            ids = torch.zeros(source.shape[:2], dtype=torch.long, device=source.device)
+        if inputs_embeds is None or ids is None or tuple(ids.shape) != (rows, length):  # text decoded alone: no media
+            ids = torch.zeros(rows, length, dtype=torch.long, device=source.device)
         if not (torch.is_tensor(mask) and mask.dim() == 2 and mask.shape == ids.shape):
             mask = torch.ones_like(ids)
         media = torch.isin(ids, torch.tensor(self.placeholder_ids, device=ids.device)) & mask.bool()  # [B, L]
@@ -189,7 +187,8 @@ class Fusion(nn.Module):
         if kind == "group":  # [B * G, L, H] -> [B, G * L, H]: each group reads its prompt's memory once
             rows, length, width = hidden.shape
             prompts = mask.shape[0]
-            return module(hidden.reshape(prompts, (rows // prompts) * length, width), memory, mask).view(rows, length, width)
+            folded = module(hidden.reshape(prompts, (rows // prompts) * length, width), memory, mask)
+            return folded.reshape(rows, length, width)
         memory = {key: tensor.index_select(0, value) for key, tensor in memory.items()}
         return module(hidden, memory, mask.index_select(0, value))
 
