@@ -89,6 +89,12 @@ def read_eval(folder: Path, task: str) -> dict:
     return {"accuracy": result["metrics"][TASKS[task]], "reliance": probe.get("fusion/reliance/image", float("nan"))}
 
 
+def probes(metrics: Path) -> list[list[float]]:
+    """[step, fusion/reliance/image] of every probed step of a run (--fusion_probe_steps)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [[row["step"], row["fusion/reliance/image"]] for row in rows if "fusion/reliance/image" in row]
+
+
 def summarize(args, work: Path, out: Path) -> dict:
     from mmgrpo.eval.compare import compare
 
@@ -98,6 +104,7 @@ def summarize(args, work: Path, out: Path) -> dict:
         summary["arms"][arm] = {
             "parameters": trained_parameters(runs[0] / f"checkpoint-{args.steps}"),
             "tasks": {task: [read_eval(r / "eval", task) for r in runs] for task in TASKS},
+            "probes": [probes(r / "metrics.jsonl") for r in runs],  # per seed: [[step, reliance], ...]
         }
     for seed in args.seeds:
         for task, metric in TASKS.items():
@@ -131,9 +138,9 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
     tasks = list(TASKS)
-    for k, (key, title) in enumerate((("accuracy", "held-out accuracy"), ("reliance", "image reliance (nats/token)"))):
+    for k, (key, title) in enumerate((("accuracy", "held-out accuracy (test)"), ("reliance", "image reliance on test answers (nats/token)"))):
         ax = axes[k]
         for i, name in enumerate(("start", *ARMS)):
             values = [[summary["start"][t][key]] if name == "start" else [r[key] for r in summary["arms"][name]["tasks"][t]]
@@ -145,6 +152,16 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xticks(range(len(tasks)), tasks)
         ax.set_title(title)
     axes[0].legend()
+    ax = axes[2]  # during training: the probe's readings, mean over seeds at each probed step
+    for arm in ARMS:
+        runs = summary["arms"][arm]["probes"]
+        steps = sorted({step for run in runs for step, _ in run})
+        by_step = [[value for run in runs for s, value in run if s == step] for step in steps]
+        ax.plot(steps, [statistics.mean(v) for v in by_step], marker="o", markersize=3, label=arm)
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_title("image reliance while training (probe, mean of seeds)")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
