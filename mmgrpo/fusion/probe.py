@@ -41,7 +41,7 @@ def layer_bands(num_layers: int) -> list[tuple[str, list[int]]]:
     """The decoder's layers in up to three contiguous bands.
 
     >>> layer_bands(2), layer_bands(7)[1]
-    ([('shallow', [0]), ('deep', [1])], ('middle', [3, 4]))
+    ([('shallow', [0]), ('deep', [1])], ('middle', [2, 3, 4]))
     """
     count = min(3, num_layers)
     bounds = [round(i * num_layers / count) for i in range(count + 1)]
