@@ -11,6 +11,7 @@ One step, each phase under a named timer logged as time/<phase> (each phase time
     plan      the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
     adv       advantages by --advantage_estimator, modality weights
+    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/fusion/probe.py)
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
     eval, save                                                                    (the loop)
 time/other is the rest of the step's wall time, so the time/* values add up to time/step.
@@ -30,6 +31,7 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast
+from mmgrpo.fusion.probe import probe_step
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
@@ -39,6 +41,7 @@ from mmgrpo.rollout.base import Rollout, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.rollout.rounds import score
 from mmgrpo.training.checkpoint import wait_for_saves
+from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import resume_run, save_run
 from mmgrpo.training.run import Run, build_run
@@ -148,6 +151,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             advantages = advantages * dynamic
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
+    group_lrs = group_rates(run.optimizer, run.scheduler)  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
+    probe_metrics = {}
+    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
+        with timers("probe"):
+            probe_metrics = probe_step(run, encoded, completion_ids, completion_mask, G)
     with timers("update"):
         loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps, is_weights)
@@ -162,6 +170,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
         "learning_rate": learning_rate,
+        **group_lrs,
+        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
         "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
         "micro_batches": len(micro),
         # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)

@@ -46,7 +46,8 @@ class ModelConfig:
     """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
     # ---- which weights train (mmgrpo/models/train_type.py) ----
     train_type: str = "full"
-    """`full` (every weight not frozen) or `lora` (peft adapters only; the reference model is the base)."""
+    """`full` (every weight not frozen), `lora` (peft adapters only; the reference model is the base) or `fusion`
+    (only the --fusion_module modules; the reference is the model without them, no copy)."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: int = 32
@@ -61,6 +62,15 @@ class ModelConfig:
     """Freeze the aligner (projector between the vision tower and the LLM)."""
     freeze_llm: bool = False
     """Freeze the language model and LM head."""
+    # ---- fusion modules (mmgrpo/fusion/, docs/fusion.md) ----
+    fusion_module: str | None = None
+    """Insert a trainable module after each --fusion_layers decoder layer through which the text attends to the
+    sample's modality features (the tower's output after the projector): `gated_xattn`, `coattn`, or a name
+    registered with `register_fusion` (--fusion_plugin). Its tanh gate starts at 0: at step 0 the model is the base."""
+    fusion_layers: list[str] = field(default_factory=list)
+    """Decoder layers (0-based) after which the modules go, e.g. `4,20`. Empty: the middle layer."""
+    fusion_plugin: list[str] = field(default_factory=list)
+    """Python files or modules that call `register_fusion` (imported before --fusion_module is looked up)."""
 
 
 @dataclass
@@ -246,6 +256,13 @@ class OptimConfig:
     lower peak memory) or `adamw_torch` (torch's for-each/for-loop AdamW). Same update either way."""
     learning_rate: float = 1e-6
     """Peak learning rate of AdamW."""
+    vit_lr: float | None = None
+    """Peak learning rate of the vision (and audio) tower, the aligner excluded (ms-swift's name); its own parameter
+    group on the same schedule, logged as learning_rate/vit. None: --learning_rate."""
+    aligner_lr: float | None = None
+    """Peak learning rate of the aligner (the projector into the LLM), logged as learning_rate/aligner. None: --learning_rate."""
+    fusion_lr: float | None = None
+    """Peak learning rate of the --fusion_module modules, logged as learning_rate/fusion. None: --learning_rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -283,6 +300,13 @@ class EvalConfig:
     """Keep output_dir/checkpoint-best at the best value of this eval metric. None: the first eval metric."""
     greater_is_better: bool = True
     """Whether a larger metric_for_best_model is better."""
+    fusion_probe_steps: int = 0
+    """Every N steps, measure on a few of the step's completions how much the policy relies on each modality:
+    the mean token log-prob with the medium against with it blanked (fusion/reliance/<modality>), and the share of
+    attention the completion gives each modality's tokens per layer band (fusion/attention/<modality>/<band>).
+    0: never (docs/fusion.md)."""
+    fusion_probe_rows: int = 4
+    """Completions the probe reads (one per prompt, the first prompts of the step)."""
 
 
 @dataclass

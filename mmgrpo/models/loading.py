@@ -45,9 +45,11 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, template=None, **kwargs):
     """The model in eval mode, in the class the family's template names (`Template.model_class`:
-    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint)."""
+    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint), with the fusion
+    modules a training checkpoint holds inserted (mmgrpo/fusion/)."""
     from transformers import AutoConfig
 
+    from mmgrpo.fusion.attach import attach_saved_fusion
     from mmgrpo.templates import Template
 
     path = checkpoint_path(name_or_path)
@@ -55,7 +57,9 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     model_class, config, extra = (template or Template).model_class(saved)
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
         extra = {**extra, "config": config}
-    return model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    attach_saved_fusion(model, path, template)
+    return model
 
 
 def model_skeleton(path: str, template=None) -> torch.nn.Module:

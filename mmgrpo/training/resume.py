@@ -348,7 +348,11 @@ def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_mod
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        from mmgrpo.fusion.attach import fusion_of, load_fusion_weights
+
         set_peft_model_state_dict(peft_model, load_file(str(path / "adapter_model.safetensors")))
+        if fusion_of(model) is not None:  # LoRA with fusion modules: theirs too
+            load_fusion_weights(fusion_of(model), path)
         return
     from mmgrpo.models.loading import load_model
 
