@@ -263,7 +263,7 @@ def test_the_reliance_probe(tiny_qwen2_vl_path, template):
 
 @pytest.mark.parametrize("argv, message", [
     (["--fusion_module", "gated_xattn", "--fusion_layers", "5"], "--fusion_layers 5: the model has 2 decoder layers; give indices from 0 to 1"),
-    (["--fusion_module", "cross"], "--fusion_module 'cross' is not registered; choose one of coattn, gated_xattn"),
+    (["--fusion_module", "cross"], "unknown fusion module 'cross' \\(--fusion_module\\); choose one of: coattn, gated_xattn"),
     (["--fusion_layers", "1"], "--fusion_layers needs --fusion_module"),
     (["--train_type", "fusion"], "--train_type fusion trains fusion modules only: give --fusion_module"),
     (["--fusion_module", "gated_xattn", "--use_vllm"], "--fusion_module gated_xattn with --use_vllm: vLLM runs the model's stock"),

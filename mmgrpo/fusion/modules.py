@@ -41,35 +41,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.registry import Registry
 
-_FUSIONS: dict[str, Callable[..., nn.Module]] = {}
+FUSIONS = Registry("fusion module", flag="--fusion_module")
+PLUGIN_HINT = "Or register your own with register_fusion in a file given to --fusion_plugin (docs/fusion.md)."
 
 
 def register_fusion(name: str, factory: Callable[..., nn.Module] | None = None):
     """Register `factory(hidden_size=, num_heads=, layer=) -> FusionModule` as `--fusion_module name`.
-    Used as a call or as a class decorator; a name registered twice is an error."""
+    Used as a call or as a class decorator; another factory under a taken name is an error (the same
+    one again, as a plugin file imported twice does, is not)."""
 
     def register(factory: Callable[..., nn.Module]):
-        if name in _FUSIONS and _FUSIONS[name] is not factory:
-            raise ConfigError(f"fusion module {name!r} is already registered; pick another name.")
-        _FUSIONS[name] = factory
-        return factory
+        if name in FUSIONS and FUSIONS.get(name) is factory:
+            return factory
+        return FUSIONS.register(name, factory)
 
     return register if factory is None else register(factory)
 
 
 def fusion_names() -> list[str]:
-    return sorted(_FUSIONS)
+    return FUSIONS.names()
 
 
 def get_fusion(name: str) -> Callable[..., nn.Module]:
-    """The factory registered as `name`; a ConfigError naming the registered ones otherwise."""
-    if name not in _FUSIONS:
-        raise ConfigError(
-            f"--fusion_module {name!r} is not registered; choose one of {', '.join(fusion_names())}, "
-            "or register your own with register_fusion in a file given to --fusion_plugin (docs/fusion.md)."
-        )
-    return _FUSIONS[name]
+    """The factory registered as `name`; the registries' ConfigError naming the registered ones otherwise."""
+    return FUSIONS.get(name, hint=PLUGIN_HINT)
 
 
 class FusionModule(nn.Module):
