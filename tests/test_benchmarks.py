@@ -31,7 +31,7 @@ SMOKE = {
                   "--batch_size", "2", "--repeats", "1"], ""),
     "mixed_lengths.py": (["--prompts", "4", "--num_generations", "2", "--long_every", "2", "--short", "2", "--long", "4",
                           "--repeats", "1"], ""),
-    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "64", "--layers", "1",
+    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "128", "--layers", "1",
                     "--output", "{tmp}/scaling.md"], ""),
     "shared_prefix.py": (["--num_prompts", "1", "--num_generations", "2", "--max_new_tokens", "4", "--repeats", "1",
                           "--image_size", "56"], ""),
@@ -43,8 +43,12 @@ SMOKE = {
                             "--eval_limit", "4", "--num_generations", "2", "--prompts_per_step", "2",
                             "--max_completion_length", "8", "--sft_model", "tiny:qwen2-vl",
                             "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
+    "fusion_probe_cost.py": (["--steps", "2", "--rows", "2"], ""),
+    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--seeds", "0", "--steps", "1", "--probe_steps", "1",
+                           "--eval_limit", "2", "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
 }
-ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "cuda_check.py": "a GPU (its own --dry_run_on_cpu)"}
+ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "weight_sync.py": "tests/test_vllm_weight_sync_benchmark.py",
+             "cuda_check.py": "a GPU (its own --dry_run_on_cpu)"}
 
 
 def run_script(script: str, args: list[str], tmp_path: Path, python: str = sys.executable) -> str:

@@ -81,6 +81,7 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     awaited by the caller). A NaN/inf weight is a CheckpointError and nothing is written.
     """
     cfg, strategy = run.cfg, run.strategy
+    own = strategy.saves_optimizer_itself  # the optimizer's state: written by the strategy, not as optimizer.pt
     in_flight = pipeline.in_flight()  # async: the rollouts asked for the next steps, finished
     state.model = cfg.model.model
     state.rollout_in_flight = len(in_flight)
@@ -96,10 +97,10 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     return save_training_checkpoint(
         path, model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
         state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
-        optimizer=run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
-        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background,
+        optimizer=None if own else run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
+        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background and not own,
         keep_last=cfg.save_total_limit, extra_files=extra_files, rank_files=rank_files,
-        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if own else None,
     )
 
 
@@ -110,7 +111,8 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
     strategy = run.strategy
     state = load_training_checkpoint(
         path, optimizer=run.optimizer, scheduler=run.scheduler, rank=strategy.rank, world_size=strategy.world_size,
-        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder))
+        if strategy.saves_optimizer_itself else None,
     )
     if state.model is not None and state.model != run.cfg.model.model:
         raise CheckpointError(
