@@ -17,7 +17,7 @@ import torch
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.integrity import check_model_folder
-from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path, tiny_family
+from mmgrpo.models.tiny import built_model_family, resolve_model_path
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
@@ -25,7 +25,7 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokeniz
 def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)) -> str:
     """A local folder holding one of `needs`, or a hub id (online only); else a ConfigError.
 
-    `tiny:<family>` names are built first (see mmgrpo.models.tiny).
+    `tiny:<family>` and `random:<size>` names are built first (mmgrpo/models/tiny.py, real_configs.py).
     """
     path = resolve_model_path(name_or_path)
     local = os.path.expanduser(path)
@@ -97,16 +97,16 @@ def saved_model_type(path: str) -> str | None:
 
 
 def infer_model_type(model: str) -> str:
-    """The template name of a checkpoint when --model_type is not given: `tiny:<family>` names its
-    own, a training checkpoint's `mmgrpo.json` records it, else the `model_type` of its config.json
+    """The template name of a checkpoint when --model_type is not given: `tiny:<family>` and
+    `random:<size>` name their own, a training checkpoint's `mmgrpo.json` records it, else the `model_type` of its config.json
     picks the one template that declares it (`Template.hf_model_types`). None or several: a
     ConfigError listing the choices."""
     import json
 
     from mmgrpo.templates import Template, known_templates, templates_for_hf_type
 
-    if model.startswith(TINY_PREFIX):
-        return tiny_family(model)
+    if built_model_family(model):
+        return built_model_family(model)
     recorded = saved_model_type(model)
     if recorded:
         return recorded

@@ -41,6 +41,7 @@ from mmgrpo.models.tiny_tokenizer import (
 
 BUILDER_VERSION = 1  # bump when a recipe's output changes, so caches rebuild
 TINY_PREFIX = "tiny:"
+RANDOM_PREFIX = "random:"  # real sizes with random weights: mmgrpo/models/real_configs.py
 DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
 
 # Size of every tiny model unless overridden (about 1M parameters).
@@ -245,17 +246,38 @@ def tiny_family(name: str) -> str:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """`tiny:<family>` (with `?dim=N&...` overrides, see `DEFAULT_DIMS`) -> the built checkpoint's
-    folder; anything else is returned unchanged.
+    """`tiny:<family>` (with `?dim=N&...` overrides, see `DEFAULT_DIMS`) or `random:<size>` (a real
+    size with random weights, mmgrpo/models/real_configs.py) -> the built checkpoint's folder;
+    anything else is returned unchanged.
 
     >>> resolve_model_path("Qwen/Qwen2-VL-2B-Instruct")
     'Qwen/Qwen2-VL-2B-Instruct'
     """
     name_or_path = str(name_or_path)
+    if name_or_path.startswith(RANDOM_PREFIX):
+        from mmgrpo.models.real_configs import build_random, parse_random_name
+
+        size, overrides = parse_random_name(name_or_path)
+        return str(build_random(size, **overrides))
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     family, overrides = parse_tiny_name(name_or_path)
     return str(build_tiny(family, **overrides))
+
+
+def built_model_family(name: str) -> str | None:
+    """The template name a `tiny:` or `random:` model name implies, else None.
+
+    >>> built_model_family("tiny:qwen2-vl?seed=1"), built_model_family("random:qwen2.5-vl-7b"), built_model_family("runs/x")
+    ('qwen2-vl', 'qwen2.5-vl', None)
+    """
+    if name.startswith(TINY_PREFIX):
+        return tiny_family(name)
+    if name.startswith(RANDOM_PREFIX):
+        from mmgrpo.models.real_configs import random_family
+
+        return random_family(name)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
