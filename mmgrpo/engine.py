@@ -342,7 +342,7 @@ def train(cfg: TrainConfig) -> Path:
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 state.step = step
                 torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
@@ -375,7 +375,8 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("eval"):
                     metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
                 with loop("save"):
-                    if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
+                    due = final or (cfg.save_steps and step % cfg.save_steps == 0)  # the final save is awaited
+                    if due and cfg.save_strategy != "no":
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
                                  background=cfg.save_in_background and not final,
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
@@ -383,7 +384,8 @@ def train(cfg: TrainConfig) -> Path:
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
                 # generating, overlapped with training when async (time/rollout is then the wait)
                 metrics["rollout/generate_s"] = pipeline.take_generate_seconds()
-                finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
+                finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started,
+                                    time.process_time() - cpu_started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
                 if state.nonfinite_steps >= cfg.max_nonfinite_steps:
@@ -401,14 +403,17 @@ def train(cfg: TrainConfig) -> Path:
     return out
 
 
-def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float) -> None:
+def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float, cpu_seconds: float = 0.0) -> None:
     """Add the loop's phases, time/step (the step's wall time), time/other (what no phase timer
-    covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's."""
+    covered), samples/s (evaluation excluded), cpu/step_s (the CPU seconds all of the process's
+    threads used in the step: on a shared machine, what a step costs whatever the wall clock did)
+    and memory, as means over ranks like the step's."""
     extra = {key: value + metrics.get(key, 0.0) for key, value in loop_seconds.items()}  # e.g. rollout: wait + decode
     named = sum(value for key, value in {**metrics, **extra}.items() if key.startswith("time/"))
     extra["time/step"] = wall_seconds
     extra["time/other"] = max(0.0, wall_seconds - named)
     num_rows = run.prompts_per_step * run.cfg.rollout.num_generations
     extra["samples_per_s"] = num_rows / max(wall_seconds - extra.get("time/eval", 0.0), 1e-9)
+    extra["cpu/step_s"] = cpu_seconds
     extra["memory/peak_gb"] = run.strategy.peak_memory_gb()
     metrics.update(run.strategy.all_reduce_metrics(extra))

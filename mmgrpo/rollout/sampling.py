@@ -97,4 +97,5 @@ def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
         top_k=cfg.rollout.top_k,
         seed=seed,
         max_new_tokens_per_prompt=per_prompt,
+        suppress_eos=cfg.rollout.suppress_eos,
     )
