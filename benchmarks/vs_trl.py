@@ -510,6 +510,7 @@ def run_worker(system: str, spec: dict, work: Path, index) -> dict:
     result_file = work / f"result-{system}-{index}.json"
     log_file = work / f"log-{system}-{index}.txt"
     spec = {**spec, "out": str(work / f"out-{system}-{index}")}
+    shutil.rmtree(spec["out"], ignore_errors=True)  # a stopped earlier run's
     spec_file.write_text(json.dumps(spec))
     result_file.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",

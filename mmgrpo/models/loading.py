@@ -63,9 +63,14 @@ def model_skeleton(path: str, template=None) -> torch.nn.Module:
     checks before the weights load."""
     from transformers import AutoConfig
 
+    return skeleton_from_config(AutoConfig.from_pretrained(checkpoint_path(path)), template)
+
+
+def skeleton_from_config(config, template=None) -> torch.nn.Module:
+    """`model_skeleton` of a config object (`mmgrpo estimate` reads `random:` sizes without building them)."""
     from mmgrpo.templates import Template
 
-    model_class, config, _ = (template or Template).model_class(AutoConfig.from_pretrained(checkpoint_path(path)))
+    model_class, config, _ = (template or Template).model_class(config)
     with torch.device("meta"):  # Auto classes build from a config with from_config, model classes with _from_config
         return model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
 
