@@ -60,7 +60,8 @@ torch.utils.flop_counter.FlopCounterMode ("executed"; mmgrpo's whole `train()`, 
 "model FLOPs" is an analytic count of the work a step needs, the same number for both systems:
   10 x (N_vision x patches + N_decoder x (prompt + completion tokens)) + 10 x N_lm_head x completion tokens
 (rollout forward 2 + reference forward 2 + policy forward and backward 6, each prompt once,
-attention ignored). MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
+attention ignored; `model_flops` has the variants: LoRA, frozen parts, no reference, checkpointing).
+MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ PRESETS = {
     ),
 }
 LORA_RANK, LORA_ALPHA = 8, 32
+# What a worker's spec may change from this script's CPU comparison (benchmarks/gpu_suite.py does):
+RUN_DEFAULTS = {"device": "cpu", "bf16": False, "gradient_checkpointing": False, "beta": 0.04, "freeze_vit": False,
+                "shared_prefix": True, "lora": False}
 SYSTEMS = ("mmgrpo", "trl")
 VLLM_MAX_LEN, VLLM_KV_BYTES = 2048, 256 << 20  # --use_vllm: the same vLLM sizes in both systems
 REWARDS = ("vqa_accuracy", "answer_format")
@@ -194,6 +198,15 @@ def matmul_flops_per_s(size: int = 1024, repeats: int = 8) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def peak_memory_mb() -> float:
+    """The GPU's max allocated MB where the run used one, else the process's peak resident set."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mb()
+
+
 def peak_rss_mb(field: str = "VmHWM") -> float:
     """VmHWM: the process's peak resident set so far (VmRSS: the current one), in MB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -219,7 +232,7 @@ class StepClock:
     def step_end(self, phases: dict[str, float]) -> None:
         self.ends.append((time.perf_counter(), time.process_time()))
         self.phases.append(phases)
-        self.peak_mb = peak_rss_mb()
+        self.peak_mb = peak_memory_mb()
 
     def summary(self) -> dict:
         walls = [b[0] - a[0] for a, b in zip(self.ends, self.ends[1:])][self.warmup:]
@@ -281,16 +294,20 @@ def model_shape(model_folder: str) -> dict:
 
 def mmgrpo_flags(spec: dict, steps: int) -> list[str]:
     """`mmgrpo train` as a user would run it for this comparison (module docstring)."""
+    spec = {**RUN_DEFAULTS, **spec}
     batch = spec["prompts_per_step"] * spec["num_generations"]
+    cpu = spec["device"] == "cpu"
     return [
         "--model", spec["model"], "--model_type", spec["model_type"], "--dataset", spec["data"],
         "--reward_funcs", *REWARDS, "--num_generations", str(spec["num_generations"]),
         "--max_completion_length", str(spec["max_completion_length"]), "--suppress_eos",
         "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
-        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", "0.04",
+        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", str(spec["beta"]),
         "--loss_type", "dapo", "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(steps),
-        "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
-        "--gradient_checkpointing", "false", "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
+        "--output_dir", spec["out"], "--dataloader_num_workers", "0", *(["--torch_threads", "1"] if cpu else []),
+        "--gradient_checkpointing", str(spec["gradient_checkpointing"]), "--bf16", str(spec["bf16"]),
+        "--shared_prefix", str(spec["shared_prefix"]), "--freeze_vit", str(spec["freeze_vit"]),
+        "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
         "--seed", "0", "--save_strategy", "no",  # as TRL's save_strategy="no" here
         *(["--train_type", "lora", "--lora_rank", str(LORA_RANK), "--lora_alpha", str(LORA_ALPHA), "--lora_dropout", "0",
            "--target_modules", "llm"] if spec["lora"] else []),
@@ -308,7 +325,8 @@ def run_mmgrpo(spec: dict) -> dict:
     from mmgrpo.config import TrainConfig
     from mmgrpo.engine import train
 
-    torch.set_num_threads(1)
+    if {**RUN_DEFAULTS, **spec}["device"] == "cpu":
+        torch.set_num_threads(1)
     steps = 1 if spec["count_flops"] else spec["warmup"] + spec["steps"]
     cfg = TrainConfig.from_args(mmgrpo_flags(spec, steps))
     counter = flop_counter() if spec["count_flops"] else contextlib.nullcontext()
@@ -403,7 +421,10 @@ def run_trl(spec: dict) -> dict:
 
     from mmgrpo.rewards import get_reward
 
-    torch.set_num_threads(1)
+    spec = {**RUN_DEFAULTS, **spec}
+    cpu = spec["device"] == "cpu"
+    if cpu:
+        torch.set_num_threads(1)
     folder = Path(spec["data"]).parent
     rows = []
     with open(spec["data"]) as lines:
@@ -416,18 +437,19 @@ def run_trl(spec: dict) -> dict:
     batch = spec["prompts_per_step"] * spec["num_generations"]
     steps = 1 if spec["count_flops"] else spec["warmup"] + spec["steps"]
     args = GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
+        output_dir=spec["out"], use_cpu=cpu, bf16=spec["bf16"], fp16=False, seed=0,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, beta=0.04, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+        weight_decay=0.0, max_grad_norm=1.0, beta=spec["beta"], loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
         scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
-        gradient_checkpointing=False,  # TRL's default is True
+        gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's default is True; off here unless the spec says
+        **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if spec["gradient_checkpointing"] else {}),
         max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         generation_kwargs=({"logit_bias": {i: -100.0 for i in spec["suppress_ids"]}} if spec["use_vllm"]
                            else {"suppress_tokens": spec["suppress_ids"]}),
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs=None if spec["freeze_vit"] else {"dtype": "float32"},  # fp32 weights (--bf16: autocast) as in mmgrpo
         **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=VLLM_MAX_LEN,
                 vllm_importance_sampling_correction=True) if spec["use_vllm"] else {}),
     )
@@ -439,9 +461,18 @@ def run_trl(spec: dict) -> dict:
 
         peft_config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                  target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    model = spec["model"]
+    if spec["freeze_vit"]:  # TRL has no flag for it: the model with mmgrpo's --freeze_vit applied (the merger trains)
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=torch.float32)
+        for name, param in model.named_parameters():
+            if name.startswith("model.visual.") and not name.startswith("model.visual.merger."):
+                param.requires_grad_(False)
     trainer = GRPOTrainer(
-        model=spec["model"], reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
+        model=model, reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
         train_dataset=dataset, peft_config=peft_config,
+        **({"processing_class": AutoProcessor.from_pretrained(spec["model"])} if spec["freeze_vit"] else {}),
     )
     clock = StepClock(spec["warmup"])
     facts: dict = {}
@@ -472,7 +503,7 @@ def run_trl(spec: dict) -> dict:
         counter = None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1 or not cpu
             if spec["count_flops"] and state.global_step == 0:
                 self.counter = flop_counter()
                 self.counter.__enter__()
@@ -547,14 +578,23 @@ def ratio_line(values: list[float]) -> str:
 
 
 def model_flops(spec: dict) -> float:
-    """The analytic FLOPs of one step (module docstring); the same for both systems. With LoRA the
-    backward computes no weight gradients of the frozen weights: 8 passes' worth instead of 10."""
-    shape, passes = spec["shape"], 8 if spec["lora"] else 10
+    """The analytic FLOPs of one step (module docstring); the same for both systems: 2 per parameter
+    and token for each forward (rollout, reference when beta > 0, policy), 4 for a backward that
+    computes weight and input gradients, 2 for one that computes input gradients only (LoRA's
+    frozen weights), none where no gradient is needed (a frozen vision tower), 2 more for a
+    recomputed forward under gradient checkpointing."""
+    spec = {**RUN_DEFAULTS, **spec}
+    shape = spec["shape"]
+    forwards = 2 + (2 if spec["beta"] > 0 else 0) + 2
+    recompute = 2 if spec["gradient_checkpointing"] else 0
+    llm = forwards + (2 if spec["lora"] else 4) + recompute
+    vision = forwards + (4 + recompute if not (spec["lora"] or spec["freeze_vit"]) else 0)
+    head = forwards + (2 if spec["lora"] else 4)
     completion_tokens = spec["prompts_per_step"] * spec["num_generations"] * spec["max_completion_length"]
     prompt_tokens = spec["prompts_per_step"] * spec["prompt_tokens"]
     patches = spec["prompts_per_step"] * spec["patches_per_image"]
-    return passes * (shape["n_vision"] * patches + shape["n_decoder"] * (prompt_tokens + completion_tokens)
-                     + shape["n_lm_head"] * completion_tokens)
+    return (vision * shape["n_vision"] * patches + llm * shape["n_decoder"] * (prompt_tokens + completion_tokens)
+            + head * shape["n_lm_head"] * completion_tokens)
 
 
 def report(results: dict[str, list[dict]], flops: dict[str, float], spec: dict, preset: dict, peak_flops: float) -> None:
