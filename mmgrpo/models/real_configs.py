@@ -200,11 +200,11 @@ def random_hash(size: str, overrides: dict) -> str:
     import tokenizers
     import transformers
 
-    from mmgrpo.models import tiny, tiny_recipes, tiny_tokenizer
+    from mmgrpo.models import tiny_recipes, tiny_tokenizer
 
     key = {
         "size": size, "overrides": dict(sorted(overrides.items())), "builder": BUILDER_VERSION, "device": _init_device(),
-        "source": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (tiny, tiny_recipes, tiny_tokenizer))
+        "source": hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (tiny_recipes, tiny_tokenizer))
                                  + Path(__file__).read_bytes()).hexdigest(),
         "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
     }  # fmt: skip
@@ -216,7 +216,7 @@ def build_random(size: str, cache_dir: str | os.PathLike | None = None, **overri
 
     Safe under concurrent callers, like `build_tiny` (a private temp folder renamed into place).
     """
-    from mmgrpo.models.tiny import default_cache_dir, publish_checkpoint
+    from mmgrpo.models.model_cache import default_cache_dir, publish_checkpoint
 
     query = "&".join(f"{key}={value}" for key, value in overrides.items())
     size, overrides = parse_random_name(f"{RANDOM_PREFIX}{size}" + (f"?{query}" if query else ""))

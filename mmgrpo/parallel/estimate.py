@@ -55,18 +55,19 @@ CUDA_RESERVE_BYTES, ALLOCATOR_SLACK = 2**30, 0.05  # context, cuBLAS workspace, 
 # the hidden size, q = heads x head_dim, i the MLP width, kv = KV heads x head_dim. "train": the
 # layer's weights train (or carry LoRA adapters); "frozen": they do not, but a gradient flows
 # through to the vision tower. bf16: under autocast, plus the bf16 copies of the weights.
+# Keyed by the layer's structure (read from the model, not its name): with per-head q/k norms or not.
 DECODER_BYTES = {
-    "qwen2": {("fp32", "train"): (32, 0, 16, 8, 8), ("fp32", "frozen"): (16, 0, 12, 8, 8),  # q = h in Qwen2
-              ("bf16", "train"): (30, 0, 8, 4, 8), ("bf16", "frozen"): (12, 0, 6, 4, 8)},
-    "qwen3": {("fp32", "train"): (24, 16, 16, 16, 8), ("fp32", "frozen"): (8, 12, 12, 12, 8),  # q/k norms
-              ("bf16", "train"): (26, 10, 8, 10, 8), ("bf16", "frozen"): (8, 8, 6, 8, 8)},
+    False: {("fp32", "train"): (32, 0, 16, 8, 8), ("fp32", "frozen"): (16, 0, 12, 8, 8),  # measured where q = h
+            ("bf16", "train"): (30, 0, 8, 4, 8), ("bf16", "frozen"): (12, 0, 6, 4, 8)},
+    True: {("fp32", "train"): (24, 16, 16, 16, 8), ("fp32", "frozen"): (8, 12, 12, 12, 8),
+           ("bf16", "train"): (26, 10, 8, 10, 8), ("bf16", "frozen"): (8, 8, 6, 8, 8)},
 }
-# Bytes per patch per vision block, coefficients of (width, MLP width); and per patch for the patch
-# embedding and merger (coefficients of width, plus the output width).
+# Bytes per patch per vision block, coefficients of (width, MLP width), by the block's MLP; and per
+# patch for the patch embedding and merger (coefficients of width, plus the output width).
 VISION_BYTES = {
-    "qwen2_vl": {"fp32": (44, 12), "bf16": (22, 6)},  # LayerNorm, QuickGELU MLP
-    "qwen2_5_vl": {"fp32": (52, 16), "bf16": (32, 8)},  # RMSNorm, SwiGLU MLP, windows
-    "qwen3_vl": {"fp32": (44, 8), "bf16": (22, 4)},  # LayerNorm, GELU MLP
+    "gated": {"fp32": (52, 16), "bf16": (32, 8)},  # RMSNorm, gate/up/down MLP (and windows)
+    "quick_gelu": {"fp32": (44, 12), "bf16": (22, 6)},  # LayerNorm, x * sigmoid(1.702 x) keeps both
+    "gelu": {"fp32": (44, 8), "bf16": (22, 4)},  # LayerNorm, tanh GELU
 }
 MERGER_BYTES_PER_WIDTH = 22
 
@@ -86,8 +87,8 @@ class EstimateOptions:
 class ModelShape:
     """What the estimate needs of a model: sizes, parameter counts by part, what trains."""
 
-    text_arch: str
-    vision_arch: str
+    qk_norm: bool  # the decoder normalises queries and keys per head
+    vision_mlp_kind: str  # a key of VISION_BYTES
     hidden: int
     q_dim: int
     intermediate: int
@@ -110,11 +111,9 @@ class ModelShape:
 
 def model_config(model: str):
     """The model's transformers config: `random:` from its published numbers, anything else from its folder."""
-    from mmgrpo.models.tiny import RANDOM_PREFIX
+    from mmgrpo.models.real_configs import RANDOM_PREFIX, parse_random_name, real_config
 
     if model.startswith(RANDOM_PREFIX):
-        from mmgrpo.models.real_configs import parse_random_name, real_config
-
         return real_config(*parse_random_name(model))
     from transformers import AutoConfig
 
@@ -134,6 +133,13 @@ def _skeleton(model: str, model_type: str | None):
     return config, template_class, skeleton_from_config(config, template_class)
 
 
+def _submodule(model, name: str):
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
 def model_shape(cfg) -> ModelShape:
     """Sizes and parameter counts from a weightless (meta device) model of `cfg.model.model`."""
     from mmgrpo.lora import lora_targets, part_of
@@ -144,20 +150,23 @@ def model_shape(cfg) -> ModelShape:
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    first_layer = _submodule(skeleton, f"{components.get('llm')}.layers.0")
     shape = ModelShape(
-        text_arch="qwen3" if "qwen3" in text.model_type else "qwen2",
-        vision_arch=config.model_type if config.model_type in VISION_BYTES else "qwen2_5_vl",
+        qk_norm=hasattr(getattr(first_layer, "self_attn", None), "q_norm"), vision_mlp_kind="gated",
         hidden=text.hidden_size, q_dim=heads * head_dim, intermediate=text.intermediate_size,
         kv_dim=text.num_key_value_heads * head_dim, layers=text.num_hidden_layers, vocab=text.vocab_size,
     )  # fmt: skip
     vision = getattr(config, "vision_config", None)
-    if vision is not None and hasattr(vision, "depth"):  # the Qwen VL towers
+    if vision is not None and hasattr(vision, "depth"):  # a tower of blocks over merged patches
         width = getattr(vision, "embed_dim", None) or vision.hidden_size
         shape.vision_width, shape.vision_depth = width, vision.depth
         shape.vision_mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
         shape.vision_out = getattr(vision, "out_hidden_size", None) or vision.hidden_size
         shape.patch, shape.merge = vision.patch_size, vision.spatial_merge_size
         shape.deepstack = len(getattr(vision, "deepstack_visual_indexes", []) or [])
+        mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
+        if not hasattr(mlp, "gate_proj"):
+            shape.vision_mlp_kind = "quick_gelu" if getattr(vision, "hidden_act", "") == "quick_gelu" else "gelu"
     params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0}
     for name, param in skeleton.named_parameters():
         part = part_of(name, components)
@@ -267,7 +276,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
     # Training forward + backward of one micro-batch.
     h, q, i, kv, layers = shape.hidden, shape.q_dim, shape.intermediate, shape.kv_dim, shape.layers
     mode = "train" if "llm" in shape.trains else "frozen"
-    coef = DECODER_BYTES.get(shape.text_arch, DECODER_BYTES["qwen2"])[(precision, mode)]
+    coef = DECODER_BYTES[shape.qk_norm][(precision, mode)]
     per_token = coef[0] * h + coef[1] * q + coef[2] * i + coef[3] * kv + coef[4]
     tokens = prompts * L + rows * T
     kv_rows = 2 * rows * (L + T) * kv * act_bytes if shared else 0  # each row's K/V: its prompt's, expanded, + its own
@@ -284,7 +293,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
         merger = (1 + shape.deepstack) * mb_patches * (MERGER_BYTES_PER_WIDTH * shape.vision_width + shape.vision_out) * act_bytes / 4
         vision_act = merger
         if "vision" in shape.trains:
-            w_coef, mlp_coef = VISION_BYTES[shape.vision_arch][precision]
+            w_coef, mlp_coef = VISION_BYTES[shape.vision_mlp_kind][precision]
             block = mb_patches * (w_coef * shape.vision_width + mlp_coef * shape.vision_mlp
                                   + (shape.lora_inputs.get("vision", 0) / shape.vision_depth * (act_bytes + 1) if dropout else 0))
             vision_act += shape.vision_depth * (mb_patches * 4 * shape.vision_width if checkpointing else block)
@@ -345,7 +354,6 @@ ADVICE = (  # flags tried in this order, each where it applies
     ("--beta 0", lambda c, o: c.algo.beta > 0 and c.model.train_type == "full"),
     ("--bf16", lambda c, o: not c.bf16),
     ("--freeze_vit", lambda c, o: c.model.train_type == "full" and not c.model.freeze_vit),
-    ("--parallel fsdp2", lambda c, o: o.world_size > 1 and c.dist.strategy == "none"),
     ("--offload_optimizer", lambda c, o: c.dist.strategy == "zero3" and not c.dist.offload_optimizer),
     ("--train_type lora", lambda c, o: c.model.train_type == "full"),
 )
@@ -363,8 +371,13 @@ def advice(argv: list[str], cfg, options: EstimateOptions) -> list[str]:
     if fitting:
         return fitting
     for count in range(2, len(tried) + 1):
-        if _fits(argv + " ".join(tried[:count]).split(), options):
-            return [" ".join(tried[:count])]
+        chosen = tried[:count]
+        if _fits(argv + " ".join(chosen).split(), options):
+            for flag in list(chosen):  # then drop those the others make unnecessary
+                rest = [f for f in chosen if f != flag]
+                if _fits(argv + " ".join(rest).split(), options):
+                    chosen = rest
+            return [" ".join(chosen)]
     return []
 
 
