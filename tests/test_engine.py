@@ -236,3 +236,21 @@ def test_fixed_length_rollouts_without_checkpoints(tmp_path, capsys):
     assert "--save_steps 5 with --save_strategy no" in err
     err = run_cli(["train", *FAST, "--save_strategy", "epoch", "--output_dir", str(tmp_path / "x")], capsys)
     assert "--save_strategy 'epoch'" in err
+
+
+def test_suppress_eos_reaches_every_engine(tiny_qwen2_vl_path):
+    """--suppress_eos in each engine's terms: the in-process samplers suppress EOS with the
+    placeholders; vLLM requests get EOS in their logit bias (never drawn, so never a stop)."""
+    from mmgrpo.models.loading import load_processor
+    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout.vllm_requests import sampling_options
+    from mmgrpo.templates import get_template
+
+    template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
+    fixed = SamplingParams(num_generations=2, max_new_tokens=4, suppress_eos=True)
+    assert fixed.suppressed(template.suppress_token_ids, template.eos_token_ids) == [
+        *template.suppress_token_ids, *template.eos_token_ids]
+    assert SamplingParams(2, 4).suppressed([1], [2]) == [1]
+    bias = sampling_options(fixed, template)["logit_bias"]
+    assert set(template.eos_token_ids) | set(template.suppress_token_ids) <= set(bias)
+    assert not set(template.eos_token_ids) & set(sampling_options(SamplingParams(2, 4), template)["logit_bias"])
