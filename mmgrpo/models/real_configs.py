@@ -278,6 +278,8 @@ def _write_checkpoint(size: str, overrides: dict, out: Path) -> None:
     )  # fmt: skip
     model.save_pretrained(out)
     del model
+    if torch.cuda.is_available():  # the caching allocator would keep the GPU copy from the training that follows
+        torch.cuda.empty_cache()
     dims = {"patch_size": real.vision["patch_size"], "spatial_merge_size": real.vision["spatial_merge_size"],
             "temporal_patch_size": real.vision["temporal_patch_size"]}  # fmt: skip
     qwen_vl_processor(real.processor_class, dims, real.pixels)(tokenizer).save_pretrained(out)
