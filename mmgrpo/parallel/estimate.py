@@ -167,7 +167,7 @@ def model_shape(cfg) -> ModelShape:
         mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
         if not hasattr(mlp, "gate_proj"):
             shape.vision_mlp_kind = "quick_gelu" if getattr(vision, "hidden_act", "") == "quick_gelu" else "gelu"
-    params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0}
+    params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0}  # vision: the tower without its merger
     for name, param in skeleton.named_parameters():
         part = part_of(name, components)
         params["total"] += param.numel()
@@ -177,7 +177,8 @@ def model_shape(cfg) -> ModelShape:
             params["block"] += param.numel()
         if ".layers." in name and part == "llm":
             params["llm_layers"] += param.numel()
-    params["root"] = params["total"] - params["llm_layers"] - params["vision"] + params["aligner"]
+    # FSDP2's root unit: what is not a decoder layer or vision block (embeddings, head, final norm, merger)
+    params["root"] = params["total"] - params["llm_layers"] - params["vision"]
     shape.params = params
     linear: dict[str, int] = {}
     for name, module in skeleton.named_modules():
