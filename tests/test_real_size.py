@@ -129,7 +129,7 @@ def test_mrope_sections(size):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def model_3b():
     """The 3B width (one decoder layer, vision blocks [window, full]) in fp32 and its template."""
     from mmgrpo.models import load_model, load_processor
@@ -146,36 +146,6 @@ def _image_prompt(template, image, text="<image>Describe this."):
     return template.encode_prompt(LoadedSample(id="r/0", messages=[{"role": "user", "content": text}], images=[image]))
 
 
-@heavy
-def test_window_attention_at_the_real_window_size(model_3b):
-    """A 224 x 280 image is 8 x 10 merged tokens in windows of 112 pixels (4 x 4 tokens): pixels
-    changed inside the first window move only that window's tokens through windowed blocks, and
-    every token once a full-attention block (the reduced tower's last) follows."""
-    model, template = model_3b
-    visual = model.model.visual
-    image = _image(280, 224, seed=3)
-    changed = image.copy()
-    changed.paste((255, 0, 0), (10, 10, 100, 100))  # inside the window of rows 0-111, columns 0-111
-
-    def tokens(picture, full_attention_blocks):
-        encoded = _image_prompt(template, picture)
-        saved, visual.fullatt_block_indexes = visual.fullatt_block_indexes, full_attention_blocks
-        try:
-            with torch.no_grad():
-                out = visual(encoded.mm["pixel_values"], grid_thw=encoded.mm["image_grid_thw"])
-        finally:
-            visual.fullatt_block_indexes = saved
-        return out.pooler_output.reshape(8, 10, -1)  # the merger's output [rows, columns, 2048], raster order
-
-    windowed = (tokens(changed, []) - tokens(image, [])).abs().amax(-1)  # [8, 10]
-    assert windowed[:4, :4].min() > 1e-3  # the first window's 16 tokens moved
-    outside = windowed.clone()
-    outside[:4, :4] = 0
-    assert outside.max() < 1e-5, outside  # no other token did
-    full = (tokens(changed, [1]) - tokens(image, [1])).abs().amax(-1)
-    assert full.min() > 1e-4  # a full-attention block spreads it to every token
-
-
 def _prompts_3b(template):
     """Left-padded prompts: an image of 2 x 3 windows (one partial), two small images, text only."""
     from mmgrpo.data.schema import LoadedSample
@@ -189,29 +159,59 @@ def _prompts_3b(template):
 
 
 @heavy
-def test_shared_prefix_logps_and_gradients_at_full_width(model_3b):
-    """The tied head: the embedding's gradient adds the LM head's (every vocabulary row) and the
-    prompt tokens' lookups; both paths give the same, at 151,936 x 2048."""
-    from mmgrpo.forward.shared_prefix import shared_prefix_hidden
+class TestTiedHead3B:
+    """The 3B width's tied head and [window, full] tower, one fp32 copy for these tests: released
+    before the tests below load their own runs (a CI test holds one full-width model at a time)."""
 
-    model, template = model_3b
-    batch = template.collate(_prompts_3b(template)[::2])  # an image of 2 x 3 windows; text only
-    ids, mask = _completions(2)
-    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
-    expected, expected_grads = _logps_and_grads(model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights)
-    got, grads = _logps_and_grads(
-        model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
-    )
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    assert "model.language_model.embed_tokens.weight" in grads and "lm_head.weight" not in grads  # tied
-    _assert_grads_equal(expected_grads, grads, template, batch)
+    def test_window_attention_at_the_real_window_size(self, model_3b):
+        """A 224 x 280 image is 8 x 10 merged tokens in windows of 112 pixels (4 x 4 tokens): pixels
+        changed inside the first window move only that window's tokens through windowed blocks, and
+        every token once a full-attention block (the reduced tower's last) follows."""
+        model, template = model_3b
+        visual = model.model.visual
+        image = _image(280, 224, seed=3)
+        changed = image.copy()
+        changed.paste((255, 0, 0), (10, 10, 100, 100))  # inside the window of rows 0-111, columns 0-111
 
+        def tokens(picture, full_attention_blocks):
+            encoded = _image_prompt(template, picture)
+            saved, visual.fullatt_block_indexes = visual.fullatt_block_indexes, full_attention_blocks
+            try:
+                with torch.no_grad():
+                    out = visual(encoded.mm["pixel_values"], grid_thw=encoded.mm["image_grid_thw"])
+            finally:
+                visual.fullatt_block_indexes = saved
+            return out.pooler_output.reshape(8, 10, -1)  # the merger's output [rows, columns, 2048], raster order
 
-@heavy
-def test_lean_decode_equals_hf_generate_at_full_width(model_3b):
-    model, template = model_3b
-    assert _backend(model, template, [template.pad_token_id]).lean is not None  # the lean step decodes
-    _assert_greedy_equals_hf_generate(model, template, _prompts_3b(template), "sdpa")
+        windowed = (tokens(changed, []) - tokens(image, [])).abs().amax(-1)  # [8, 10]
+        assert windowed[:4, :4].min() > 1e-3  # the first window's 16 tokens moved
+        outside = windowed.clone()
+        outside[:4, :4] = 0
+        assert outside.max() < 1e-5, outside  # no other token did
+        full = (tokens(changed, [1]) - tokens(image, [1])).abs().amax(-1)
+        assert full.min() > 1e-4  # a full-attention block spreads it to every token
+
+    def test_shared_prefix_logps_and_gradients_at_full_width(self, model_3b):
+        """The tied head: the embedding's gradient adds the LM head's (every vocabulary row) and the
+        prompt tokens' lookups; both paths give the same, at 151,936 x 2048."""
+        from mmgrpo.forward.shared_prefix import shared_prefix_hidden
+
+        model, template = model_3b
+        batch = template.collate(_prompts_3b(template)[::2])  # an image of 2 x 3 windows; text only
+        ids, mask = _completions(2)
+        weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+        expected, expected_grads = _logps_and_grads(model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights)
+        got, grads = _logps_and_grads(
+            model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        assert "model.language_model.embed_tokens.weight" in grads and "lm_head.weight" not in grads  # tied
+        _assert_grads_equal(expected_grads, grads, template, batch)
+
+    def test_lean_decode_equals_hf_generate_at_full_width(self, model_3b):
+        model, template = model_3b
+        assert _backend(model, template, [template.pad_token_id]).lean is not None  # the lean step decodes
+        _assert_greedy_equals_hf_generate(model, template, _prompts_3b(template), "sdpa")
 
 
 def _run(tmp_path, *flags):

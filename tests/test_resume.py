@@ -19,7 +19,7 @@ from mmgrpo.checkpoint import latest_checkpoint
 from mmgrpo.data.registry import resolve_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 
