@@ -99,6 +99,27 @@ def test_bad_random_names_list_the_choices(capsys):
     assert "unknown size 'qwen9-vl'; known: qwen2.5-vl-3b" in capsys.readouterr().err
 
 
+def test_an_upgrade_leaves_one_build_of_each_size(tmp_path):
+    """A new build removes the earlier builds of the same size and overrides (unreachable after a
+    builder or library upgrade), not other overrides, and not a build used in the last hour."""
+    import json
+    import os
+
+    from mmgrpo.models.real_configs import remove_stale_builds
+
+    def build(name, overrides, age_s):
+        folder = tmp_path / f"random-qwen2.5-vl-3b-{name}"
+        folder.mkdir()
+        (folder / "mmgrpo_random.json").write_text(json.dumps({"size": "qwen2.5-vl-3b", "overrides": overrides}))
+        os.utime(folder / "mmgrpo_random.json", (0, os.path.getmtime(folder) - age_s))
+        return folder
+
+    depth = {"num_hidden_layers": 1}
+    new, old, other, recent = build("new", depth, 0), build("old", depth, 7200), build("other", {}, 7200), build("recent", depth, 60)
+    assert remove_stale_builds(new, "qwen2.5-vl-3b", depth) == [old]
+    assert new.exists() and other.exists() and recent.exists() and not old.exists()
+
+
 @pytest.mark.parametrize("size", ["qwen2.5-vl-3b", "qwen3-vl-8b"])
 def test_mrope_sections(size):
     """The decoder's rotary angles: each published section of the 64 rotary frequencies follows its

@@ -215,6 +215,7 @@ def build_random(size: str, cache_dir: str | os.PathLike | None = None, **overri
     """Build (or find in the cache) the random checkpoint of a real size; returns its folder.
 
     Safe under concurrent callers, like `build_tiny` (a private temp folder renamed into place).
+    Earlier builds of the same size and overrides are then removed (`remove_stale_builds`).
     """
     from mmgrpo.models.model_cache import default_cache_dir, publish_checkpoint
 
@@ -224,7 +225,31 @@ def build_random(size: str, cache_dir: str | os.PathLike | None = None, **overri
     target = cache_dir / f"random-{size}-{random_hash(size, overrides)}"
     if (target / "config.json").exists():
         return target
-    return publish_checkpoint(target, lambda folder: _write_checkpoint(size, overrides, folder))
+    publish_checkpoint(target, lambda folder: _write_checkpoint(size, overrides, folder))
+    remove_stale_builds(target, size, overrides)
+    return target
+
+
+def remove_stale_builds(target: Path, size: str, overrides: dict, idle_seconds: float = 3600.0) -> list[Path]:
+    """Delete earlier builds of the same size and overrides (another builder version or library
+    version made them; nothing resolves to them any more), so the cache holds one copy of each
+    gigabyte-sized model, not one per upgrade. Builds touched in the last hour are left alone, in
+    case a process of the older version still reads one."""
+    import shutil
+    import time
+
+    removed = []
+    for folder in target.parent.glob(f"random-{size}-*"):
+        info = folder / "mmgrpo_random.json"
+        if folder == target or not info.is_file() or time.time() - info.stat().st_mtime < idle_seconds:
+            continue
+        try:
+            if json.loads(info.read_text()).get("overrides") == overrides:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+        except (OSError, ValueError):
+            continue
+    return removed
 
 
 def _init_device() -> str:
