@@ -224,6 +224,7 @@ def build_random(size: str, cache_dir: str | os.PathLike | None = None, **overri
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"random-{size}-{random_hash(size, overrides)}"
     if (target / "config.json").exists():
+        os.utime(target / "mmgrpo_random.json")  # in use: `remove_stale_builds` leaves it an hour
         return target
     publish_checkpoint(target, lambda folder: _write_checkpoint(size, overrides, folder))
     remove_stale_builds(target, size, overrides)
@@ -233,8 +234,8 @@ def build_random(size: str, cache_dir: str | os.PathLike | None = None, **overri
 def remove_stale_builds(target: Path, size: str, overrides: dict, idle_seconds: float = 3600.0) -> list[Path]:
     """Delete earlier builds of the same size and overrides (another builder version or library
     version made them; nothing resolves to them any more), so the cache holds one copy of each
-    gigabyte-sized model, not one per upgrade. Builds touched in the last hour are left alone, in
-    case a process of the older version still reads one."""
+    gigabyte-sized model, not one per upgrade. Builds built or resolved in the last hour are left
+    alone, in case a process of the older version still reads one."""
     import shutil
     import time
 
