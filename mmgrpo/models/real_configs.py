@@ -103,6 +103,9 @@ REAL_SIZES: dict[str, RealSize] = {
 }  # fmt: skip
 
 OVERRIDES = ("num_hidden_layers", "vision_depth", "seed")
+# The special tokens' ids in the published vocabularies (a config built for shapes alone uses them).
+PUBLISHED_TOKEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
+                       "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,9 +173,7 @@ def real_config(size: str, overrides: dict | None = None, token_ids: dict[str, i
 
     overrides = overrides or {}
     real = REAL_SIZES[size]
-    ids = token_ids or dict(zip(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), (151643, 151644, 151645)),
-                            **{"<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
-                               "<|video_pad|>": 151656})  # fmt: skip
+    ids = token_ids or PUBLISHED_TOKEN_IDS
     text = {key: value for key, value in real.text.items() if key not in ("rope_theta", "mrope_section", "mrope_interleaved")}
     text["num_hidden_layers"] = overrides.get("num_hidden_layers", text["num_hidden_layers"])
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": real.text["rope_theta"],
