@@ -69,12 +69,13 @@ def test_estimate_within_15_percent_of_tiny_models(model, flags, prompts_file, t
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("real_size")
-@pytest.mark.parametrize("flags", [("--train_type", "lora", "--freeze_vit"), ("--freeze_llm",)], ids=["lora-freeze_vit", "freeze_llm"])
-def test_estimate_within_15_percent_at_full_width(flags, prompts_file, tmp_path):
-    """Qwen2.5-VL-3B's width: the 151,936 x 2048 tied head and the 1280-wide tower dominate (2-3 GB)."""
+def test_estimate_within_15_percent_at_full_width(prompts_file, tmp_path):
+    """Qwen2.5-VL-3B's width, full training of the tower and merger (--freeze_llm): the 151,936 x 2048
+    tied head, the 1280-wide tower's gradients and AdamW moments and the reference's copy (3.1 GB).
+    (LoRA with --freeze_vit at this width, 2.0 GB, came within 1% too: docs/benchmarks.md.)"""
     model = "random:qwen2.5-vl-3b?num_hidden_layers=1&vision_depth=2"
     _check(_config(model, prompts_file, tmp_path, "--num_generations", "2", "--per_device_train_batch_size", "4",
-                   "--max_completion_length", "8", *flags))  # fmt: skip
+                   "--max_completion_length", "8", "--freeze_llm"))  # fmt: skip
 
 
 def test_estimate_of_real_sizes_on_eight_gpus_builds_nothing(tmp_path, monkeypatch, capsys):
