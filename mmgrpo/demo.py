@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from mmgrpo.runlog import console
+from mmgrpo.training.runlog import console
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # (dataset, metric the demo reports, what it means)

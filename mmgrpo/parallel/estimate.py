@@ -142,7 +142,7 @@ def _submodule(model, name: str):
 
 def model_shape(cfg) -> ModelShape:
     """Sizes and parameter counts from a weightless (meta device) model of `cfg.model.model`."""
-    from mmgrpo.lora import lora_targets, part_of
+    from mmgrpo.models.train_type import lora_targets, part_of
 
     config, template_class, skeleton = _skeleton(cfg.model.model, cfg.model.model_type)
     skeleton.requires_grad_(True)  # `freeze` below marks what this configuration freezes
@@ -196,7 +196,7 @@ def model_shape(cfg) -> ModelShape:
             part = part_of(target, components)
             shape.lora_inputs[part] = shape.lora_inputs.get(part, 0) + modules[target].in_features
     else:
-        from mmgrpo.lora import freeze
+        from mmgrpo.models.train_type import freeze
 
         shape.trainable = freeze(skeleton, components, model_cfg)
         shape.trains = {part_of(n, components) for n, p in skeleton.named_parameters() if p.requires_grad} - {None}
@@ -384,7 +384,7 @@ def advice(argv: list[str], cfg, options: EstimateOptions) -> list[str]:
 
 def _fits(argv: list[str], options: EstimateOptions) -> bool:
     from mmgrpo.config import TrainConfig
-    from mmgrpo.config_args import config_from_namespace
+    from mmgrpo.config.flags import config_from_namespace
 
     try:
         return estimate(config_from_namespace(TrainConfig, build_estimate_parser().parse_args(argv)), options).fits
@@ -394,7 +394,7 @@ def _fits(argv: list[str], options: EstimateOptions) -> bool:
 
 def build_estimate_parser():
     from mmgrpo.config import TrainConfig
-    from mmgrpo.config_args import build_parser
+    from mmgrpo.config.flags import build_parser
 
     parser = build_parser(TrainConfig, prog="mmgrpo estimate", description="The memory a GRPO run needs per device, by part.")
     group = parser.add_argument_group("estimate")
@@ -415,7 +415,7 @@ def build_estimate_parser():
 
 def main(argv: list[str] | None = None) -> None:
     from mmgrpo.config import TrainConfig
-    from mmgrpo.config_args import config_from_namespace
+    from mmgrpo.config.flags import config_from_namespace
 
     argv = list(argv or [])
     ns = build_estimate_parser().parse_args(argv)
@@ -473,11 +473,13 @@ def measure_step_memory(cfg) -> dict:
     """Two real GRPO steps of `cfg` in this process; the peak memory of the second (the first makes
     the optimizer state), of its rollout and of the rest of it (log-probs, update): the GPU's max
     allocated bytes, or on the CPU the `TrackedMemory` peak."""
-    from mmgrpo.engine import grpo_step, seed_everything
+    from mmgrpo.engine import grpo_step
     from mmgrpo.forward.policy import autocast
     from mmgrpo.parallel.tracked_memory import TrackedMemory
-    from mmgrpo.setup import build_run
+    from mmgrpo.training.run import build_run
+    from mmgrpo.training.state import seed_everything
 
+    cfg.validate()  # as engine.train does before build_run
     run = build_run(cfg)
     seed_everything(cfg.seed)
     batches = run.prompt_batches()
