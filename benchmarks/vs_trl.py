@@ -98,7 +98,7 @@ PRESETS = {
                    vision_embed_dim=128, vision_num_heads=4, vocab_size=151936),
         warmup=0, steps=1, repeats=2, target=("peak_rss_mb", 0.5),  # one step, no warm-up: RSS is the point
     ),
-    # What the test of this script runs (tests/test_benchmarks_smoke.py): the default tiny Qwen2-VL, seconds.
+    # What the test of this script runs (tests/test_benchmarks.py): the default tiny Qwen2-VL, seconds.
     "smoke": dict(
         image_size=56, num_generations=2, prompts_per_step=1, max_completion_length=4, model={},
         warmup=1, steps=1, repeats=1, target=("samples_per_s", 0.0),
