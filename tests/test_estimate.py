@@ -99,7 +99,7 @@ def test_estimate_of_real_sizes_on_eight_gpus_builds_nothing(tmp_path, monkeypat
 
 @pytest.mark.parametrize("flags, message", [
     (["--num_generations", "3"], "--num_generations 3"),
-    (["--loss_type", "nope"], "--loss_type 'nope'"),
+    (["--loss_type", "nope"], "unknown loss type 'nope' (--loss_type)"),
     (["--train_type", "lora", "--target_modules", "no_such_proj"], "matches no linear layer"),
 ])  # fmt: skip
 def test_nonsense_flags_give_trains_errors(flags, message, capsys, tmp_path):

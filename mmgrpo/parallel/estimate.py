@@ -126,10 +126,10 @@ def model_config(model: str):
 def _skeleton(model: str, model_type: str | None):
     """(config, template class, meta-device model): built once per model, as advice re-estimates."""
     from mmgrpo.models.loading import infer_model_type, skeleton_from_config
-    from mmgrpo.templates.base import _TEMPLATES, _normalise
+    from mmgrpo.templates.base import TEMPLATES
 
     config = model_config(model)
-    template_class = _TEMPLATES[_normalise(model_type or infer_model_type(model))]
+    template_class = TEMPLATES.get(model_type or infer_model_type(model))
     return config, template_class, skeleton_from_config(config, template_class)
 
 
