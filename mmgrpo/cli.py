@@ -8,6 +8,7 @@
     mmgrpo export   --merge_lora --model runs/x/checkpoint-50 --output_dir runs/x/merged
     mmgrpo viz      attention --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test --index 0
     mmgrpo rollout-server --model tiny:qwen2-vl --port 8000     # vLLM rollouts for --vllm_mode server
+    mmgrpo estimate --model random:qwen2.5-vl-7b --parallel fsdp2 --world_size 8 --bf16   # memory per GPU
     mmgrpo datasets
     mmgrpo demo
 
@@ -28,6 +29,7 @@ COMMANDS = {
     "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
     "export": "write a LoRA checkpoint as a plain HF folder (--merge_lora)",
     "rollout-server": "serve vLLM rollouts to `train --use_vllm --vllm_mode server` (docs/vllm.md)",
+    "estimate": "memory per device of a run's flags, by part; does it fit (docs/distributed.md)",
     "datasets": "list the dataset registry with splits and sizes",
     "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
 }
@@ -107,6 +109,12 @@ def cmd_viz(argv):
     from mmgrpo.viz import main as viz_main
 
     viz_main(argv)
+
+
+def cmd_estimate(argv):
+    from mmgrpo.parallel.estimate import main as estimate_main
+
+    estimate_main(argv)
 
 
 def cmd_rollout_server(argv):

@@ -347,7 +347,8 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("eval"):
                     metrics.update(run.evaluator.maybe_evaluate(run, step, state, final=final))  # eval/<metric>
                 with loop("save"):
-                    if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
+                    due = final or (cfg.save_steps and step % cfg.save_steps == 0)  # the final save is awaited
+                    if due and cfg.save_strategy != "no":
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
                                  background=cfg.save_in_background and not final,
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)

@@ -109,7 +109,10 @@ def validate_train(cfg) -> None:
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
         "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
+        "save_strategy": (cfg.save_strategy, ("steps", "no")),
     })
+    if cfg.save_strategy == "no" and cfg.save_steps:
+        raise ConfigError(f"--save_steps {cfg.save_steps} with --save_strategy no: no checkpoint would be saved; drop one of them.")
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones

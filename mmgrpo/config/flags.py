@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models.tiny import TINY_PREFIX, tiny_family
+from mmgrpo.models.tiny import built_model_family
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -145,6 +145,6 @@ def config_from_namespace(cls, ns: argparse.Namespace):
     for dotted, value in vars(ns).items():
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)
-    if cfg.model.model_type is None and cfg.model.model.startswith(TINY_PREFIX):
-        cfg.model.model_type = tiny_family(cfg.model.model)
+    if cfg.model.model_type is None:
+        cfg.model.model_type = built_model_family(cfg.model.model)  # tiny: and random: names say their family
     return cfg

@@ -102,6 +102,10 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length from the loss (DAPO)."""
+    suppress_eos: bool = False
+    """For benchmarks and memory checks, not for learning: EOS ids are never sampled (suppressed like the
+    placeholder ids), so every completion is --max_completion_length tokens (TRL users pass
+    `generation_kwargs={"suppress_tokens": [...]}` for the same)."""
     max_turns: int = 1
     """Model turns per episode (ms-swift's name). 1: single-turn rollouts. More: a turn that calls a tool
     (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) gets the tool's answer and another turn, up to
@@ -394,6 +398,9 @@ class TrainConfig(RunOptions):
     """Prompts per step written to completions.jsonl (all G completions of each)."""
     max_nonfinite_steps: int = 5
     """Stop after this many steps with a NaN/inf loss or gradient norm (each one is skipped with a warning)."""
+    save_strategy: str = "steps"
+    """`steps`: a checkpoint every --save_steps and after the last step; `no`: no checkpoint-N at all (HF's name;
+    for benchmarks and throwaway runs: --eval_dataset's checkpoint-best is still kept)."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
