@@ -365,6 +365,7 @@ def train(cfg: TrainConfig) -> Path:
         wait_for_saves()  # a background save is complete (or its error raised) before the run ends
         pipeline.close()
         run.rollout.close()  # a vLLM engine goes before the process group it uses
+        plan.release()  # the run's lock on --output_dir (mmgrpo/training/run_lock.py)
     logger.close()
     run.strategy.close()
     return out

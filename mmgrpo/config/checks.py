@@ -101,6 +101,7 @@ def validate_train(cfg) -> None:
     check_choices({
         "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
+        "missing_solution": (cfg.algo.missing_solution, ("error", "skip")),
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
         "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
@@ -146,9 +147,19 @@ def validate_train(cfg) -> None:
         )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
+    validate_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
     validate_tools(cfg)
     validate_eval(cfg.eval)
     validate_run_limits(cfg)
+
+
+def validate_sampling(top_p, top_k) -> None:
+    """--top_p in (0, 1] and --top_k a count >= 0: a value outside would be clamped or ignored
+    differently by each rollout engine, so a typo would silently change what is sampled."""
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ConfigError(f"--top_p {top_p}: give a probability in (0, 1] (1: no nucleus filter).")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ConfigError(f"--top_k {top_k}: give a number of tokens >= 0 (0: no top-k filter).")
 
 
 def validate_eval(options) -> None:

@@ -169,6 +169,11 @@ class AlgoConfig:
     (docs/rewards.md lists each reward's options)."""
     reward_errors: str = "raise"
     """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
+    missing_solution: str = "error"
+    """Rows with no `solution` (None or absent) where a reward needs one to grade (vqa_accuracy, exact_match, iou,
+    giou, iou@0.5, math_accuracy, number_closeness, cosine, a plugin with a required `solution` argument): `error` stops
+    at start-up naming the dataset and rows; `skip` scores those samples None for such rewards (skipped, as a reward's
+    own None), counted each step as reward/missing_solution."""
     reward_timeout: float = 300.0
     """Seconds one reward call (a batch) may take before it is stopped and counts as an error (--reward_errors). 0: no limit."""
     loss_type: str = "dapo"

@@ -228,16 +228,31 @@ def repair_interrupted(folder: str | os.PathLike) -> None:
     folder = Path(folder)
     if not folder.is_dir():
         return
+    restorable = repairable(folder)
     for leftover in sorted(folder.iterdir()):
         if not leftover.is_dir() or not leftover.name.endswith((STAGING_SUFFIX, ASIDE_SUFFIX)):
             continue
         target = folder / leftover.name.rsplit(".", 1)[0]
-        if not target.exists() and is_complete(leftover):
+        if restorable.get(target) == leftover:
             os.rename(leftover, target)
             logger.warning(f"{target}: restored from {leftover.name}, left by a save that was interrupted")
         else:
             shutil.rmtree(leftover, ignore_errors=True)
     fsync_dir(folder)
+
+
+def repairable(folder: str | os.PathLike) -> dict[Path, Path]:
+    """{checkpoint: the leftover `repair_interrupted` would rename to it}: complete `.tmp` / `.old`
+    folders whose checkpoint is missing (a `.tmp` first: it is the newer). Reads only, so a rank
+    that must not write yet can know which checkpoints the repair will give."""
+    folder = Path(folder)
+    found: dict[Path, Path] = {}
+    for suffix in (STAGING_SUFFIX, ASIDE_SUFFIX):
+        for leftover in sorted(folder.glob(f"*{suffix}")):
+            target = folder / leftover.name.rsplit(".", 1)[0]
+            if leftover.is_dir() and target not in found and not target.exists() and is_complete(leftover):
+                found[target] = leftover
+    return found
 
 
 def rotate_checkpoints(folder: str | os.PathLike, keep_last: int) -> list[Path]:
