@@ -306,7 +306,8 @@ def train(cfg: TrainConfig) -> Path:
     if run.strategy.is_main:
         plan.apply()  # resume: the step logs cut at the checkpoint; overwrite: the earlier run's files gone
     resumed_after = state.step if plan.resume_from is not None else None  # TensorBoard hides the killed run's later steps
-    logger = RunLogger(out, cfg, resume_step=resumed_after) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
+    logger = (RunLogger(out, cfg, resume_step=resumed_after, resumed=state.resumed)  # rank 0 writes the reduced metrics
+              if run.strategy.is_main else NullLogger())
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):

@@ -85,7 +85,9 @@ def validate_train(cfg) -> None:
     from mmgrpo.grpo import get_advantage
     from mmgrpo.grpo.importance import IS_MODES
     from mmgrpo.parallel import validate_parallel
+    from mmgrpo.training.resume_flags import check_resume_flags
 
+    check_resume_flags(cfg)  # resuming: a changed flag the run must keep is named first (mmgrpo/training/resume_flags.py)
     validate_common(cfg)
     validate_parallel(cfg)  # --parallel, --deepspeed JSON, world size, LoRA options
     g = cfg.rollout.num_generations

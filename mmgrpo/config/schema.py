@@ -350,6 +350,10 @@ class TrainConfig(RunOptions):
     """Prompts per step written to completions.jsonl (all G completions of each)."""
     max_nonfinite_steps: int = 5
     """Stop after this many steps with a NaN/inf loss or gradient norm (each one is skipped with a warning)."""
+    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that stop the run cleanly (what Slurm and cloud schedulers send before they kill): the step in progress
+    finishes, a checkpoint of it is saved, and the run exits with status 75 and a line saying how to resume; a second
+    signal exits at once (status 128 + its number), earlier checkpoints intact. `none`: their default effect (docs/training.md)."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""

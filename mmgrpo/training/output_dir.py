@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from mmgrpo.training.checkpoint import (
     repairable,
 )
 from mmgrpo.training.resume import STEP_LOG_FILE, read_training_state
+from mmgrpo.training.resume_flags import allowed_lines, check_changes, flag_changes
 from mmgrpo.training.run_lock import LOCK_FILE, RunLock
 from mmgrpo.training.state import TrainState
 
@@ -98,7 +100,7 @@ def preflight(cfg) -> OutputPlan:
     main = env_rank() == 0
     lock = RunLock.acquire(out) if main else None  # before anything is read, deleted or repaired there
     try:
-        plan = _plan(out, resume, overwrite, main)
+        plan = _plan(cfg, out, resume, overwrite, main)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -107,11 +109,11 @@ def preflight(cfg) -> OutputPlan:
     return plan
 
 
-def _plan(out: Path, resume: str | None, overwrite: bool, main: bool) -> OutputPlan:
+def _plan(cfg, out: Path, resume: str | None, overwrite: bool, main: bool) -> OutputPlan:
     # another rank's write test, and this run's own lock, are not an earlier run's files
     entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_TEST) and p.name != LOCK_FILE)
     if resume:
-        return _resume_plan(out, resume) if main else _resume_path(out, resume)
+        return _resume_plan(out, resume, cfg) if main else _resume_path(out, resume)
     if not entries:
         return OutputPlan(out, "new")
     if overwrite:
@@ -123,7 +125,7 @@ def _plan(out: Path, resume: str | None, overwrite: bool, main: bool) -> OutputP
     )
 
 
-def _resume_plan(out: Path, resume: str) -> OutputPlan:
+def _resume_plan(out: Path, resume: str, cfg) -> OutputPlan:
     repair_interrupted(out)  # a killed save may have left a finished checkpoint just short of its rename
     if resume == "latest":
         complete = list_checkpoints(out)  # incomplete ones: a one-line warning each
@@ -143,6 +145,14 @@ def _resume_plan(out: Path, resume: str) -> OutputPlan:
             f"--resume_from_checkpoint {path}: {out} holds {', '.join(newer)}, saved later by the run being resumed; "
             "the resumed run would overwrite them. Resume from latest, or move them away first."
         )
+    if state.flags:  # the flags the run may not change, and one line for each it may (mmgrpo/training/resume_flags.py)
+        changes = flag_changes(state.flags, cfg.to_dict())
+        check_changes(changes, path, state.step)
+        for line in allowed_lines(changes, state.step):
+            print(f"mmgrpo: {line}", file=sys.stderr, flush=True)
+    else:
+        print(f"mmgrpo: resume: {path} records no flags (saved by an earlier mmgrpo): this run's are taken unchecked",
+              file=sys.stderr, flush=True)
     return OutputPlan(out, "resume", resume_from=path, state=state)
 
 

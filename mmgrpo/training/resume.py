@@ -11,7 +11,7 @@
         mmgrpo.json                                       the model type (`mmgrpo eval` needs no --model_type)
         optimizer.pt, scheduler.pt                        torch state dicts (one process; sharded: each rank's files)
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
-        training_state.json                               the TrainState (mmgrpo/training/state.py)
+        training_state.json                               the TrainState (mmgrpo/training/state.py), the run's flags included
         step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
         rollout_in_flight.pt                              --async_generate: the next step's completions
         checkpoint_complete.json                          written last (mmgrpo/training/checkpoint.py)
@@ -53,6 +53,7 @@ from mmgrpo.training.checkpoint import (
     rotate_checkpoints,
     save_atomically,
 )
+from mmgrpo.training.resume_flags import apply_resume_changes
 from mmgrpo.training.state import TrainState, capture_rng, restore_rng
 
 STATE_FILE = "training_state.json"
@@ -77,6 +78,7 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     cfg, strategy = run.cfg, run.strategy
     in_flight = pipeline.pending()  # async: the next step's rollout, finished
     state.model = cfg.model.model
+    state.flags = cfg.to_dict()  # what a resumed run is compared with (mmgrpo/training/resume_flags.py)
     state.rollout_in_flight = in_flight is not None
     state.data = batches.state_dict(before_last=in_flight is not None)  # its prompts are drawn again on resume
     extra_files: dict[str, object] = {}
@@ -108,6 +110,7 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
             f"checkpoint {path} continues a run that started from --model {state.model} (its KL reference); "
             f"this run has --model {run.cfg.model.model}. Resume with --model {state.model}."
         )
+    apply_resume_changes(run, state)  # changed schedule flags take effect now; every change is recorded
     batches.load_state_dict({**state.data, "rank": strategy.rank})  # ranks move in step: rank 0's position is each one's
     pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
     if state.rollout_in_flight:

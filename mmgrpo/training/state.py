@@ -5,6 +5,7 @@
     state.best_metric, state.best_step         # the in-training evaluation's best so far (checkpoint-best)
     state.modality_weights                     # --dynamic_modality_weights' moving averages
     state.data                                 # the prompt stream's position
+    state.flags, state.resumed                 # the run's flags, and what each resume changed
 
 Everything else a run is built from (`Run`, mmgrpo/training/run.py) is decided once and never
 replaced, so a checkpoint that holds the weights, optimizer, schedule, this object and every RNG
@@ -46,6 +47,11 @@ class TrainState:
     """--async_generate: the next step's rollout is saved beside the state (mmgrpo/training/resume.py)."""
     world_size: int = 1
     """Ranks that wrote the checkpoint; a resume needs as many."""
+    flags: dict = field(default_factory=dict)
+    """The resolved TrainConfig of the run that wrote the checkpoint: a resumed run's flags are compared with it
+    (mmgrpo/training/resume_flags.py)."""
+    resumed: list = field(default_factory=list)
+    """Each resume so far: {"after_step": N, "changed": {flag: [old, new]}} (config.yaml shows them too)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainState:
