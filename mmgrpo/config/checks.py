@@ -153,6 +153,9 @@ def validate_train(cfg) -> None:
     validate_tools(cfg)
     validate_eval(cfg.eval)
     validate_run_limits(cfg)
+    from mmgrpo.training.preemption import signal_numbers
+
+    signal_numbers(cfg.save_on_signal)  # a signal name that does not exist fails now
 
 
 def validate_sampling(top_p, top_k) -> None:

@@ -24,6 +24,7 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")  # what --save_on_signal may name (SIGINT aside)
 WATCH_INTERVAL_S = 0.5
 
 
@@ -75,6 +76,10 @@ class WorkerInit:
             os._exit(1)
         direct_child = parent == self.trainer_pid  # not started by a forkserver process
         end_with_parent(parent, kernel_signal=self.from_main_thread and direct_child)
+        # A scheduler's SIGTERM / SIGUSR1 to the whole process group is the trainer's to handle (it saves a
+        # checkpoint first: mmgrpo/training/preemption.py); a worker it killed would fail the trainer's next batch.
+        for name in STOP_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _alive(pid: int) -> bool:

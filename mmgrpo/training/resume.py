@@ -52,7 +52,9 @@ from mmgrpo.training.checkpoint import (
     prepare_staging,
     rotate_checkpoints,
     save_atomically,
+    staged_bytes,
 )
+from mmgrpo.training.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
 from mmgrpo.training.resume_flags import apply_resume_changes
 from mmgrpo.training.state import TrainState, capture_rng, restore_rng
 
@@ -222,8 +224,10 @@ def save_training_checkpoint(
             if missing:
                 raise CheckpointError(f"not saving {path}: ranks did not write {', '.join(missing)}")
 
+    weights = tensor_bytes(state_dict)  # rank 0's; a sharded optimizer: AdamW's two moments per weight
+    needed = weights + (tensor_bytes(optimizer_state) if optimizer_state is not None else 2 * weights) + SMALL_FILES
     if world_size == 1:
-        return save_atomically(path, write, background=background, keep_last=keep_last)
+        return save_atomically(path, write, background=background, keep_last=keep_last, needed_bytes=needed)
     # Ranks: rank 0 prepares the staging folder, every rank writes its RNG file into it, rank 0 the
     # rest and commits. Only rank 0 touches the folder's other entries; a failure anywhere is
     # raised on every rank (no rank waits in a collective for one that gave up).
@@ -233,8 +237,12 @@ def save_training_checkpoint(
         try:
             write(folder)
             commit(folder, path)
-        except BaseException:
+        except BaseException as err:
+            written, free = staged_bytes(folder), shutil.disk_usage(folder.parent).free  # before the partial save goes
             shutil.rmtree(folder, ignore_errors=True)
+            full = disk_full_error(err, path, needed, written, free)  # one line: the folder, the bytes, what is kept
+            if full is not None:
+                raise full from None
             raise
         if keep_last:
             rotate_checkpoints(path.parent, keep_last)
