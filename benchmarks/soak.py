@@ -1,7 +1,6 @@
 """Soak: does a long run's memory grow? GRPO on the tiny Qwen2-VL for 1,000+ steps with each rollout
 engine (HF generate, the shared-prefix engine, vLLM colocated), in-training evaluation and checkpoint
-saves included, with the resident memory of the trainer (RSS) and of its DataLoader workers (PSS: forked workers share most
-pages with the trainer) read at every step.
+saves included, with the memory of the trainer and of its DataLoader workers read at every step.
 
     nice -n 10 .venv/bin/python benchmarks/soak.py --engines hf shared_prefix --steps 1000 --out runs/soak
     nice -n 10 .venv-vllm/bin/python benchmarks/soak.py --engines vllm --steps 1000 --out runs/soak
@@ -10,9 +9,11 @@ pages with the trainer) read at every step.
 
 Each engine trains in its own `mmgrpo train` process (the interpreter running this script; vLLM
 needs .venv-vllm). While it runs, this script follows its metrics.jsonl: when step N's line appears,
-it reads VmRSS of the trainer and the sum over its child processes (/proc). The growth is the slope
-of a least-squares line through the trainer's RSS over the steps after warm-up (the first 20%),
-in MB per 100 steps, with a 95% interval; a leak of a tenth of a MB per step shows as +10.
+it reads the trainer's anonymous resident memory (RssAnon: the heap, tensors, caches; what a leak
+grows; its RSS also counts mapped libraries, which the kernel drops and reloads under memory
+pressure) and its RSS, and the private memory of its child processes (/proc). The growth is the
+slope of a least-squares line over the steps after warm-up (the first 20%), in MB per 100 steps,
+with a 95% interval; a leak of a tenth of a MB per step shows as +10.
 Writes soak-<engine>.json (every sample) and, over all engines in the folder, soak.png.
 """
 
@@ -32,7 +33,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_FLAGS = ["--use_vllm", "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20)]
 ENGINES = {"hf": ["--shared_prefix", "false"], "shared_prefix": [], "vllm": VLLM_FLAGS}
-PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def train_flags(out: Path, steps: int, every: int) -> list[str]:
@@ -47,26 +47,30 @@ def train_flags(out: Path, steps: int, every: int) -> list[str]:
     ]
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of one process in MB (0 when it is gone)."""
+def status_mb(pid: int, key: str) -> float:
+    """A /proc/<pid>/status figure in MB (RssAnon, VmRSS ...); 0 when the process is gone."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE_MB
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def pss_mb(pid: int) -> float:
-    """A process's proportional share of resident memory in MB: forked workers share most pages
-    with the trainer, which their RSS would count again (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("Pss:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
     except (OSError, IndexError, ValueError):
         pass
     return 0.0
+
+
+def private_mb(pid: int) -> float:
+    """Memory only this process holds, in MB (Private_Clean + Private_Dirty): a forked worker shares
+    the trainer's pages until it writes them, so its RSS would count the trainer again."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += int(line.split()[1]) / 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return total
 
 
 def children_of(pid: int) -> list[int]:
@@ -100,7 +104,8 @@ def new_steps(path: Path, offset: int) -> tuple[list[int], int]:
 
 
 def soak(engine: str, steps: int, every: int, out: Path, python: str) -> dict:
-    """Run one engine for `steps` steps; returns {"engine", "samples": [[step, trainer MB, workers MB, s]], ...}."""
+    """Run one engine for `steps` steps; returns {"engine", "samples": [[step, trainer anon MB, workers MB, s, trainer
+    RSS MB]], ...}."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     run_dir = out / f"run-{engine}"
@@ -118,11 +123,11 @@ def soak(engine: str, steps: int, every: int, out: Path, python: str) -> dict:
             done = process.poll() is not None
             logged, offset = new_steps(run_dir / "metrics.jsonl", offset)
             if logged:
-                trainer = rss_mb(process.pid)
-                workers = sum(pss_mb(child) for child in children_of(process.pid)) or None  # None: ended
+                anon, rss = status_mb(process.pid, "RssAnon"), status_mb(process.pid, "VmRSS")
+                workers = sum(private_mb(child) for child in children_of(process.pid)) or None  # None: ended
                 for step in logged:
-                    samples.append([step, trainer, workers, time.perf_counter() - started])
-                bar.update(task, completed=logged[-1], rss=trainer)
+                    samples.append([step, anon, workers, time.perf_counter() - started, rss])
+                bar.update(task, completed=logged[-1], rss=anon)
             if done:
                 break
             time.sleep(0.02)
@@ -144,7 +149,7 @@ def soak(engine: str, steps: int, every: int, out: Path, python: str) -> dict:
 
 def growth(samples: list, warmup_fraction: float = 0.2) -> dict:
     """The least-squares slope of RSS over the steps after warm-up, MB per 100 steps, with a 95% interval."""
-    rows = np.array([[np.nan if v is None else v for v in s] for s in samples], dtype=float)  # [n, 4]: step, MB, MB, s
+    rows = np.array([[np.nan if v is None else v for v in s[:4]] for s in samples], dtype=float)  # [n, 4]: step, MB, MB, s
     after = rows[rows[:, 0] > rows[:, 0].max() * warmup_fraction]
     out = {"warmup_steps": int(rows[:, 0].max() * warmup_fraction),
            "s_per_step": float((after[-1, 3] - after[0, 3]) / max(1, after[-1, 0] - after[0, 0]))}
@@ -166,12 +171,12 @@ def report(out: Path) -> list[dict]:
     results = [json.loads(p.read_text()) for p in sorted(out.glob("soak-*.json"))]
     for r in results:
         r.update(growth(r["samples"]))
-    print(f"{'engine':<14}{'steps':>6}{'s/step':>8}{'trainer RSS':>12}{'end':>8}{'MB/100 steps':>18}"
-          f"{'workers PSS':>12}{'MB/100 steps':>18}")
+    print(f"{'engine':<14}{'steps':>6}{'s/step':>8}{'trainer anon':>13}{'end':>8}{'MB/100 steps':>18}"
+          f"{'workers':>10}{'MB/100 steps':>18}")
     for r in results:
-        print(f"{r['engine']:<14}{r['steps']:>6}{r['s_per_step']:>8.2f}{r['trainer_mb_after_warmup']:>12.0f}"
+        print(f"{r['engine']:<14}{r['steps']:>6}{r['s_per_step']:>8.2f}{r['trainer_mb_after_warmup']:>13.0f}"
               f"{r['trainer_mb_end']:>8.0f}{r['trainer_mb_per_100_steps']:>+10.2f} ± {r['trainer_mb_per_100_steps_ci95']:<5.2f}"
-              f"{r['workers_mb_after_warmup']:>12.0f}{r['workers_mb_per_100_steps']:>+10.2f} ± {r['workers_mb_per_100_steps_ci95']:<5.2f}")
+              f"{r['workers_mb_after_warmup']:>10.0f}{r['workers_mb_per_100_steps']:>+10.2f} ± {r['workers_mb_per_100_steps_ci95']:<5.2f}")
     if results:
         import matplotlib
 
@@ -184,7 +189,7 @@ def report(out: Path) -> list[dict]:
             ax.plot(rows[:, 0], rows[:, 1], label=f"{r['engine']} ({r['trainer_mb_per_100_steps']:+.2f} MB/100 steps)", lw=1)
         ax.axvline(results[0]["warmup_steps"], color="grey", ls=":", lw=1)
         ax.set_xlabel("step")
-        ax.set_ylabel("trainer RSS (MB)")
+        ax.set_ylabel("trainer's anonymous memory, RssAnon (MB)")
         ax.set_title("GRPO soak, tiny Qwen2-VL: resident memory per step (eval and saves every "
                      f"{results[0]['every']} steps)", fontsize=9)
         ax.legend(fontsize=8)
