@@ -9,9 +9,11 @@ saves included, with the memory of the trainer and of its DataLoader workers rea
 
 Each engine trains in its own `mmgrpo train` process (the interpreter running this script; vLLM
 needs .venv-vllm). While it runs, this script follows its metrics.jsonl: when step N's line appears,
-it reads the trainer's anonymous resident memory (RssAnon: the heap, tensors, caches; what a leak
-grows; its RSS also counts mapped libraries, which the kernel drops and reloads under memory
-pressure) and its RSS, and the private memory of its child processes (/proc). The growth is the
+it reads the anonymous resident memory (RssAnon: the heap, tensors, caches; what a leak grows) of
+the trainer and of its child processes, and the trainer's RSS (/proc). RSS also counts mapped
+libraries, which the kernel drops and reloads under memory pressure; a forked worker's private or
+proportional memory rises whenever the trainer rewrites pages they shared, with nothing allocated
+(by 234 MB at once, seen here); RssAnon moves only with what a process maps itself. The growth is the
 slope of a least-squares line over the steps after warm-up (the first 20%), in MB per 100 steps,
 with a 95% interval; a leak of a tenth of a MB per step shows as +10.
 Writes soak-<engine>.json (every sample) and, over all engines in the folder, soak.png.
@@ -57,20 +59,6 @@ def status_mb(pid: int, key: str) -> float:
     except (OSError, IndexError, ValueError):
         pass
     return 0.0
-
-
-def private_mb(pid: int) -> float:
-    """Memory only this process holds, in MB (Private_Clean + Private_Dirty): a forked worker shares
-    the trainer's pages until it writes them, so its RSS would count the trainer again."""
-    total = 0.0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                    total += int(line.split()[1]) / 1024
-    except (OSError, IndexError, ValueError):
-        pass
-    return total
 
 
 def children_of(pid: int) -> list[int]:
@@ -124,7 +112,7 @@ def soak(engine: str, steps: int, every: int, out: Path, python: str) -> dict:
             logged, offset = new_steps(run_dir / "metrics.jsonl", offset)
             if logged:
                 anon, rss = status_mb(process.pid, "RssAnon"), status_mb(process.pid, "VmRSS")
-                workers = sum(private_mb(child) for child in children_of(process.pid)) or None  # None: ended
+                workers = sum(status_mb(child, "RssAnon") for child in children_of(process.pid)) or None  # None: ended
                 for step in logged:
                     samples.append([step, anon, workers, time.perf_counter() - started, rss])
                 bar.update(task, completed=logged[-1], rss=anon)
