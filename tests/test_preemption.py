@@ -26,13 +26,12 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARAL
 pytestmark = pytest.mark.slow
 
 
-def flags(folder, out, steps=8, evaluate=True):
+def flags(folder, out, steps=8):
     (folder / "reward.py").write_text(REWARD)
     return ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{folder / 'reward.py'}:length",
             "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
             "--max_steps", str(steps), "--learning_rate", "1e-3", "--beta", "0.04", "--report_to", "none",
-            "--output_dir", str(out),
-            *(["--eval_dataset", "shapes-color:test", "--eval_steps", "3", "--eval_limit", "4"] if evaluate else [])]
+            "--output_dir", str(out), "--eval_dataset", "shapes-color:test", "--eval_steps", "3", "--eval_limit", "4"]
 
 
 def start(folder, out, *extra, workers=2):
@@ -128,13 +127,14 @@ def test_a_second_signal_during_the_stop_save_exits_at_once_and_keeps_the_earlie
 def test_under_torchrun_every_rank_saves_the_same_step_and_the_resume_is_exact(tmp_path):
     def torchrun(out, *extra):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mmgrpo",
-                   "train", *flags(tmp_path, out, steps=6, evaluate=False), "--parallel", "fsdp2", "--per_device_train_batch_size", "4",
+                   "train", *flags(tmp_path, out, steps=6), "--parallel", "fsdp2", "--per_device_train_batch_size", "4",
                    "--dataloader_num_workers", "0", *extra]
         return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
 
     finish(torchrun(tmp_path / "whole"))
     expected = metrics(tmp_path / "whole")
+    assert any("eval/answer_format" in row for row in expected)  # both ranks evaluated, rank 0 wrote the results
     out = tmp_path / "run"
     process = torchrun(out)
     wait_for(process, lambda: steps_logged(out) >= 2)
