@@ -4,13 +4,14 @@
         --reward_funcs vqa_accuracy format --num_generations 4 --max_steps 3 --output_dir runs/try
 
 One step, each phase under a named timer logged as time/<phase> (each phase timed once):
-    data      the next B prompts from the DataLoader workers                     (the loop, `train`)
-    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous)  (the loop)
-    reward    every reward function on every completion, weighted sum, written into the Rollout (the loop)
-    resample  --dynamic_sample / --first_stage_generations: more rounds          (the loop)
+    data      the next B prompts from the DataLoader workers          (the rollout pipeline, `next_batch`)
+    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous); async: the wait for them
+    reward    every reward function on every completion, weighted sum, written into the Rollout
+    resample  --dynamic_sample / --first_stage_generations: more rounds
     plan      the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
     adv       advantages by --advantage_estimator, modality weights
+    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/fusion/probe.py)
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
     eval, save                                                                    (the loop)
 time/other is the rest of the step's wall time, so the time/* values add up to time/step.
@@ -30,16 +31,17 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast
+from mmgrpo.fusion.probe import probe_step
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
-from mmgrpo.grpo.importance import sampling_importance_weights
+from mmgrpo.grpo.importance import logp_gap_by_group, sampling_importance_weights
 from mmgrpo.grpo.losses import policy_loss
 from mmgrpo.rollout.base import Rollout, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
-from mmgrpo.rollout.rounds import complete_batch, score
-from mmgrpo.rollout.weight_sync import rollout_weights
+from mmgrpo.rollout.rounds import score
 from mmgrpo.training.checkpoint import wait_for_saves
+from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.preemption import StopSignals
 from mmgrpo.training.resume import resume_run, save_run
@@ -111,6 +113,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
 
     # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
     # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
+    staleness = (step - 1) - rollout.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
     correct = (run.rollout.separate_weights and rollout.logps is not None
                and cfg.algo.vllm_importance_sampling_correction)
     old_logps = ref_logps = is_weights = None
@@ -124,6 +127,9 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
                 cap=cfg.algo.vllm_importance_sampling_cap,
             )
             sampling_metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
+            if cfg.rollout.staleness_bound:  # asynchronous: how the gap grows with the steps a row lags
+                gaps = logp_gap_by_group(old_logps, rollout.logps.to(old_logps.device), model_mask, staleness)
+                sampling_metrics.update({f"staleness/logp_diff_mean_{k}": gap for k, gap in gaps.items()})
     if cfg.algo.beta > 0:
         with timers("ref"):
             ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
@@ -146,6 +152,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             advantages = advantages * dynamic
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
+    group_lrs = group_rates(run.optimizer, run.scheduler)  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
+    probe_metrics = {}
+    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
+        with timers("probe"):
+            probe_metrics = probe_step(run, encoded, completion_ids, completion_mask, G)
     with timers("update"):
         loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps, is_weights)
@@ -160,10 +171,13 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
         "learning_rate": learning_rate,
+        **group_lrs,
+        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
         "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
         "micro_batches": len(micro),
-        # optimizer steps between the weights that sampled and the policy that trains on them
+        # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
         "rollout/staleness": (step - 1) - rollout.weight_version,
+        **staleness_shares(staleness, cfg.rollout.staleness_bound),
         **sampling_metrics,
         **weight_metrics,
         **loss_metrics,
@@ -185,6 +199,17 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         for p, record in enumerate(records):
             record["trajectories"] = rollout.columns["trajectory"][p * G : (p + 1) * G]
     return metrics, records
+
+
+def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, float]:
+    """Asynchronous training: the share of the batch's completions sampled 0, 1, ... K steps back.
+
+    >>> staleness_shares(torch.tensor([2, 2, 0, 2]), 2)
+    {'staleness/share_0': 0.25, 'staleness/share_1': 0.0, 'staleness/share_2': 0.75}
+    """
+    if not max_staleness:
+        return {}
+    return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
 
 
 def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:
@@ -297,11 +322,9 @@ def train(cfg: TrainConfig) -> Path:
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     batches = run.prompt_batches()
-    pipeline = RolloutPipeline(
-        run.rollout, lambda: rollout_weights(run.model, run.peft_model, run.strategy), asynchronous=cfg.rollout.async_generate
-    )
+    pipeline = RolloutPipeline(run, batches)  # rollouts in step, or up to --max_staleness steps ahead
     state = TrainState(model=cfg.model.model)
-    if plan.resume_from is not None:  # the state, optimizer, schedule, data position, async rollout, RNGs
+    if plan.resume_from is not None:  # the state, optimizer, schedule, data position, rollouts in flight, RNGs
         state = resume_run(run, plan.resume_from, batches, pipeline)
     weights_rule = DynamicWeights(state.modality_weights) if cfg.algo.dynamic_modality_weights else None
     if run.strategy.is_main:
@@ -313,34 +336,13 @@ def train(cfg: TrainConfig) -> Path:
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
                 torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
-                if not pipeline.in_flight:  # async: the rollout begun last step (or restored) is in flight
-                    with loop("data"):
-                        prompts = next(batches)
-                    with loop("weight_sync"):
-                        pipeline.sync_weights()  # an engine with its own weights gets the newest
-                    with loop("rollout"), autocast(run.bf16, run.device):
-                        pipeline.start(prompts, run.sampling(prompts, step_seed(cfg, step, run.strategy.rank)))
-                with loop("rollout"):
-                    prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
-                with loop("reward"):
-                    score(run, prompts, rollout)  # the one scoring of these completions
-                sampled = {}
-                if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
-                    with loop("resample"):  # mmgrpo/rollout/rounds.py; before an async rollout starts
-                        prompts, rollout, sampled = complete_batch(run, prompts, rollout, batches, step)
-                if cfg.rollout.async_generate and step < run.total_steps:
-                    with loop("data"):
-                        upcoming = next(batches)
-                    with loop("weight_sync"):
-                        pipeline.sync_weights()
-                    with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
-                        pipeline.start(upcoming, run.sampling(upcoming, step_seed(cfg, step + 1, run.strategy.rank)))
-                metrics, records = grpo_step(run, prompts, step, rollout, weights_rule=weights_rule)
-                metrics.update(run.strategy.all_reduce_metrics(sampled))
+                batch = pipeline.next_batch(step, loop)  # time/data, weight_sync, rollout, reward, resample
+                metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule)
+                metrics.update(run.strategy.all_reduce_metrics(batch.metrics))
                 pipeline.policy_updated(step)
                 state.nonfinite_steps += metrics["skipped"]
                 metrics["nonfinite_steps"] = state.nonfinite_steps
@@ -355,8 +357,7 @@ def train(cfg: TrainConfig) -> Path:
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
                 for phase in ("data", "weight_sync", "rollout", "reward", "eval", "save"):  # the same columns every step
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
-                # generating, overlapped with training when async (time/rollout is then the wait)
-                metrics["rollout/generate_s"] = pipeline.take_generate_seconds()
+                metrics["cpu/step_s"] = time.process_time() - started_cpu  # this process's CPU seconds (all threads)
                 finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)

@@ -31,7 +31,7 @@ from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.train_type import load_trainable_model
 from mmgrpo.parallel import build_strategy
 from mmgrpo.rollout import build_rollout_engine
-from mmgrpo.training.optim import make_optimizer, make_scheduler
+from mmgrpo.training.optim import group_rates, make_optimizer, make_scheduler
 from mmgrpo.training.run import ModelRun, check_modalities, total_steps
 from mmgrpo.training.runlog import RunLogger, console, progress_bar
 from mmgrpo.training.state import TrainState, deterministic_kernels, seed_everything
@@ -115,7 +115,7 @@ def sft(cfg: SFTConfig) -> Path:
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg)
     (out / STOP_FILE).unlink(missing_ok=True)  # left by an earlier run into this output_dir
-    optimizer = make_optimizer(cfg.optim)(policy.trainable_parameters())
+    optimizer = make_optimizer(cfg.optim, model, template.components)(policy.trainable_parameters())
     batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
     total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
     scheduler = make_scheduler(cfg.optim, optimizer, total)
@@ -146,9 +146,9 @@ def sft(cfg: SFTConfig) -> Path:
                 loss.backward()
                 step_loss += loss.item()
             grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
-            learning_rate = scheduler.get_last_lr()[0]
+            learning_rate, group_lrs = scheduler.get_last_lr()[0], group_rates(optimizer, scheduler)
             scheduler.step()
-            metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate}
+            metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **group_lrs}
             started = time.perf_counter()
             state.step = step
             scores = evaluator.maybe_evaluate(run, step, state, final=step == total)

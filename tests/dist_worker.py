@@ -143,6 +143,7 @@ def prepared_run(cfg, fixed_completions: bool):
     from mmgrpo.training.run import build_run
     from mmgrpo.training.state import seed_everything
 
+    cfg.validate()
     run = build_run(cfg)
     seed_everything(cfg.seed)
     if fixed_completions:

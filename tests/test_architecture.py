@@ -143,7 +143,7 @@ def test_few_top_level_modules_each_used_by_more_than_one_package():
     assert not lonely, f"top-level modules used by one package only (move them beside it): {lonely}"
 
 
-ROLLOUT_FIELDS = {"completion_ids", "completion_mask", "truncated", "logps", "weight_version", "loss_mask",
+ROLLOUT_FIELDS = {"completion_ids", "completion_mask", "truncated", "logps", "weight_version", "row_versions", "loss_mask",
                   "completion_media", "texts", "columns", "metrics", "totals", "rewards", "reward_per_func"}
 
 

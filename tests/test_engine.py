@@ -163,7 +163,7 @@ def test_unregistered_names_are_start_up_errors_and_registered_ones_work(tmp_pat
     err = run_cli(["train", *FAST, "--advantage_estimator", "nope", "--output_dir", str(tmp_path)], capsys)
     assert "nope" in err and "rloo" in err
     err = run_cli(["train", *FAST, "--loss_type", "nope", "--output_dir", str(tmp_path)], capsys)
-    assert "--loss_type 'nope'" in err and "dapo" in err
+    assert "unknown loss type 'nope' (--loss_type)" in err and "dapo" in err
     register_loss("token_sum_for_test")(lambda per_token_loss, mask, **_: (per_token_loss * mask).sum())
     try:  # a loss a plugin registers can be chosen
         TrainConfig.from_args([*FAST, "--loss_type", "token_sum_for_test"]).validate()

@@ -1,9 +1,9 @@
 """Exact resume: a 12-step run killed with SIGKILL at random moments (during a step, during a save)
 and resumed from the latest checkpoint writes the metrics.jsonl of an uninterrupted run, step for
 step (fp32, one process, DataLoader workers, two epochs, a reference model, evaluation with a best
-checkpoint; with --async_generate, whose rollout in flight at a save is kept; and with the options whose
-state lives between steps: --dynamic_modality_weights over a two-dataset mixture, two-stage generation and
-dynamic sampling, which draw extra prompts). Runs `mmgrpo train`."""
+checkpoint; asynchronous with --max_staleness 2, whose two rollouts in flight at a save are kept;
+and with the options whose state lives between steps: --dynamic_modality_weights over a two-dataset
+mixture, two-stage generation and dynamic sampling, which draw extra prompts). Runs `mmgrpo train`."""
 
 import json
 import os
@@ -21,7 +21,7 @@ from mmgrpo.data.registry import resolve_dataset
 from mmgrpo.training.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 
@@ -84,7 +84,7 @@ def metrics(out):
 
 
 MODES = {
-    "foreground": [], "background": ["--save_in_background"], "async": ["--async_generate"],
+    "foreground": [], "background": ["--save_in_background"], "async": ["--max_staleness", "2"],
     "resampling": ["--dynamic_modality_weights", "--dynamic_weights_by", "dataset", "--first_stage_generations", "2",
                    "--dynamic_sample", "--max_resample_times", "1"],
 }

@@ -16,7 +16,7 @@ def episode_rollout(tag: str, rows: int, width: int, version: int) -> Rollout:
     mask = torch.ones(rows, width, dtype=torch.long)
     return Rollout(
         completion_ids=ids, completion_mask=mask, truncated=torch.arange(rows) % 2 == 0, logps=-ids.float() / 1000,
-        weight_version=version, loss_mask=(ids % 3 != 0).long(),
+        weight_version=version, row_versions=torch.full((rows,), version), loss_mask=(ids % 3 != 0).long(),
         completion_media=[{"pixel_values": torch.full((1, 2), float(r))} for r in range(rows)],
         texts=[f"{tag}{r}" for r in range(rows)], columns={"turns": [r + 1 for r in range(rows)]},
         metrics={"tools/turns": float(rows)}, totals={"tools/errors": 1.0},
@@ -48,6 +48,11 @@ def test_concat_pads_to_the_longest_and_keeps_every_field():
     assert both.rewards.tolist() == [0.0, 1.0, 0.0] and both.reward_per_func.shape == (2, 3)
     assert len(both.completion_media) == 3 and both.truncated.tolist() == [True, False, True]
     assert both.weight_version == 3  # the oldest weights among the rows
+    assert both.versions().tolist() == [4, 4, 3]  # and each row's own
+    assert both.select([2, 0]).versions().tolist() == [3, 4]
+    plain = Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.bool),
+                    weight_version=3)
+    assert Rollout.concat([plain, plain], pad_token_id=7).row_versions is None  # one version: no per-row tensor
     assert both.metrics["tools/turns"] == pytest.approx((2 * 2 + 1 * 1) / 3) and both.totals["tools/errors"] == 2.0
 
 

@@ -182,3 +182,17 @@ def test_dynamic_sampling_with_async_rollouts(tmp_path):
     metrics = metrics_of(out)
     assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
     assert all(1 <= m["dynamic/rounds"] <= 3 for m in metrics)
+
+
+def test_extra_rounds_respect_the_staleness_bound(tmp_path):
+    """--max_staleness 2: the extra rounds (refills, second stages) run after the rollouts asked
+    before them, on the newest weights, so a batch mixes completions 0 and 2 steps back, never more."""
+    out = train(config(tmp_path, "first_of_group", "--dynamic_sample", "--max_resample_times", "2",
+                       "--first_stage_generations", "2", "--max_staleness", "2", "--max_steps", "4"))
+    metrics = metrics_of(out)
+    assert [m["rollout/staleness"] for m in metrics][:2] == [0, 1]
+    for m in metrics:
+        shares = [m[f"staleness/share_{k}"] for k in range(3)]
+        assert sum(shares) == pytest.approx(1.0) and m["rollout/staleness"] <= 2
+    # the step's own rollout 2 steps back, refills and second stages on the newest weights beside it
+    assert any(m["staleness/share_0"] > 0 and m["staleness/share_2"] > 0 for m in metrics[2:]), metrics

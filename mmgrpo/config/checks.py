@@ -27,6 +27,9 @@ def validate_common(cfg) -> None:
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
     }
     check_choices(choices)
+    from mmgrpo.fusion.attach import check_fusion_flags
+
+    check_fusion_flags(cfg)  # --fusion_module, --fusion_layers, --train_type fusion, --vit_lr ...
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
         raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
 
@@ -69,6 +72,8 @@ def validate_sft(cfg) -> None:
     check_choices({"loss_normalization": (cfg.loss_normalization, SFT_LOSS_NORMALIZATIONS)})
     if env_world_size() > 1:
         raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
+    if cfg.eval.fusion_probe_steps:
+        raise ConfigError("--fusion_probe_steps measures GRPO steps' completions; SFT has none. Use `mmgrpo eval --fusion_probe`.")
     if cfg.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)
         raise ConfigError("--resume_from_checkpoint: mmgrpo sft does not resume; start it again with --model CHECKPOINT.")
 
@@ -136,10 +141,27 @@ def validate_train(cfg) -> None:
             "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
             "--per_device_train_batch_size."
         )
+    if cfg.eval.fusion_probe_steps < 0 or cfg.eval.fusion_probe_rows < 1:
+        raise ConfigError("--fusion_probe_steps must be >= 0 (0: off) and --fusion_probe_rows >= 1.")
+    if cfg.rollout.use_vllm and cfg.model.fusion_module:
+        raise ConfigError(
+            f"--fusion_module {cfg.model.fusion_module} with --use_vllm: vLLM runs the model's stock architecture, "
+            "without fusion modules. Drop --use_vllm (the in-process engines run the modules) or --fusion_module."
+        )
+    if cfg.rollout.max_turns > 1 and cfg.model.fusion_module:
+        raise ConfigError(
+            f"--fusion_module with --max_turns {cfg.rollout.max_turns}: the modules read the prompt's media, and a tool's "
+            "images arrive inside the completion; drop one of them (docs/fusion.md)."
+        )
     if cfg.rollout.use_vllm:  # before any model loads: vLLM installed, flags that fit
         from mmgrpo.rollout.vllm_engine import validate_vllm
 
         validate_vllm(cfg)
+    if cfg.rollout.max_staleness is not None and cfg.rollout.max_staleness < 1:
+        raise ConfigError(
+            f"--max_staleness {cfg.rollout.max_staleness}: give K >= 1, the most optimizer steps a rollout's weights may "
+            "lag behind the policy it trains (1: one step off-policy, as --async_generate); leave it out to train synchronously."
+        )
     if cfg.rollout.max_resample_times < 0:
         raise ConfigError("--max_resample_times must be >= 0.")
     if not 0 <= cfg.rollout.first_stage_generations < cfg.rollout.num_generations:

@@ -172,7 +172,7 @@ class PromptStream:
     def __init__(self, loader: DataLoader, state: dict | None = None):
         self.loader, self.sampler = loader, loader.sampler
         self.epoch, self.batch = 0, 0  # the next batch is number `batch` (from 0) of epoch `epoch`
-        self.last_start = (0, 0)  # (epoch, batch) where the batch returned last began
+        self.last_start = (0, 0)  # (epoch, batch) where the batch returned last began (read again on resume: async rollouts)
         self._iterator = None
         if state is not None:
             self.load_state_dict(state)
@@ -210,11 +210,9 @@ class PromptStream:
             "world_size": getattr(self.sampler, "world_size", 1),
         }
 
-    def state_dict(self, *, before_last: bool = False) -> dict:
-        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in.
-        before_last: the position before the batch returned last (it is yielded again after a
-        restore; an asynchronous rollout's prompts in flight at a save are drawn again so)."""
-        epoch, batch = self.last_start if before_last else (self.epoch, self.batch)
+    def state_dict(self) -> dict:
+        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in."""
+        epoch, batch = self.epoch, self.batch
         state = {"epoch": epoch, "batch": batch, **self._identity()}
         dataset = getattr(self.loader.dataset, "dataset", self.loader.dataset)
         if hasattr(dataset, "source_ids") and isinstance(self.sampler, EpochSampler):

@@ -29,6 +29,7 @@ from torch import nn
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
+from mmgrpo.fusion.attach import prompt_length
 from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
 from mmgrpo.templates.turns import with_completion_media
 
@@ -175,8 +176,9 @@ class Policy:
         else:
             backbone = model.get_submodule(self.template.components["backbone"])
             inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
-            hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
             prompt_len = batch.prompts["input_ids"].shape[1]
+            with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
+                hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
             # Position P - 1 + t predicts completion token t.
             hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
         lm_head = model.get_submodule(self.template.components["lm_head"])

@@ -45,9 +45,11 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, template=None, **kwargs):
     """The model in eval mode, in the class the family's template names (`Template.model_class`:
-    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint)."""
+    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint), with the fusion
+    modules a training checkpoint holds inserted (mmgrpo/fusion/)."""
     from transformers import AutoConfig
 
+    from mmgrpo.fusion.attach import attach_saved_fusion
     from mmgrpo.templates import Template
 
     path = checkpoint_path(name_or_path)
@@ -56,9 +58,11 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
         extra = {**extra, "config": config}
     try:
-        return model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+        model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
     except OSError as err:  # a file transformers looks for and cannot read: one line naming the folder
         raise CheckpointError(f"model {name_or_path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    attach_saved_fusion(model, path, template)
+    return model
 
 
 def model_skeleton(path: str, template=None) -> torch.nn.Module:

@@ -19,13 +19,18 @@ import torch
 from torch import nn
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import save_fusion, split_fusion_state
 from mmgrpo.models.loading import RUN_INFO_FILE
 
 
 def save_pretrained(model: nn.Module, peft_model, path: Path, state_dict: dict[str, torch.Tensor]) -> None:
-    """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter."""
+    """Write an HF folder from a full state dict (HF names): the model, or a LoRA run's adapter, and
+    any fusion modules as fusion_modules.safetensors + fusion_config.json."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    state_dict, fusion_state = split_fusion_state(state_dict)
+    if fusion_state:  # fusion modules: their own safetensors and config beside the model's (mmgrpo/fusion/)
+        save_fusion(model, path, fusion_state)
     if peft_model is None:
         model.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
         return

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import FUSION_ATTR, check_fusion_model, fusion_for_training
 from mmgrpo.models.loading import load_model, model_skeleton
 
 PARTS = ("vision", "aligner", "llm")
@@ -76,7 +77,7 @@ def lora_targets(model: nn.Module, components: dict[str, str], model_cfg) -> lis
     targets, linear_names = [], []
     for name, module in model.named_modules():
         part = part_of(name, components)
-        if not isinstance(module, nn.Linear) or name == lm_head or part in frozen:
+        if not isinstance(module, nn.Linear) or name == lm_head or part in frozen or name.startswith(FUSION_ATTR + "."):
             continue
         linear_names.append(name)
         if part in wanted_parts or any(name == s or name.endswith("." + s) for s in suffixes):
@@ -110,7 +111,7 @@ def check_trainable(model_cfg, skeleton: nn.Module, components: dict[str, str]) 
     """The checks of `apply_train_type`, on a weightless (meta device) model, before loading weights."""
     if model_cfg.train_type == "lora":
         lora_targets(skeleton, components, model_cfg)
-    else:
+    elif model_cfg.train_type == "full":
         freeze(skeleton, components, model_cfg)
 
 
@@ -118,8 +119,12 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     """Freeze parts (full) or inject LoRA adapters (lora). Returns (model, peft_model or None).
 
     `model` stays the object the policy uses (peft injects its layers in place); the PeftModel
-    around it saves adapters and disables them for the reference forward.
+    around it saves adapters and disables them for the reference forward. `fusion`: every weight
+    of the model is frozen (its fusion modules, added next, are what trains: mmgrpo/fusion/).
     """
+    if model_cfg.train_type == "fusion":
+        model.requires_grad_(False)
+        return model, None
     if model_cfg.train_type != "lora":
         freeze(model, components, model_cfg)
         return model, None
@@ -136,16 +141,20 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
 
 
 def load_trainable_model(cfg, path: str, template, strategy, seed: int):
-    """The model to train (train mode, checkpointing, frozen parts or LoRA) on the strategy's load
-    device, with its LoRA wrapper (or None). LoRA targets and --freeze_* are checked on a
-    weightless skeleton first, so a typo fails before the weights load."""
-    check_trainable(cfg.model, model_skeleton(path, template), template.components)
-    model = load_model(path, template=template).to(strategy.load_device)
+    """The model to train (train mode, checkpointing, frozen parts, LoRA, fusion modules) on the
+    strategy's load device, with its LoRA wrapper (or None). LoRA targets, --freeze_*,
+    --fusion_layers and the per-component rates are checked on a weightless skeleton first, so a
+    typo fails before the weights load."""
+    skeleton = model_skeleton(path, template)
+    check_trainable(cfg.model, skeleton, template.components)
+    check_fusion_model(cfg.model, cfg.optim, skeleton, template, path)
+    model = load_model(path, template=template).to(strategy.load_device)  # with a checkpoint's fusion modules
     model.train()
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return apply_train_type(model, template.components, cfg.model, seed=seed)
-
+    model, peft_model = apply_train_type(model, template.components, cfg.model, seed=seed)
+    fusion_for_training(model, template, cfg.model, seed=seed)  # --fusion_module (mmgrpo/fusion/)
+    return model, peft_model
 
 
 def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) -> torch.nn.Module:

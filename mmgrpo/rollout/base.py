@@ -70,7 +70,7 @@ class SamplingParams:
 # Rollout fields by how they follow the rows: [N, T] tensors right-padded by `concat` (the value
 # it pads with; None: the pad token id), [N] / [F, N] tensors, and per-row lists.
 _PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0}
-_ROW_TENSORS = ("truncated", "rewards")
+_ROW_TENSORS = ("truncated", "rewards", "row_versions")
 _ROW_LISTS = ("completion_media", "texts")
 
 
@@ -81,6 +81,9 @@ class Rollout:
     truncated: torch.Tensor  # [B * G] bool: no EOS within max_new_tokens
     logps: torch.Tensor | None = None  # [B * G, T] the sampler's log-probs of the tokens (0 after EOS), if it gives them
     weight_version: int = 0  # the optimizer steps the sampling weights had seen (the oldest, after `concat`)
+    # [B * G] each row's weight version where the rows' differ (`concat` of rounds sampled on other weights);
+    # None: every row's is weight_version. `versions()` gives them either way.
+    row_versions: torch.Tensor | None = None
     # Multi-turn episodes (mmgrpo/rollout/multiturn.py); a single-turn engine leaves these unset.
     # A completion is then the whole trajectory after the prompt: the model's turns and the tool
     # turns between them, all under completion_mask (the training forward runs them all).
@@ -106,6 +109,12 @@ class Rollout:
     @property
     def scored(self) -> bool:
         return self.rewards is not None
+
+    def versions(self) -> torch.Tensor:
+        """[B * G] the weight version that sampled each row."""
+        if self.row_versions is not None:
+            return self.row_versions
+        return torch.full((len(self),), self.weight_version, dtype=torch.long)
 
     def select(self, rows: Sequence[int] | torch.Tensor) -> Rollout:
         """The completions `rows` (indices, in that order), every per-row field with them."""
@@ -145,7 +154,11 @@ class Rollout:
                 continue
             value = pad_token_id if pad is None else pad
             values[name] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts])
+        if len({r.weight_version for r in rollouts}) > 1 or any(r.row_versions is not None for r in rollouts):
+            values["row_versions"] = torch.cat([r.versions() for r in rollouts])
         for name in _ROW_TENSORS + ("reward_per_func",):
+            if name == "row_versions":
+                continue
             parts = [getattr(r, name) for r in rollouts]
             values[name] = None if any(p is None for p in parts) else torch.cat(parts, dim=-1)
         for name in _ROW_LISTS:

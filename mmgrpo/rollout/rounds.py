@@ -48,6 +48,14 @@ def score(run, prompts: list, rollout: Rollout) -> Rollout:
     return rollout
 
 
+def generate_now(run, encoded: list, sampling) -> Rollout:
+    """The run's engine on `encoded` prompts, in this thread."""
+    from mmgrpo.forward.policy import autocast
+
+    with autocast(run.bf16, run.device):
+        return run.rollout.generate(encoded, sampling)
+
+
 def min_across_ranks(strategy):
     """A function n -> the smallest n of any rank (an all-reduce), or n itself on one process."""
     if strategy.world_size == 1:
@@ -79,10 +87,8 @@ def settled_prompts(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return torch.isclose(known, known.max().expand_as(known)).all(dim=1)
 
 
-def second_stage(run, first: Round, step: int, round_index: int, stats: dict) -> Round:
+def second_stage(run, first: Round, step: int, round_index: int, stats: dict, generate) -> Round:
     """Complete the groups of `first` (K completions each): settled prompts leave, the others get G - K more."""
-    from mmgrpo.forward.policy import autocast
-
     cfg = run.cfg
     G, k = cfg.rollout.num_generations, cfg.rollout.first_stage_generations
     settled = settled_prompts(first.rollout.rewards, k)
@@ -93,8 +99,7 @@ def second_stage(run, first: Round, step: int, round_index: int, stats: dict) ->
     first = first.take_groups(open_, k)
     sampling = run.sampling(first.prompts, second_seed(cfg, step, run.strategy.rank, round_index))
     sampling.num_generations = G - k
-    with autocast(run.bf16, run.device):
-        rollout = run.rollout.generate([e for _, e in first.prompts], sampling)
+    rollout = generate([e for _, e in first.prompts], sampling)
     second = Round(first.prompts, score(run, first.prompts, rollout))
     return interleave(first, second, k, G - k, run.template.completion_pad_id)
 
@@ -103,37 +108,37 @@ def second_seed(cfg, step: int, rank: int, round_index: int) -> int:
     return step_seed(cfg, step, rank) + 7_919 * (2 * round_index + 1)
 
 
-def draw_round(run, batches, step: int, round_index: int, stats: dict) -> Round:
+def draw_round(run, batches, step: int, round_index: int, stats: dict, generate) -> Round:
     """A further round of prompts for dynamic sampling: rolled out (both stages if on) and scored."""
-    from mmgrpo.forward.policy import autocast
-
     cfg = run.cfg
     k = cfg.rollout.first_stage_generations or cfg.rollout.num_generations
     prompts = next(batches)
     sampling = run.sampling(prompts, second_seed(cfg, step, run.strategy.rank, round_index) + 1)
     sampling.num_generations = k
-    with autocast(run.bf16, run.device):
-        rollout = run.rollout.generate([e for _, e in prompts], sampling)
+    rollout = generate([e for _, e in prompts], sampling)
     round_ = Round(prompts, score(run, prompts, rollout))
-    return second_stage(run, round_, step, round_index, stats) if cfg.rollout.first_stage_generations else round_
+    return second_stage(run, round_, step, round_index, stats, generate) if cfg.rollout.first_stage_generations else round_
 
 
-def complete_batch(run, prompts: list, rollout: Rollout, batches, step: int):
+def complete_batch(run, prompts: list, rollout: Rollout, batches, step: int, generate=None):
     """The step's batch after two-stage generation and/or dynamic sampling.
 
     `rollout` is the scored first round of `prompts`. Returns (prompts, rollout, metrics): the
-    batch to train on, scored.
+    batch to train on, scored. generate(encoded prompts, sampling) -> Rollout runs the extra
+    rounds (the rollout pipeline's, which keeps them behind the rollouts it runs ahead); None:
+    the run's engine, here and now.
     """
     cfg = run.cfg
+    generate = generate or (lambda encoded, sampling: generate_now(run, encoded, sampling))
     G, k = cfg.rollout.num_generations, cfg.rollout.first_stage_generations
     stats: dict[str, float] = {}
     first = Round(prompts, rollout)
     if k:
-        first = second_stage(run, first, step, 0, stats)
+        first = second_stage(run, first, step, 0, stats, generate)
     if cfg.rollout.dynamic_sample:
         rounds = iter(range(1, cfg.rollout.max_resample_times + 1))
         batch, fill = fill_informative(
-            first, lambda: draw_round(run, batches, step, next(rounds), stats),
+            first, lambda: draw_round(run, batches, step, next(rounds), stats, generate),
             num_prompts=run.prompts_per_step, num_generations=G,
             max_resample_times=cfg.rollout.max_resample_times, pad_token_id=run.template.completion_pad_id,
             any_rank=run.strategy.any_rank, min_across_ranks=min_across_ranks(run.strategy),

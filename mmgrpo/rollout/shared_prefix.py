@@ -52,6 +52,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
+from mmgrpo.fusion.attach import keep_prompts
 from mmgrpo.rollout.base import (
     Rollout,
     RolloutEngine,
@@ -224,6 +225,7 @@ class SharedPrefixRollout(RolloutEngine):
                     rows, finished, token = rows[kept], finished[kept], token[kept]
                     budgets = None if budgets is None else budgets[kept]
                     advance.keep(kept)
+                    keep_prompts(self.model, kept[::group] // group)  # fusion modules' memory: whole groups
             logits = self.lm_head(advance(token, step)).float()  # [n, V]
         return tokens, logps
 

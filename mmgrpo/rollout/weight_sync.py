@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from mmgrpo.fusion.attach import FUSION_ATTR
+
 
 def sibling_group(hf_name: str) -> str:
     """The modules a rollout engine may fuse into one layer: a parameter's module's parent.
@@ -46,6 +48,7 @@ def rollout_weights(model: nn.Module, peft_model, strategy):
         adapted = {f"{name}.base_layer.weight": module for name, module in model.named_modules()
                    if hasattr(module, "base_layer") and "default" in getattr(module, "lora_A", {})}
         changed = [n.replace(".base_layer.", ".") for n in adapted]
+        changed += [n for n, p in params.items() if p.requires_grad and n.startswith(FUSION_ATTR + ".")]  # fusion modules
     groups = {sibling_group(n) for n in changed}
     for name in params:
         hf_name = name.replace(".base_layer.", ".")

@@ -108,6 +108,16 @@ class Template:
     shared_prefix: bool = False
     sliding_window_layers: bool = False
     lean_decode: bool = False
+    # vLLM loads a family's weights by the names of its original Hugging Face checkpoints. Where
+    # transformers names them otherwise (in memory, or in a folder it saved) and vLLM's model class
+    # does not map them itself, these (regex, replacement) rules rename them, applied in order, for
+    # the checkpoint vLLM starts from and for every weight sync (mmgrpo/rollout/vllm_weights.py).
+    # A name already in the original layout must come out unchanged.
+    vllm_weight_names: tuple[tuple[str, str], ...] = ()
+    # Where vLLM's own implementation of the family computes other log-probs than transformers (a
+    # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
+    # another model than the policy. Checks of prompt ids and weight names turn it off.
+    vllm_mismatch: str = ""
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
@@ -521,6 +531,31 @@ class Template:
 
         multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
         return (AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM), config, {}
+
+    def vllm_config(self, config: dict) -> dict:
+        """The config.json vLLM should load for a checkpoint of this family whose config.json is
+        `config` (where vLLM registers the family under another architecture); default: `config`."""
+        return config
+
+    def vllm_unsupported(self) -> str | None:
+        """Why vLLM cannot run this checkpoint of the family (said at start-up with --use_vllm), or None."""
+        return None
+
+    def vllm_prompt_problem(self, prompt: PromptInputs) -> str | None:
+        """Why vLLM cannot take this prompt as the policy does (said in the error naming the sample), or None."""
+        return None
+
+    @classmethod
+    def vllm_weight_name(cls, name: str) -> str:
+        """A weight's name as vLLM loads it: `vllm_weight_names` applied in order.
+
+        >>> class T(Template): vllm_weight_names = ((r"^model\\.language_model\\.", "language_model.model."),)
+        >>> T.vllm_weight_name("model.language_model.norm.weight"), T.vllm_weight_name("lm_head.weight")
+        ('language_model.model.norm.weight', 'lm_head.weight')
+        """
+        for pattern, replacement in cls.vllm_weight_names:
+            name = re.sub(pattern, replacement, name)
+        return name
 
     # ----------------------------------------------------------------------------------------
     # Boxes and generation

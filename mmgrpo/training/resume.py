@@ -13,7 +13,7 @@
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
         training_state.json                               the TrainState (mmgrpo/training/state.py), the run's flags included
         step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
-        rollout_in_flight.pt                              --async_generate: the next step's completions
+        rollouts_in_flight_<rank>.pt                      async: the completions asked for the next K steps
         checkpoint_complete.json                          written last (mmgrpo/training/checkpoint.py)
 
 The TrainState holds the loop's counters, the best in-training evaluation, the dynamic modality
@@ -21,12 +21,14 @@ weights, the prompt stream's position and the starting `--model` (the reference 
 run is refused with another one, whose KL term would pull toward other weights). The reference
 model is not in a checkpoint: a resumed run builds it from `--model` as the first run did.
 
-With `--async_generate` a rollout is in flight across the step boundary: the one for step N + 1
-began during step N on the weights of step N - 1, which no checkpoint holds. Regenerating it on
-the saved (step N) weights would give another run, so the save waits for that rollout and keeps
-its completions and log-probs (`rollout_in_flight.pt`, kilobytes: token ids, not media) and the
-prompt stream's position before its prompts; the resumed run draws those prompts again and
-trains step N + 1 on the saved completions, as the uninterrupted run does.
+Asynchronous training (`--max_staleness K`, `--async_generate`) has up to K rollouts in flight
+across the step boundary: those for steps N + 1 .. N + K, sampled on the weights of steps
+N - K .. N - 1, which no checkpoint holds (mmgrpo/rollout/pipeline.py). Regenerating them on the
+saved (step N) weights would give another run, so the save waits for them and each rank keeps its
+own completions and log-probs (`rollouts_in_flight_<rank>.pt`, kilobytes: token ids, not media)
+with the prompt stream's position where each one's prompts began; the resumed run reads those
+prompts again, puts the rollouts back in flight and trains on them as the uninterrupted run does.
+Resumed with a smaller K, a rollout that would be too stale is dropped and generated again.
 """
 
 from __future__ import annotations
@@ -63,7 +65,11 @@ OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: output_dir.restore_step_log
 
-ROLLOUT_FILE = "rollout_in_flight.pt"
+EARLIER_ROLLOUT_FILE = "rollout_in_flight.pt"  # one rollout, rank 0's, its prompts just before the saved position
+
+
+def rollouts_file(rank: int) -> str:
+    return f"rollouts_in_flight_{rank}.pt"
 
 
 def save_run(run, path: Path, state: TrainState, batches, pipeline, *, background: bool = False,
@@ -78,22 +84,25 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     awaited by the caller). A NaN/inf weight is a CheckpointError and nothing is written.
     """
     cfg, strategy = run.cfg, run.strategy
-    in_flight = pipeline.pending()  # async: the next step's rollout, finished
+    in_flight = pipeline.in_flight()  # async: the rollouts asked for the next steps, finished
     state.model = cfg.model.model
     state.flags = cfg.to_dict()  # what a resumed run is compared with (mmgrpo/training/resume_flags.py)
-    state.rollout_in_flight = in_flight is not None
-    state.data = batches.state_dict(before_last=in_flight is not None)  # its prompts are drawn again on resume
+    state.rollout_in_flight = len(in_flight)
+    state.data = batches.state_dict()
     extra_files: dict[str, object] = {}
     if step_log is not None:
         extra_files[STEP_LOG_FILE] = json.dumps(step_log) + "\n"
-    if in_flight is not None:
-        extra_files[ROLLOUT_FILE] = in_flight[1].to_file()
+    rank_files = {}
+    if in_flight:  # each rank's own completions; their prompts are read again on resume
+        rank_files[rollouts_file(strategy.rank)] = [
+            {"step": step, "position": list(position), "rollout": rollout.to_file()} for step, position, rollout in in_flight
+        ]
     return save_training_checkpoint(
         path, model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
         state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
         optimizer=run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
         world_size=strategy.world_size, any_rank=strategy.any_rank, background=background,
-        keep_last=cfg.save_total_limit, extra_files=extra_files,
+        keep_last=cfg.save_total_limit, extra_files=extra_files, rank_files=rank_files,
         save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
     )
 
@@ -113,14 +122,36 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
             f"this run has --model {run.cfg.model.model}. Resume with --model {state.model}."
         )
     apply_resume_changes(run, state)  # changed schedule flags take effect now; every change is recorded
-    batches.load_state_dict({**state.data, "rank": strategy.rank})  # ranks move in step: rank 0's position is each one's
+    position = {**state.data, "rank": strategy.rank}  # ranks move in step: rank 0's position is each one's
+    batches.load_state_dict(position)
     pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
     if state.rollout_in_flight:
-        if not run.cfg.rollout.async_generate:
-            raise CheckpointError(f"checkpoint {path} was saved with --async_generate: resume with it too.")
-        rollout = Rollout.from_file(torch.load(Path(path) / ROLLOUT_FILE, map_location="cpu", weights_only=True))
-        pipeline.restore(next(batches), rollout, state.step)
+        if not run.cfg.rollout.staleness_bound:
+            raise CheckpointError(f"checkpoint {path} was saved by asynchronous training with {int(state.rollout_in_flight)} "
+                                  f"rollout(s) in flight: resume with --max_staleness {int(state.rollout_in_flight)} too.")
+        pipeline.restore(restore_in_flight(Path(path), strategy.rank, state, batches, position), state.step)
     return state
+
+
+def restore_in_flight(path: Path, rank: int, state: TrainState, batches, position: dict) -> list:
+    """(step, prompts, position, rollout) of each rollout a checkpoint saved in flight: its prompts
+    read again from where they began in the stream, which is then back at `position`."""
+    file = path / rollouts_file(rank)
+    if file.is_file():
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    else:  # written before K > 1: one rollout (rank 0's), its prompts the batch at the saved position
+        rollout = torch.load(path / EARLIER_ROLLOUT_FILE, map_location="cpu", weights_only=True)
+        saved = [{"step": state.step + 1, "position": [state.data["epoch"], state.data["batch"]], "rollout": rollout}]
+        position = None  # after reading them the stream is where it goes on
+    restored = []
+    for record in saved:
+        epoch, batch = record["position"]
+        if (batches.epoch, batches.batch) != (epoch, batch):
+            batches.load_state_dict({**state.data, "epoch": epoch, "batch": batch, "rank": rank})
+        restored.append((record["step"], next(batches), (epoch, batch), Rollout.from_file(record["rollout"])))
+    if position is not None and (batches.epoch, batches.batch) != (position["epoch"], position["batch"]):
+        batches.load_state_dict(position)
+    return restored
 
 
 # ---- the files of a checkpoint ---------------------------------------------------------------------
@@ -166,6 +197,7 @@ def save_training_checkpoint(
     background: bool = False,
     keep_last: int | None = None,
     extra_files: dict[str, object] | None = None,
+    rank_files: dict[str, object] | None = None,
     save_shards: Callable[[Path], None] | None = None,
 ) -> PendingSave:
     """Write a complete checkpoint of a run atomically (mmgrpo/training/checkpoint.py).
@@ -178,6 +210,7 @@ def save_training_checkpoint(
         write them in a thread; `wait()` the result before exiting (mmgrpo/training/checkpoint.py).
     extra_files: more files for rank 0 to write, by name: a str is written as text, anything else
         with torch.save (tensors only, so it loads with weights_only=True).
+    rank_files: files this rank writes (each rank its own names), with torch.save.
     world_size > 1: every rank calls this with `any_rank` (`strategy.any_rank`: True everywhere if
         True on any; it is also the barrier); each writes its RNG file, rank 0 the rest and the
         marker, in the foreground. `save_shards(folder)`, a collective every rank calls, writes the
@@ -198,10 +231,12 @@ def save_training_checkpoint(
         if world_size > 1:
             raise CheckpointError("background checkpoint saving is for one process; save in the foreground under torchrun.")
         state_dict, optimizer_state, scheduler_state = snapshot(state_dict), snapshot(optimizer_state), snapshot(scheduler_state)
-        extra_files = snapshot(extra_files)
+        extra_files, rank_files = snapshot(extra_files), snapshot(rank_files)
 
     def write_rank_files(folder: Path) -> None:
         torch.save(rng, folder / rng_file(rank))
+        for name, content in (rank_files or {}).items():
+            torch.save(content, folder / name)
         if save_shards is not None:
             save_shards(folder)
 
@@ -324,7 +359,11 @@ def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_mod
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        from mmgrpo.fusion.attach import fusion_of, load_fusion_weights
+
         set_peft_model_state_dict(peft_model, load_file(str(path / "adapter_model.safetensors")))
+        if fusion_of(model) is not None:  # LoRA with fusion modules: theirs too
+            load_fusion_weights(fusion_of(model), path)
         return
     from mmgrpo.models.loading import load_model
 

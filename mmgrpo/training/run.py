@@ -13,6 +13,7 @@ afterwards; what changes while training is in `TrainState`.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mmgrpo.data.registry import mix_datasets
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy
+from mmgrpo.fusion.attach import bypassed, fusion_of
 from mmgrpo.grpo.losses import LossConfig
 from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.saving import save_model_folder
@@ -165,6 +167,24 @@ def check_completion_budgets(cfg: TrainConfig, dataset, context: int | None) -> 
         )
 
 
+def reference_scope(model, peft_model):
+    """How the policy's own forward becomes the reference's, where no copy is kept (None: a copy is
+    needed): LoRA disables its adapters, fresh fusion modules are bypassed (their gates add 0 at the
+    start), both together for LoRA with fusion modules."""
+    fusion = fusion_of(model)
+    if fusion is not None and fusion.trained:  # modules trained before this run: the start is not the base
+        return None
+    if peft_model is None and fusion is None:
+        return None
+
+    @contextmanager
+    def scope():
+        with (peft_model.disable_adapter() if peft_model is not None else nullcontext()), bypassed(model):
+            yield
+
+    return scope
+
+
 def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     """The run of a validated config (`cfg.validate()`, which `engine.train` calls first).
     resume_from: a checkpoint whose weights the policy takes (mmgrpo/training/resume.py); the
@@ -179,8 +199,15 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         torch.set_num_threads(cfg.torch_threads)
     strategy = build_strategy(cfg)  # process group up (torchrun), device and precision picked
     model, peft_model = load_trainable_model(cfg, path, template, strategy, cfg.seed)
-    ref_model = None  # with LoRA the reference is the base: the policy with its adapters disabled
-    if cfg.algo.beta > 0 and cfg.model.train_type == "full":
+    if cfg.rollout.use_vllm and fusion_of(model) is not None:
+        raise ConfigError(
+            f"--model {cfg.model.model} holds fusion modules and --use_vllm runs the model's stock architecture "
+            "without them: drop --use_vllm (the in-process engines run the modules)."
+        )
+    # LoRA / fresh fusion modules: the reference is the base, the policy with its adapters or modules off
+    without_training = reference_scope(model, peft_model) if cfg.model.train_type != "full" else None
+    ref_model = None
+    if cfg.algo.beta > 0 and without_training is None:
         ref_model = reference_copy(model, bf16=strategy.bf16, share_frozen=not strategy.sharded)
     if resume_from is not None:  # after the reference copy, before sharding
         restore_weights(model, resume_from, peft_model=peft_model, template=template)
@@ -189,17 +216,17 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     if strategy.is_main:  # a disk too small for the checkpoints the run keeps: said now, not at the first save
         warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None),
                       checkpoints_kept(cfg, steps))
-    prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim))  # FSDP2 / ZeRO-3 shard, then the optimizer
+    # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
+    prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
     policy = Policy(
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
-        ref_model=ref_model, ref_call=prepared.ref_call,
-        disable_adapters=peft_model.disable_adapter if peft_model is not None else None,
+        ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
     )
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
     rollout = build_rollout_engine(
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
-        asynchronous=cfg.rollout.async_generate, peft_model=peft_model,
+        asynchronous=cfg.rollout.staleness_bound > 0, peft_model=peft_model,
         vllm=(cfg, str(path)) if cfg.rollout.use_vllm else None,  # --use_vllm: vLLM loads `path` itself, then syncs
         max_turns=cfg.rollout.max_turns, tools=cfg.rollout.tools, tool_timeout=cfg.rollout.tool_timeout,
     )

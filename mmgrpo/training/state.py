@@ -43,8 +43,8 @@ class TrainState:
     """The prompt stream's position (`mmgrpo.data.pipeline.PromptStream.state_dict()`)."""
     model: str | None = None
     """The starting --model: the KL reference, which a resumed run must share."""
-    rollout_in_flight: bool = False
-    """--async_generate: the next step's rollout is saved beside the state (mmgrpo/training/resume.py)."""
+    rollout_in_flight: int = 0
+    """Asynchronous training: how many rollouts for the next steps are saved beside the state (mmgrpo/training/resume.py)."""
     world_size: int = 1
     """Ranks that wrote the checkpoint; a resume needs as many."""
     flags: dict = field(default_factory=dict)
