@@ -16,7 +16,7 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.training.checkpoint import save_atomically
 from mmgrpo.training.optim import make_scheduler
 from mmgrpo.training.resume import STATE_FILE
-from mmgrpo.training.resume_flags import NOT_COMPARED, OPERATIONAL, REFUSED, SCHEDULE
+from mmgrpo.training.resume_flags import NOT_COMPARED, OPERATIONAL, REFUSED, SCHEDULE, STALENESS, group_peaks, retarget_schedule
 from mmgrpo.training.state import TrainState
 
 BASE = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "vqa_accuracy", "answer_format",
@@ -30,15 +30,15 @@ def config(out, *flags):
 
 def test_every_flag_is_refused_allowed_or_not_compared():
     names = [path[-1] for path, _, _ in _leaves(TrainConfig)]
-    kinds = [set(REFUSED), set(SCHEDULE), set(OPERATIONAL), set(NOT_COMPARED)]
+    kinds = [set(REFUSED), set(SCHEDULE), set(STALENESS), set(OPERATIONAL), set(NOT_COMPARED)]
     unclassified = [name for name in names if not any(name in kind for kind in kinds)]
     assert not unclassified, f"classify these flags in mmgrpo/training/resume_flags.py: {unclassified}"
     assert sum(len(kind) for kind in kinds) == len(set().union(*kinds))  # each in one kind only
 
 
-def checkpoint_of(out, *flags, step=4):
+def checkpoint_of(out, *flags, step=4, in_flight=0):
     """A complete checkpoint whose run had these flags (what preflight and validate read of it)."""
-    state = TrainState(step=step, flags=config(out, *flags).to_dict())
+    state = TrainState(step=step, flags=config(out, *flags).to_dict(), rollout_in_flight=in_flight)
     save_atomically(out / f"checkpoint-{step}", lambda d: (d / STATE_FILE).write_text(json.dumps(state.__dict__)))
 
 
@@ -67,6 +67,37 @@ def test_max_steps_below_the_checkpoint_is_refused(tmp_path):
     checkpoint_of(tmp_path, "--max_steps", "12", step=8)
     with pytest.raises(ConfigError, match=r"--max_steps 6: the checkpoint .*checkpoint-8 is at step 8, past it"):
         config(tmp_path, "--resume_from_checkpoint", "latest", "--max_steps", "6").validate()
+
+
+def test_a_component_rate_given_or_dropped_is_refused_and_a_new_one_is_allowed(tmp_path):
+    checkpoint_of(tmp_path)
+    with pytest.raises(ConfigError, match=r"--vit_lr None -> 0.0001: the optimizer's parameter groups would differ"):
+        config(tmp_path, "--resume_from_checkpoint", "latest", "--vit_lr", "1e-4").validate()
+    checkpoint_of(tmp_path / "vit", "--vit_lr", "1e-4")
+    config(tmp_path / "vit", "--resume_from_checkpoint", "latest", "--vit_lr", "5e-5").validate()  # the schedule's rule
+
+
+def test_a_synchronous_resume_of_rollouts_in_flight_is_refused_and_another_k_allowed(tmp_path):
+    checkpoint_of(tmp_path, "--max_staleness", "2", in_flight=2)
+    with pytest.raises(ConfigError, match=r"saved by asynchronous training with 2 rollout\(s\) in flight; resume with "
+                                          r"--max_staleness 2"):
+        config(tmp_path, "--resume_from_checkpoint", "latest").validate()
+    for k in ("1", "3"):  # a smaller K generates the rollouts too stale again (tests/test_async.py)
+        config(tmp_path, "--resume_from_checkpoint", "latest", "--max_staleness", k).validate()
+
+
+def test_a_new_learning_rate_moves_its_groups_and_leaves_a_component_rate_alone():
+    import torch
+
+    params = [torch.zeros(1, requires_grad=True) for _ in range(2)]
+    optimizer = torch.optim.AdamW([{"name": "llm", "params": [params[0]], "lr": 1e-3},
+                                   {"name": "vit", "params": [params[1]], "lr": 1e-4}])
+    scheduler = make_scheduler(config("x", "--lr_scheduler_type", "constant").optim, optimizer, total_steps=8)
+    old = {"learning_rate": 1e-3, "vit_lr": 1e-4, "aligner_lr": None, "fusion_lr": None}
+    new = {**old, "learning_rate": 5e-4}
+    assert group_peaks(optimizer, old) == [1e-3, 1e-4] and group_peaks(optimizer, new) == [5e-4, 1e-4]
+    assert retarget_schedule(optimizer, scheduler, group_peaks(optimizer, old), group_peaks(optimizer, new)) == [5e-4, 1e-4]
+    assert [g["lr"] for g in optimizer.param_groups] == [5e-4, 1e-4]
 
 
 def rates(out):

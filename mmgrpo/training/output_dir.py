@@ -147,8 +147,9 @@ def _resume_plan(out: Path, resume: str, cfg) -> OutputPlan:
         )
     if state.flags:  # the flags the run may not change, and one line for each it may (mmgrpo/training/resume_flags.py)
         changes = flag_changes(state.flags, cfg.to_dict())
-        check_changes(changes, path, state.step)
-        for line in allowed_lines(changes, state.step):
+        staleness = cfg.rollout.staleness_bound
+        check_changes(changes, path, state.step, in_flight=int(state.rollout_in_flight or 0), staleness=staleness)
+        for line in allowed_lines(changes, state.step, staleness):
             print(f"mmgrpo: {line}", file=sys.stderr, flush=True)
     else:
         print(f"mmgrpo: resume: {path} records no flags (saved by an earlier mmgrpo): this run's are taken unchecked",
