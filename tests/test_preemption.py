@@ -19,7 +19,7 @@ import pytest
 from mmgrpo.training.checkpoint import check_checkpoint, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
 
@@ -147,4 +147,26 @@ def test_under_torchrun_every_rank_saves_the_same_step_and_the_resume_is_exact(t
     lines = [line for line in stderr.splitlines() if line.startswith("mmgrpo train: ")]
     assert lines == ["mmgrpo train: rank 0 of 2: " + resume_line(out, step).removeprefix("mmgrpo train: ")], stderr[-3000:]
     finish(torchrun(out, "--resume_from_checkpoint", "latest"))
+    assert metrics(out) == expected
+
+
+def test_a_signal_to_an_asynchronous_run_saves_its_rollouts_in_flight_and_the_resume_is_exact(tmp_path):
+    """--max_staleness 2: the stop's checkpoint holds the completions already asked for the next two
+    steps (sampled on earlier weights, which no checkpoint holds); the resumed run trains on them as
+    the uninterrupted run does."""
+    asynchronous = ("--max_staleness", "2")
+    finish(start(tmp_path, tmp_path / "whole", *asynchronous, workers=0))
+    expected = metrics(tmp_path / "whole")
+    assert [row["rollout/staleness"] for row in expected][:4] == [0, 1, 2, 2]
+    out = tmp_path / "run"
+    process = start(tmp_path, out, *asynchronous, workers=0)
+    wait_for(process, lambda: steps_logged(out) >= 2)
+    os.killpg(process.pid, signal.SIGTERM)
+    stderr = finish(process, code=75)
+    step = steps_logged(out)
+    assert 3 <= step < 8 and stderr.strip().splitlines()[-1] == resume_line(out, step)
+    checkpoint = out / f"checkpoint-{step}"
+    assert json.loads((checkpoint / "training_state.json").read_text())["rollout_in_flight"] == min(2, 8 - step)
+    assert (checkpoint / "rollouts_in_flight_0.pt").is_file()
+    finish(start(tmp_path, out, *asynchronous, "--resume_from_checkpoint", "latest", workers=0))
     assert metrics(out) == expected

@@ -16,7 +16,15 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.training.checkpoint import save_atomically
 from mmgrpo.training.optim import make_scheduler
 from mmgrpo.training.resume import STATE_FILE
-from mmgrpo.training.resume_flags import NOT_COMPARED, OPERATIONAL, REFUSED, SCHEDULE, STALENESS, group_peaks, retarget_schedule
+from mmgrpo.training.resume_flags import (
+    NOT_COMPARED,
+    OPERATIONAL,
+    REFUSED,
+    SCHEDULE,
+    STALENESS,
+    group_peaks,
+    retarget_schedule,
+)
 from mmgrpo.training.state import TrainState
 
 BASE = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "vqa_accuracy", "answer_format",
