@@ -44,7 +44,8 @@ SMOKE = {
                             "--max_completion_length", "8", "--sft_model", "tiny:qwen2-vl",
                             "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
 }
-ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "cuda_check.py": "a GPU (its own --dry_run_on_cpu)"}
+ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "cuda_check.py": "a GPU (its own --dry_run_on_cpu)",
+             "soak.py": "tests/test_soak.py (its --smoke, with the samples and the slope checked)"}
 
 
 def run_script(script: str, args: list[str], tmp_path: Path, python: str = sys.executable) -> str:
