@@ -127,12 +127,19 @@ def check_resume_flags(cfg) -> None:
     ConfigError naming every refused change. The checkpoint not found or unreadable is left to
     preflight (mmgrpo/training/output_dir.py), which names it; a checkpoint that records no flags
     (an earlier mmgrpo) is not compared."""
+    from mmgrpo.parallel.launch import env_rank
     from mmgrpo.training.checkpoint import checkpoint_problem, list_checkpoints
     from mmgrpo.training.resume import STATE_FILE
+    from mmgrpo.training.run_lock import in_use_error, live_holder
 
     resume = cfg.resume_from_checkpoint
     if not resume:
         return
+    holder = live_holder(cfg.output_dir)
+    if holder is not None:  # a live run there is what a second run hears about, whatever its flags
+        if env_rank() == 0:
+            raise in_use_error(cfg.output_dir, holder)
+        return  # another rank: the holder may be this job's rank 0, which decides
     if resume == "latest":
         found = list_checkpoints(Path(cfg.output_dir).expanduser(), warn=False)
         path = found[-1] if found else None

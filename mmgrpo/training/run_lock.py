@@ -103,6 +103,39 @@ def read_holder(folder: str | os.PathLike) -> dict:
         return {}
 
 
+def live_holder(folder: str | os.PathLike) -> dict | None:
+    """Who holds the folder's lock, if another live process does (read only: nothing is taken or
+    written); None when the folder is free or this process holds it. For checks that read the
+    folder before `acquire` (a resumed run's flags), so that a live run there is what they name."""
+    path = Path(folder).expanduser().resolve() / LOCK_FILE
+    if path in _HELD or not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        holder = _read(fd)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # no one holds it (dropped as fd closes: we held none)
+            return None
+        except OSError as err:
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                return holder
+            if err.errno not in NO_RECORD_LOCKS:
+                return None  # acquire names what is wrong with the file
+        alive = holder.get("pid") not in (None, os.getpid()) and (
+            holder.get("host") != _host() or _alive(int(holder.get("pid", 0))))
+        return holder if alive else None
+    finally:
+        os.close(fd)
+
+
+def in_use_error(folder: str | os.PathLike, holder: dict) -> ConfigError:
+    """The one-line refusal `acquire` gives for a folder that `holder` holds."""
+    return ConfigError(_refusal(Path(folder).expanduser().resolve() / LOCK_FILE, holder))
+
+
 @atexit.register
 def _release_all() -> None:
     """A run that ended by an error before its own release: its lock file goes with the process."""
