@@ -113,7 +113,8 @@ def save_atomically(
         except BaseException as err:  # noqa: B036 (a KeyboardInterrupt also leaves no staging folder)
             written, free = staged_bytes(staging), shutil.disk_usage(path.parent).free  # before the partial save goes
             shutil.rmtree(staging, ignore_errors=True)
-            pending.error = disk_full_error(err, path, needed_bytes or written, written, free) or err
+            kept = [p.name for p in list_checkpoints(path.parent, warn=False)]
+            pending.error = disk_full_error(err, path, needed_bytes or written, kept, written, free) or err
         finally:
             pending.seconds = time.perf_counter() - start
 

@@ -3,7 +3,7 @@ checkpoints the run keeps, and a disk that fills up during a save named in one l
 
     needed = checkpoint_bytes(model, trainable_only=False)     # weights + AdamW's two moments, in bytes
     warn_if_short(out, needed, kept=checkpoints_kept(cfg, total_steps))   # one line on stderr, or nothing
-    error = disk_full_error(err, path, needed)                 # a CheckpointError, or None for another error
+    error = disk_full_error(err, path, needed, kept_names)     # a CheckpointError, or None for another error
 
 The estimate is what a checkpoint writes: the saved weights (fp32 as trained; LoRA: the adapters),
 AdamW's two moments of every weight that trains, and small files. The warning compares the free
@@ -94,10 +94,11 @@ def is_disk_full(err: BaseException) -> bool:
     return False
 
 
-def disk_full_error(err: BaseException, path: Path, needed: int, written: int = 0, free: int | None = None
-                    ) -> CheckpointError | None:
+def disk_full_error(err: BaseException, path: Path, needed: int, kept: list[str], written: int = 0,
+                    free: int | None = None) -> CheckpointError | None:
     """A one-line CheckpointError for a save of `path` that failed on a full disk (None otherwise):
-    the folder, the free space, the bytes the checkpoint needs and the checkpoints that are kept.
+    the folder, the free space, the bytes the checkpoint needs and the checkpoints that are kept
+    (`kept`: their names, listed by the caller after the partial save is removed).
 
     Full: the error says so, or, at the failure (`free`, measured before the partial save is
     removed), less space was left than the `needed - written` bytes still to write: torch's writer
@@ -105,10 +106,7 @@ def disk_full_error(err: BaseException, path: Path, needed: int, written: int = 
     Call it after the partial save is removed."""
     if not (is_disk_full(err) or (free is not None and free < max(needed - written, SMALL_FILES))):
         return None
-    from mmgrpo.training.checkpoint import list_checkpoints
-
     folder = Path(path).parent
-    kept = [p.name for p in list_checkpoints(folder, warn=False)]
     free = shutil.disk_usage(folder).free
     return CheckpointError(
         f"not saving {path.name}: the disk of {folder} is full ({human(free)} free; this checkpoint needs about "

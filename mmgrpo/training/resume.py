@@ -51,6 +51,7 @@ from mmgrpo.training.checkpoint import (
     PendingSave,
     check_checkpoint,
     commit,
+    list_checkpoints,
     prepare_staging,
     rotate_checkpoints,
     save_atomically,
@@ -58,9 +59,8 @@ from mmgrpo.training.checkpoint import (
 )
 from mmgrpo.training.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
 from mmgrpo.training.resume_flags import apply_resume_changes
-from mmgrpo.training.state import TrainState, capture_rng, restore_rng
+from mmgrpo.training.state import STATE_FILE, TrainState, capture_rng, restore_rng
 
-STATE_FILE = "training_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: output_dir.restore_step_log
@@ -275,7 +275,8 @@ def save_training_checkpoint(
         except BaseException as err:
             written, free = staged_bytes(folder), shutil.disk_usage(folder.parent).free  # before the partial save goes
             shutil.rmtree(folder, ignore_errors=True)
-            full = disk_full_error(err, path, needed, written, free)  # one line: the folder, the bytes, what is kept
+            kept = [p.name for p in list_checkpoints(path.parent, warn=False)]
+            full = disk_full_error(err, path, needed, kept, written, free)  # one line: the folder, the bytes, what is kept
             if full is not None:
                 raise full from None
             raise

@@ -129,8 +129,8 @@ def check_resume_flags(cfg) -> None:
     (an earlier mmgrpo) is not compared."""
     from mmgrpo.parallel.launch import env_rank
     from mmgrpo.training.checkpoint import checkpoint_problem, list_checkpoints
-    from mmgrpo.training.resume import STATE_FILE
     from mmgrpo.training.run_lock import in_use_error, live_holder
+    from mmgrpo.training.state import STATE_FILE
 
     resume = cfg.resume_from_checkpoint
     if not resume:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+STATE_FILE = "training_state.json"  # a checkpoint's TrainState (mmgrpo/training/resume.py writes it)
+
 
 @dataclass
 class TrainState:
