@@ -12,11 +12,13 @@
     mmgrpo datasets
     mmgrpo demo
 
-`mmgrpo <command> --help` explains each. Errors about input print one line and exit 2.
+`mmgrpo <command> --help` explains each. Errors about input print one line and exit 2; a run stopped by
+SIGTERM / SIGUSR1 saves a checkpoint, prints how to resume and exits 75.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -145,7 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         globals()[f"cmd_{command.replace('-', '_')}"](rest)
     except MMGRPOError as exc:
-        print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2)  # 75: stopped on a signal after a checkpoint (mmgrpo/training/preemption.py)
+        if code == 2:
+            print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
+        elif os.environ.get("RANK", "0") == "0":  # one line for the whole run
+            print(f"mmgrpo {command}: {exc}", file=sys.stderr)
+    except OSError as exc:  # a log or file a run writes when the disk fills up (a checkpoint's save says more)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"mmgrpo {command}: error: no space left writing {exc.filename or 'a file'}: free space on its disk, "
+              "then run again (a training run: with --resume_from_checkpoint latest)", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         print(f"mmgrpo {command}: interrupted", file=sys.stderr)

@@ -54,7 +54,8 @@ SMOKE = {
 }
 ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "weight_sync.py": "tests/test_vllm_weight_sync_benchmark.py",
              "cuda_check.py": "a GPU (its own --dry_run_on_cpu)",
-             "gpu_suite.py": "tests/test_benchmark_gpu_suite.py (its --dry_run_on_cpu; the report's figures checked)"}
+             "gpu_suite.py": "tests/test_benchmark_gpu_suite.py (its --dry_run_on_cpu; the report's figures checked)",
+             "soak.py": "tests/test_soak.py (its --smoke, with the samples and the slope checked)"}
 
 
 def run_script(script: str, args: list[str], tmp_path: Path, python: str = sys.executable) -> str:

@@ -111,6 +111,8 @@ def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
     sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval", "dist")}
     out = {}
     for key, value in (data or {}).items():
+        if key == "resumed":  # a run's config.yaml: its history of resumes, not an option
+            continue
         if key in sections and isinstance(value, dict):
             for sub, sub_value in value.items():
                 if sub not in by_name:

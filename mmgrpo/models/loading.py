@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from mmgrpo.errors import ConfigError
+from mmgrpo.errors import CheckpointError, ConfigError
 from mmgrpo.models.integrity import check_model_folder
 from mmgrpo.models.tiny import built_model_family, resolve_model_path
 
@@ -57,7 +57,10 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     model_class, config, extra = (template or Template).model_class(saved)
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
         extra = {**extra, "config": config}
-    model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    try:
+        model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    except OSError as err:  # a file transformers looks for and cannot read: one line naming the folder
+        raise CheckpointError(f"model {name_or_path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     attach_saved_fusion(model, path, template)
     return model
 
