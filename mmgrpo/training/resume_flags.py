@@ -41,7 +41,7 @@ OPERATIONAL = (
     "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
     "vllm_kv_cache_memory_bytes", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
     "vllm_weight_transfer", "vllm_weight_bucket_mb", "vllm_group_host", "vllm_group_port",
-    "save_on_signal",
+    "save_on_signal", "save_strategy",
 )
 STALENESS = ("max_staleness", "async_generate")
 GROUP_RATES = ("vit_lr", "aligner_lr", "fusion_lr")  # the schedule's, each its parameter group's peak
@@ -50,7 +50,7 @@ REFUSED = (
     "model", "model_type", "max_pixels", "min_pixels", "video_fps", "video_nframes", "use_audio_in_video", "template_plugin",
     "train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "freeze_vit", "freeze_aligner", "freeze_llm",
     "dataset", "dataset_registry", "split",
-    "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "mask_truncated_completions",
+    "num_generations", "max_completion_length", "suppress_eos", "temperature", "top_p", "top_k", "mask_truncated_completions",
     "max_turns", "tools", "dynamic_sample", "max_resample_times", "first_stage_generations",
     "use_vllm", "vllm_mode",
     "reward_funcs", "reward_weights", "reward_model", "judge_model", "judge_model_type", "judge_prompt", "judge_parse",
