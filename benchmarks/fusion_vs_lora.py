@@ -38,7 +38,7 @@ GRPO_FLAGS = [
     "--model_type", "qwen2-vl", "--dataset", "shapes-color:3", "shapes-count:1", "shapes-ground-hits:1",
     "--num_generations", "4", "--max_completion_length", "40", "--temperature", "1.0", "--beta", "0.2",
     "--loss_type", "dapo", "--max_tokens_per_microbatch", "1024", "--lr_scheduler_type", "constant",
-    "--per_device_train_batch_size", "256", "--logging_steps", "10", "--report_to", "none", "--torch_threads", "1",
+    "--logging_steps", "10", "--report_to", "none", "--torch_threads", "1",
 ]
 
 
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sft_model", required=True, help="the SFT checkpoint every run starts from")
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=150, help="GRPO steps of every run")
+    p.add_argument("--prompts_per_step", type=int, default=64, help="prompts of every step, each with G = 4 (the demo's 64)")
     p.add_argument("--learning_rate", type=float, default=1e-3, help="constant rate of both arms")
     p.add_argument("--fusion_module", default="gated_xattn")
     p.add_argument("--fusion_layers", default="0", help="decoder layers of the fusion arm's modules")
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                 if not (final / "checkpoint_complete.json").is_file():
                     print(f"{arm} seed {seed}: GRPO, {args.steps} steps", flush=True)
                     run(mmgrpo("train", "--model", args.sft_model, *GRPO_FLAGS, *arm_flags(arm, args),
+                               "--per_device_train_batch_size", str(4 * args.prompts_per_step),
                                "--learning_rate", str(args.learning_rate), "--max_steps", str(args.steps),
                                "--seed", str(seed), "--fusion_probe_steps", str(args.probe_steps),
                                "--output_dir", str(run_dir), "--overwrite_output_dir"), work / f"{arm}-seed{seed}.log")

@@ -22,8 +22,6 @@ pytestmark = pytest.mark.slow
 # script -> (arguments at tiny settings, a text or texts its output must contain). {tmp} is a fresh folder.
 SMOKE = {
     "answer_distribution.py": (["--model", "tiny:qwen2-vl", "--limit", "4"], ""),
-    "async_rollout.py": (["--repeats", "1", "--steps", "1", "--warmup", "0", "--num_generations", "2", "--prompts", "1",
-                          "--max_completion_length", "4", "--image_size", "56"], ""),
     "checkpoint_stall.py": (["--sizes", "tiny", "--repeats", "1", "--steps", "2"], ""),
     "data_workers.py": (["--steps", "3", "--skip", "1", "--pairs", "1"], ""),
     "entropy_kernel.py": (["cpu"], ""),
@@ -49,12 +47,13 @@ SMOKE = {
                             "--max_completion_length", "8", "--sft_model", "tiny:qwen2-vl",
                             "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
     "fusion_probe_cost.py": (["--steps", "2", "--rows", "2"], ""),
-    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--seeds", "0", "--steps", "1", "--probe_steps", "1",
+    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--seeds", "0", "--steps", "1", "--probe_steps", "1", "--prompts_per_step", "4",
                            "--eval_limit", "2", "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
 }
 ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "weight_sync.py": "tests/test_vllm_weight_sync_benchmark.py",
              "cuda_check.py": "a GPU (its own --dry_run_on_cpu)",
              "gpu_suite.py": "tests/test_benchmark_gpu_suite.py (its --dry_run_on_cpu; the report's figures checked)",
+             "async_rollout.py": "tests/test_async.py (its --smoke, each mode's staleness checked)",
              "soak.py": "tests/test_soak.py (its --smoke, with the samples and the slope checked)"}
 
 
