@@ -1,5 +1,5 @@
 """How long a checkpoint save stalls training: written in the foreground, or copied and written by a
-background thread (mmgrpo/train_state.py, `background=True`).
+background thread (mmgrpo/training/state.py, `background=True`).
 
     python benchmarks/checkpoint_stall.py                      # tiny and ~100M-parameter Qwen2-VL, ~3 minutes
     python benchmarks/checkpoint_stall.py --sizes tiny --repeats 5
@@ -28,7 +28,8 @@ import torch
 
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
-from mmgrpo.train_state import TrainingState, save_training_checkpoint
+from mmgrpo.training.resume import save_training_checkpoint
+from mmgrpo.training.state import TrainState
 
 SIZES = {  # build_tiny overrides
     "tiny": {},
@@ -53,7 +54,7 @@ def timed(mode, model, processor, optimizer, ids, steps, folder: Path) -> dict:
             start = time.perf_counter()
             state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             pending = save_training_checkpoint(folder / "checkpoint-1", model=model, processor=processor,
-                                               state_dict=state_dict, optimizer=optimizer, state=TrainingState(step=1),
+                                               state_dict=state_dict, optimizer=optimizer, state=TrainState(step=1),
                                                background=mode == "background")
             call = time.perf_counter() - start
     if pending is not None:

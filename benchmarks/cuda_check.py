@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures
 STEPS, SAVE_AT = 8, 4
 
 

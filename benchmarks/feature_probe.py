@@ -22,7 +22,7 @@ import torch
 
 from mmgrpo.data.registry import resolve_dataset
 from mmgrpo.models.loading import load_model, load_template
-from mmgrpo.runlog import console, progress_bar
+from mmgrpo.training.runlog import console, progress_bar
 
 
 def label_of(solution) -> str:

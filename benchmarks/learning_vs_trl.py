@@ -17,7 +17,9 @@ Results and how to read them: docs/benchmarks.md, "Time to accuracy against TRL"
    temperature 1, completion cap, the same prompt token ids (system turn, image first, checked),
    the same suppressed placeholder tokens, and data loading in the training process. A checkpoint
    is saved every --save_every steps; the training seconds at each (wall clock since the first
-   step began, the seconds spent saving removed) and the CPU seconds are recorded.
+   step began, the seconds spent saving removed) and the CPU seconds are recorded: mmgrpo's from
+   the per-step metrics it logs (time/step, time/save, cpu/step_s; the milliseconds between two
+   steps spent writing the log line are not counted), TRL's by a clock around its trainer.
 3. Every checkpoint of both systems is evaluated afterwards by the same code (`mmgrpo eval`'s:
    greedy, --eval_limit held-out test samples), so evaluation time never counts as training.
 4. Per task, the medians over seeds of: the training seconds to reach --target (linear between
@@ -125,7 +127,7 @@ def worker_env() -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# Training clock, the same in both workers
+# TRL's training clock (mmgrpo's comes from its metrics.jsonl)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -170,11 +172,12 @@ def common_settings(spec: dict) -> dict:
 
 
 def run_mmgrpo(spec: dict) -> dict:
+    """`mmgrpo train` as a user runs it; its clock is read from the per-step metrics it logs
+    (time/step, time/save and cpu/step_s of each line of metrics.jsonl)."""
     import torch
 
-    import mmgrpo.engine as engine
     from mmgrpo.config import TrainConfig
-    from mmgrpo.setup import Run
+    from mmgrpo.engine import train
 
     torch.set_num_threads(1)
     cfg = TrainConfig.from_args([
@@ -190,25 +193,19 @@ def run_mmgrpo(spec: dict) -> dict:
         "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
         "--log_completions", "0", "--report_to", "none", "--seed", str(spec["seed"]),
     ])
-    clock = TrainingClock()
-    build_run, grpo_step = engine.build_run, engine.grpo_step
-
-    def build_and_start(cfg, *args, **kwargs):
-        run = build_run(cfg, *args, **kwargs)
-        clock.start()  # models loaded; as TRL's clock, which starts when trainer.train() begins
-        return run
-
-    def timed_step(run, prompts, step, *args, **kwargs):
-        metrics, records = grpo_step(run, prompts, step, *args, **kwargs)
-        clock.step_end(step, reward=float(metrics["reward"]), frac_reward_zero_std=float(metrics["frac_reward_zero_std"]),
-                       completion_length=float(metrics["completion_length"]))
-        return metrics, records
-
-    engine.build_run, engine.grpo_step = build_and_start, timed_step
-    Run.save = clock.timed_save(Run.save)
-    engine.train(cfg)
-    checkpoints = {int(p.name.split("-")[1]): str(p) for p in Path(spec["out"]).glob("checkpoint-*")}
-    return {"points": clock.points, "checkpoints": checkpoints, "peak_rss_mb": peak_rss_mb()}
+    out = train(cfg)
+    points, train_s, train_cpu_s = [], 0.0, 0.0
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        metrics = json.loads(line)
+        # a step's seconds from its start to its end, the seconds spent saving removed (as TRL's clock,
+        # which starts when trainer.train() begins: models loaded)
+        train_s += metrics["time/step"] - metrics["time/save"]
+        train_cpu_s += metrics["cpu/step_s"] - metrics["time/save"]  # a save is mostly the main thread's writing
+        points.append({"step": metrics["step"], "train_s": train_s, "train_cpu_s": train_cpu_s,
+                       "reward": metrics["reward"], "frac_reward_zero_std": metrics["frac_reward_zero_std"],
+                       "completion_length": metrics["completion_length"]})
+    checkpoints = {int(p.name.split("-")[1]): str(p) for p in out.glob("checkpoint-*")}
+    return {"points": points, "checkpoints": checkpoints, "peak_rss_mb": peak_rss_mb()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args._result).write_text(json.dumps(result))
         return
 
-    from mmgrpo.runlog import console, progress_bar
+    from mmgrpo.training.runlog import console, progress_bar
 
     if args.summarize:
         summarize_work_dir(args)

@@ -17,6 +17,7 @@ CPU seconds. (That both give the same loss and gradients is tests/test_batching.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import random
 import statistics
@@ -27,11 +28,12 @@ import PIL.Image
 import torch
 
 from mmgrpo.config import TrainConfig
+from mmgrpo.data.pipeline import PromptEncoder
 from mmgrpo.data.schema import normalize_row
 from mmgrpo.engine import grpo_step
 from mmgrpo.models.tiny import build_tiny
-from mmgrpo.rollout.base import Rollout
-from mmgrpo.setup import PromptEncoder, build_run
+from mmgrpo.rollout.base import Rollout, RolloutEngine
+from mmgrpo.training.run import build_run
 
 
 def long_tail_lengths(num_prompts: int, group: int, seed: int = 0) -> list[int]:
@@ -39,17 +41,14 @@ def long_tail_lengths(num_prompts: int, group: int, seed: int = 0) -> list[int]:
     return [rng.randint(150, 256) if p % 4 == 1 else rng.randint(16, 64) for p in range(num_prompts) for _ in range(group)]
 
 
-class FixedEngine:
+class FixedEngine(RolloutEngine):
     """A rollout engine that returns the same completions every time (the forwards are measured)."""
 
     def __init__(self, rollout):
         self.rollout = rollout
 
     def generate(self, prompts, sampling):
-        return self.rollout
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        pass
+        return copy.copy(self.rollout)  # a fresh one to score each time
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ from mmgrpo.models.loading import load_model, load_template
 from mmgrpo.rewards import get_reward
 from mmgrpo.rollout import build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.runlog import progress_bar
+from mmgrpo.training.runlog import progress_bar
 
 
 def scores_of(scores):

@@ -35,7 +35,8 @@ COMMANDS = {
 
 def _usage() -> str:
     lines = [__doc__.strip().splitlines()[0], "", "commands:"]
-    lines += [f"  {name:<10}{text}" for name, text in COMMANDS.items()]
+    width = max(map(len, COMMANDS)) + 2
+    lines += [f"  {name:<{width}}{text}" for name, text in COMMANDS.items()]
     lines += ["", "Run `mmgrpo <command> --help` for its options."]
     return "\n".join(lines)
 
@@ -52,7 +53,7 @@ def cmd_train(argv):
 
 def cmd_sft(argv):
     from mmgrpo.config import SFTConfig
-    from mmgrpo.config_args import build_parser, config_from_namespace
+    from mmgrpo.config.flags import build_parser, config_from_namespace
     from mmgrpo.sft import sft
 
     parser = build_parser(SFTConfig, prog="mmgrpo sft")
@@ -61,7 +62,7 @@ def cmd_sft(argv):
 
 
 def cmd_export(argv):
-    from mmgrpo.lora import export_main
+    from mmgrpo.models.saving import export_main
 
     export_main(argv)
 

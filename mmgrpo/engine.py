@@ -3,51 +3,50 @@
     mmgrpo train --model tiny:qwen2-vl --dataset shapes-color \\
         --reward_funcs vqa_accuracy format --num_generations 4 --max_steps 3 --output_dir runs/try
 
-One step (`grpo_step`), each phase under a named timer logged as time/<phase>:
-    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous)
-    reward    every reward function on every completion, weighted sum
-    plan      the log-prob forwards' micro-batches, their prompts collated once
+One step, each phase under a named timer logged as time/<phase> (each phase timed once):
+    data      the next B prompts from the DataLoader workers          (the rollout pipeline, `next_batch`)
+    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous); async: the wait for them
+    reward    every reward function on every completion, weighted sum, written into the Rollout
+    resample  --dynamic_sample / --first_stage_generations: more rounds
+    plan      the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
     adv       advantages by --advantage_estimator, modality weights
+    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/fusion/probe.py)
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
-The loop (`train`) adds data (waiting for the next prompts), eval, save, and time/other: the
-rest of the step's wall time, so the time/* values add up to time/step.
+    eval, save                                                                    (the loop)
+time/other is the rest of the step's wall time, so the time/* values add up to time/step.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import random
 import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mmgrpo.checkpoint import wait_for_saves
 from mmgrpo.config import TrainConfig
-from mmgrpo.config_checks import parse_modality_weights
 from mmgrpo.data.schema import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import autocast
+from mmgrpo.fusion.probe import probe_step
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
-from mmgrpo.grpo.importance import sampling_importance_weights
-from mmgrpo.grpo.losses import LossConfig, policy_loss
-from mmgrpo.lora import rollout_weights
-from mmgrpo.preflight import preflight
-from mmgrpo.resume import resume_run, save_run
-from mmgrpo.rewards.columns import reward_columns
-from mmgrpo.rollout.base import Rollout
+from mmgrpo.grpo.importance import logp_gap_by_group, sampling_importance_weights
+from mmgrpo.grpo.losses import policy_loss
+from mmgrpo.rollout.base import Rollout, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
-from mmgrpo.rollout.sampling import step_seed
-from mmgrpo.rollout.step_sampling import complete_batch
-from mmgrpo.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
-from mmgrpo.setup import Run, TrainState, build_run
+from mmgrpo.rollout.rounds import score
+from mmgrpo.training.checkpoint import wait_for_saves
+from mmgrpo.training.optim import group_rates
+from mmgrpo.training.output_dir import preflight
+from mmgrpo.training.resume import resume_run, save_run
+from mmgrpo.training.run import Run, build_run
+from mmgrpo.training.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
+from mmgrpo.training.state import TrainState, deterministic_kernels, seed_everything
 
 
 class Timers:
@@ -65,31 +64,6 @@ class Timers:
             self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def deterministic_kernels(on: bool) -> None:
-    """--full_determinism: kernels that give the same result every time (before any CUDA work:
-    cuBLAS reads its workspace setting when its first handle is made). An op with no such kernel
-    warns once and stays as it is (warn_only), rather than stopping the run."""
-    if not on:
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-
-
-def loss_config(cfg: TrainConfig) -> LossConfig:
-    return LossConfig(
-        loss_type=cfg.algo.loss_type, epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, beta=cfg.algo.beta,
-        max_completion_length=cfg.rollout.max_completion_length,
-        importance_sampling_level=cfg.algo.importance_sampling_level, delta=cfg.algo.delta,
-    )
-
-
 def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, completion_mask: torch.Tensor):
     """The log-prob forwards' micro-batches (mmgrpo/grpo/batching.py) and their padding fraction."""
     prompt_lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
@@ -102,29 +76,26 @@ def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, com
     return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=shared_prefix)
 
 
-def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None, scored=None,
-              weights_rule=None) -> tuple[dict, list[dict]]:
-    """One GRPO step on B prompts (their completions: `rollout`, else generated now; their rewards:
-    `scored` = (per_func, rewards), else computed now; `weights_rule`: a DynamicWeights for
-    --dynamic_modality_weights). Returns (metrics, completion records for the log)."""
+def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None,
+              weights_rule: DynamicWeights | None = None) -> tuple[dict, list[dict]]:
+    """One GRPO step on B prompts: their completions `rollout` (generated now if None; scored now
+    if not scored yet, mmgrpo/rollout/rounds.py); `weights_rule` for --dynamic_modality_weights.
+    Returns (metrics, completion records for the log)."""
     cfg, policy, template = run.cfg, run.policy, run.template
     G = cfg.rollout.num_generations
-    timers = Timers()
+    timers = Timers()  # the phases this function runs; the loop times the others (data, rollout, reward ...)
     samples = [sample for sample, _ in prompts]
     encoded = [enc for _, enc in prompts]
     num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
-    with timers("rollout"):
-        if rollout is None:
-            with autocast(run.bf16, run.device):
-                rollout = run.rollout.generate(encoded, run.sampling(prompts))
-        completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
-        # multi-turn: rewards score each episode's last model turn (rollout.texts)
-        completions = rollout.texts if rollout.texts is not None else template.decode(completion_ids, completion_mask)
-
-    with timers("reward"):
-        columns = {**reward_columns(samples, encoded, template, G, completion_ids, completion_mask), **rollout.columns}
-        per_func, rewards = scored or run.rewards(completions, columns)  # [F, N] (NaN = skipped), [N]
+    if rollout is None:
+        with timers("rollout"), autocast(run.bf16, run.device):
+            rollout = run.rollout.generate(encoded, run.sampling(prompts))
+    if not rollout.scored:
+        with timers("reward"):
+            score(run, prompts, rollout)
+    completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
+    completions, per_func, rewards = rollout.texts, rollout.reward_per_func, rollout.rewards  # [N], [F, N], [N]
 
     with timers("plan"):
         # the model's own tokens: a multi-turn trajectory's tool turns are run by the forwards, never trained
@@ -141,7 +112,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
 
     # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
     # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
-    correct = (getattr(run.rollout, "separate_weights", False) and rollout.logps is not None
+    staleness = (step - 1) - rollout.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
+    correct = (run.rollout.separate_weights and rollout.logps is not None
                and cfg.algo.vllm_importance_sampling_correction)
     old_logps = ref_logps = is_weights = None
     sampling_metrics = {}
@@ -154,6 +126,9 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
                 cap=cfg.algo.vllm_importance_sampling_cap,
             )
             sampling_metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
+            if cfg.rollout.staleness_bound:  # asynchronous: how the gap grows with the steps a row lags
+                gaps = logp_gap_by_group(old_logps, rollout.logps.to(old_logps.device), model_mask, staleness)
+                sampling_metrics.update({f"staleness/logp_diff_mean_{k}": gap for k, gap in gaps.items()})
     if cfg.algo.beta > 0:
         with timers("ref"):
             ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
@@ -165,10 +140,9 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         estimator = get_advantage(cfg.algo.advantage_estimator)
         advantages, adv_stats = estimator(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
         advantages = advantages.to(completion_ids.device)
-        if cfg.algo.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
-            weights = parse_modality_weights(cfg.algo.modality_weights)
+        if run.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
             advantages = advantages * torch.tensor(
-                [weights.get(samples[i // G].modality, 1.0) for i in range(num_rows)], device=advantages.device
+                [run.modality_weights.get(samples[i // G].modality, 1.0) for i in range(num_rows)], device=advantages.device
             )
         if weights_rule is not None:  # --dynamic_modality_weights (mmgrpo/grpo/dynamic_weights.py)
             by_dataset = cfg.algo.dynamic_weights_by == "dataset"
@@ -177,6 +151,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             advantages = advantages * dynamic
 
     learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
+    group_lrs = group_rates(run.optimizer, run.scheduler)  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
+    probe_metrics = {}
+    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
+        with timers("probe"):
+            probe_metrics = probe_step(run, encoded, completion_ids, completion_mask, G)
     with timers("update"):
         loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
                                      advantages, old_logps, ref_logps, is_weights)
@@ -191,15 +170,19 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         "completion_length_max": float(lengths.max()),
         "clipped_ratio": float(rollout.truncated.float().mean()),
         "learning_rate": learning_rate,
+        **group_lrs,
+        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
         "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
         "micro_batches": len(micro),
-        # optimizer steps between the weights that sampled and the policy that trains on them
+        # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
         "rollout/staleness": (step - 1) - rollout.weight_version,
+        **staleness_shares(staleness, cfg.rollout.staleness_bound),
         **sampling_metrics,
         **weight_metrics,
         **loss_metrics,
         **run.rewards.stats(),  # e.g. judge/unparsed
-        **rollout.metrics,  # multi-turn: tools/calls_per_completion, tools/errors, tools/turns ...
+        **rollout.metrics,  # multi-turn: tools/calls_per_completion, tools/turns ...
+        **rollout.totals,  # multi-turn: tools/errors, tools/seconds
     }
     for name, values in zip(run.rewards.names, per_func):
         metrics[f"reward/{name}"] = float(values.nanmean())
@@ -215,6 +198,17 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         for p, record in enumerate(records):
             record["trajectories"] = rollout.columns["trajectory"][p * G : (p + 1) * G]
     return metrics, records
+
+
+def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, float]:
+    """Asynchronous training: the share of the batch's completions sampled 0, 1, ... K steps back.
+
+    >>> staleness_shares(torch.tensor([2, 2, 0, 2]), 2)
+    {'staleness/share_0': 0.25, 'staleness/share_1': 0.0, 'staleness/share_2': 0.75}
+    """
+    if not max_staleness:
+        return {}
+    return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
 
 
 def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:
@@ -239,7 +233,6 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
     the loop counts them); the learning-rate schedule advances either way, so it stays in step with the steps.
     """
     cfg, policy, strategy = run.cfg, run.policy, run.strategy
-    config = loss_config(cfg)
     # Packed under a token budget, the micro-batches of a rollout batch vary in number: all of them
     # accumulate into one update (without a budget, accumulation steps x batch size is the rollout batch too).
     accumulation = len(micro) if cfg.algo.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
@@ -265,7 +258,7 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                     )
                     loss, metrics = policy_loss(
                         logps, None if old_logps is None else mb.take(old_logps), None if ref_logps is None else mb.take(ref_logps),
-                        mb.take(advantages), mb.take(loss_mask), config,
+                        mb.take(advantages), mb.take(loss_mask), run.loss_config,
                         num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
                         importance_weights=None if is_weights is None else mb.take(is_weights),
                     )
@@ -287,7 +280,7 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                 break
             grad_norm = strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             update_losses.append(update_loss)
-            if not math.isfinite(grad_norm):  # the strategy did not step (mmgrpo/guards.py): a skip like a NaN loss
+            if not math.isfinite(grad_norm):  # the strategy did not step (mmgrpo/parallel/guards.py): a skip like a NaN loss
                 warnings.warn(f"non-finite gradient norm ({grad_norm}): update skipped", stacklevel=1)
                 skipped = True
                 break
@@ -320,21 +313,19 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
 
 def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
-    cfg.validate()
+    cfg.validate()  # every flag, once, before anything else
     plan = preflight(cfg)  # --output_dir and --resume_from_checkpoint, before any model loads
     deterministic_kernels(cfg.full_determinism)
-    run = build_run(cfg, resume_from=plan.resume_from)  # flags, rewards and data checked before any model loads
+    run = build_run(cfg, resume_from=plan.resume_from)  # rewards and data checked before any model loads
     run.strategy.barrier()  # every rank has checked --output_dir before any rank writes there
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
-    state = TrainState()
-    weights_rule = DynamicWeights() if cfg.algo.dynamic_modality_weights else None
     batches = run.prompt_batches()
-    pipeline = RolloutPipeline(
-        run.rollout, lambda: rollout_weights(run.model, run.peft_model, run.strategy), asynchronous=cfg.rollout.async_generate
-    )
-    if plan.resume_from is not None:  # optimizer, schedule, counters, data position, async rollout, RNGs
-        resume_run(run, plan.resume_from, state, batches, pipeline)
+    pipeline = RolloutPipeline(run, batches)  # rollouts in step, or up to --max_staleness steps ahead
+    state = TrainState(model=cfg.model.model)
+    if plan.resume_from is not None:  # the state, optimizer, schedule, data position, rollouts in flight, RNGs
+        state = resume_run(run, plan.resume_from, batches, pipeline)
+    weights_rule = DynamicWeights(state.modality_weights) if cfg.algo.dynamic_modality_weights else None
     if run.strategy.is_main:
         plan.apply()  # resume: the step logs cut at the checkpoint; overwrite: the earlier run's files gone
     resumed_after = state.step if plan.resume_from is not None else None  # TensorBoard hides the killed run's later steps
@@ -342,47 +333,27 @@ def train(cfg: TrainConfig) -> Path:
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
                 torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
-                if not pipeline.in_flight:  # async: the rollout begun last step (or restored) is in flight
-                    with loop("data"):
-                        prompts = next(batches)
-                    with loop("weight_sync"):
-                        pipeline.sync_weights()  # an engine with its own weights gets the newest
-                    with loop("rollout"), autocast(run.bf16, run.device):
-                        pipeline.start(prompts, run.sampling(prompts, step_seed(cfg, step, run.strategy.rank)))
-                with loop("rollout"):
-                    prompts, rollout = pipeline.result()  # async: waits for the rollout begun last step
-                scored, sampled = None, {}
-                if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the step is unchanged
-                    with loop("resample"):  # mmgrpo/rollout/step_sampling.py; before an async rollout starts
-                        prompts, rollout, scored, sampled = complete_batch(run, prompts, rollout, batches, step)
-                if cfg.rollout.async_generate and step < run.total_steps:
-                    with loop("data"):
-                        upcoming = next(batches)
-                    with loop("weight_sync"):
-                        pipeline.sync_weights()
-                    with autocast(run.bf16, run.device):  # on the weights as they are now: one step old when used
-                        pipeline.start(upcoming, run.sampling(upcoming, step_seed(cfg, step + 1, run.strategy.rank)))
-                metrics, records = grpo_step(run, prompts, step, rollout, scored=scored, weights_rule=weights_rule)
-                metrics.update(run.strategy.all_reduce_metrics(sampled))
+                batch = pipeline.next_batch(step, loop)  # time/data, weight_sync, rollout, reward, resample
+                metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule)
+                metrics.update(run.strategy.all_reduce_metrics(batch.metrics))
                 pipeline.policy_updated(step)
                 state.nonfinite_steps += metrics["skipped"]
                 metrics["nonfinite_steps"] = state.nonfinite_steps
                 final = step == run.total_steps
                 with loop("eval"):
-                    metrics.update(run.evaluator.maybe_evaluate(run, step, final=final))  # eval/<metric>
+                    metrics.update(run.evaluator.maybe_evaluate(run, step, state, final=final))  # eval/<metric>
                 with loop("save"):
                     if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
                                  background=cfg.save_in_background and not final,
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
-                for phase in ("data", "weight_sync", "rollout", "eval", "save"):  # the same columns every step
+                for phase in ("data", "weight_sync", "rollout", "reward", "eval", "save"):  # the same columns every step
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
-                # generating, overlapped with training when async (time/rollout is then the wait)
-                metrics["rollout/generate_s"] = pipeline.take_generate_seconds()
+                metrics["cpu/step_s"] = time.process_time() - started_cpu  # this process's CPU seconds (all threads)
                 finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
@@ -394,8 +365,7 @@ def train(cfg: TrainConfig) -> Path:
     finally:
         wait_for_saves()  # a background save is complete (or its error raised) before the run ends
         pipeline.close()
-        if hasattr(run.rollout, "close"):  # a vLLM engine goes before the process group it uses
-            run.rollout.close()
+        run.rollout.close()  # a vLLM engine goes before the process group it uses
     logger.close()
     run.strategy.close()
     return out
@@ -403,8 +373,9 @@ def train(cfg: TrainConfig) -> Path:
 
 def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float) -> None:
     """Add the loop's phases, time/step (the step's wall time), time/other (what no phase timer
-    covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's."""
-    extra = {key: value + metrics.get(key, 0.0) for key, value in loop_seconds.items()}  # e.g. rollout: wait + decode
+    covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's.
+    The loop and `grpo_step` time different phases: each phase is timed once."""
+    extra = dict(loop_seconds)
     named = sum(value for key, value in {**metrics, **extra}.items() if key.startswith("time/"))
     extra["time/step"] = wall_seconds
     extra["time/other"] = max(0.0, wall_seconds - named)

@@ -21,25 +21,20 @@ from pathlib import Path
 import torch
 
 from mmgrpo.config import SFTConfig
-from mmgrpo.config_checks import parse_stop_at
+from mmgrpo.config.checks import parse_stop_at
+from mmgrpo.data.pipeline import prompt_stream
 from mmgrpo.data.registry import mix_datasets
-from mmgrpo.engine import deterministic_kernels, seed_everything
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy, autocast
-from mmgrpo.models.loading import load_template
-from mmgrpo.optim import make_optimizer, make_scheduler
+from mmgrpo.models.loading import load_template, template_options
+from mmgrpo.models.train_type import load_trainable_model
 from mmgrpo.parallel import build_strategy
 from mmgrpo.rollout import build_rollout_engine
-from mmgrpo.runlog import RunLogger, console, progress_bar
-from mmgrpo.setup import (
-    ModelRun,
-    check_modalities,
-    load_trainable_model,
-    prompt_stream,
-    template_options,
-    total_steps,
-)
+from mmgrpo.training.optim import group_rates, make_optimizer, make_scheduler
+from mmgrpo.training.run import ModelRun, check_modalities, total_steps
+from mmgrpo.training.runlog import RunLogger, console, progress_bar
+from mmgrpo.training.state import TrainState, deterministic_kernels, seed_everything
 
 STOP_FILE = "stop.json"  # output_dir/stop.json: where --stop_at ended the run, and why
 
@@ -120,7 +115,7 @@ def sft(cfg: SFTConfig) -> Path:
     out = Path(cfg.output_dir)
     logger = RunLogger(out, cfg)
     (out / STOP_FILE).unlink(missing_ok=True)  # left by an earlier run into this output_dir
-    optimizer = make_optimizer(cfg.optim)(policy.trainable_parameters())
+    optimizer = make_optimizer(cfg.optim, model, template.components)(policy.trainable_parameters())
     batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
     total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
     scheduler = make_scheduler(cfg.optim, optimizer, total)
@@ -128,6 +123,7 @@ def sft(cfg: SFTConfig) -> Path:
     run = ModelRun(cfg=cfg, processor=processor, template=template, model=model, peft_model=peft_model,
                    strategy=strategy, rollout=build_rollout_engine(policy, strategy))
     eos = template.eos_token_ids[0]
+    state = TrainState(model=cfg.model.model)
     with progress_bar(total, "SFT", shown="loss") as bar:
         for step in range(1, total + 1):
             step_started = time.perf_counter()
@@ -150,11 +146,12 @@ def sft(cfg: SFTConfig) -> Path:
                 loss.backward()
                 step_loss += loss.item()
             grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
-            learning_rate = scheduler.get_last_lr()[0]
+            learning_rate, group_lrs = scheduler.get_last_lr()[0], group_rates(optimizer, scheduler)
             scheduler.step()
-            metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate}
+            metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **group_lrs}
             started = time.perf_counter()
-            scores = evaluator.maybe_evaluate(run, step, final=step == total)
+            state.step = step
+            scores = evaluator.maybe_evaluate(run, step, state, final=step == total)
             if scores:
                 metrics.update(scores, **{"time/eval": time.perf_counter() - started})
             metrics["time/step"] = time.perf_counter() - step_started  # as in GRPO: evaluation included

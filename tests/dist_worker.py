@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from mmgrpo.rollout.base import RolloutEngine
+
 WORKER = str(Path(__file__).resolve())
 PER_RANK_PROMPTS, G = 2, 2  # 2 prompts x 2 completions per rank, in 2 micro-batches of 2
 
@@ -44,7 +46,7 @@ def hang_on_rank_1(completions, **columns) -> list[float]:
     return [0.0 for _ in completions]
 
 
-class FixedRollout:
+class FixedRollout(RolloutEngine):
     """A rollout engine whose completions depend only on the prompt's tokens: runs compare
     without sampling noise."""
 
@@ -109,8 +111,8 @@ def image_prompts(template, count: int, offset: int = 0) -> list:
     """(Sample, PromptInputs) pairs with small images of different sizes and colours."""
     import PIL.Image
 
+    from mmgrpo.data.pipeline import PromptEncoder
     from mmgrpo.data.schema import normalize_row
-    from mmgrpo.setup import PromptEncoder
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -123,8 +125,8 @@ def image_prompts(template, count: int, offset: int = 0) -> list:
 
 
 def text_prompts(template, count: int) -> list:
+    from mmgrpo.data.pipeline import PromptEncoder
     from mmgrpo.data.schema import normalize_row
-    from mmgrpo.setup import PromptEncoder
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -138,9 +140,10 @@ def prepared_run(cfg, fixed_completions: bool):
     """build_run as engine.train does (with fixed completions if asked), without its loop."""
     import dataclasses
 
-    from mmgrpo.engine import seed_everything
-    from mmgrpo.setup import build_run
+    from mmgrpo.training.run import build_run
+    from mmgrpo.training.state import seed_everything
 
+    cfg.validate()
     run = build_run(cfg)
     seed_everything(cfg.seed)
     if fixed_completions:
@@ -225,7 +228,7 @@ def main() -> None:
     run.save(out / "checkpoint")
     # what a rollout engine with its own weights (vLLM) is sent: gathered one tensor at a time on
     # every rank (a collective), compared with the strategy's own full state dict on rank 0
-    from mmgrpo.lora import rollout_weights
+    from mmgrpo.rollout.weight_sync import rollout_weights
 
     sent = {name: tensor.clone() for name, tensor in rollout_weights(run.model, run.peft_model, run.strategy)}
     full = run.strategy.full_state_dict(run.model)

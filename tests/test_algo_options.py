@@ -13,7 +13,7 @@ from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.losses import LossConfig, policy_loss
 from mmgrpo.models.tiny import resolve_model_path
-from mmgrpo.optim import make_scheduler
+from mmgrpo.training.optim import make_scheduler
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--dataloader_num_workers", "0",

@@ -4,7 +4,12 @@
   hides a cycle, it does not remove it);
 - no module outside `mmgrpo/templates/` and the tiny-model builders names a model family or a
   model class in its code: what the fast paths, loading and LoRA need to know about a family,
-  its template declares.
+  its template declares;
+- at most eight modules at the top of the package, and none of them imported by only one
+  package (a helper lives beside its only user);
+- no `Rollout` is copied field by field outside mmgrpo/rollout/base.py: `Rollout.select` and
+  `Rollout.concat` keep every field;
+- one registry type: no module keeps a dict of registered names of its own.
 """
 
 from __future__ import annotations
@@ -118,3 +123,56 @@ def test_family_knowledge_stays_in_templates():
             if FAMILY.search(text) and len(text) < 40 and " " not in text:
                 offenders.append(f"{relative}:{line}: {text!r}")
     assert not offenders, "family names outside mmgrpo/templates/:\n" + "\n".join(offenders)
+
+
+TOP_LEVEL_LIMIT = 8
+
+
+def test_few_top_level_modules_each_used_by_more_than_one_package():
+    mods = modules()
+    top = sorted(name for name, path in mods.items() if path.parent == PACKAGE and path.name != "__init__.py")
+    assert len(top) <= TOP_LEVEL_LIMIT, f"{len(top)} top-level modules (at most {TOP_LEVEL_LIMIT}): {top}"
+    users: dict[str, set[str]] = {name: set() for name in top}
+    for name, path in mods.items():
+        owner = name.split(".")[1] if name.count(".") >= 1 else name
+        for dep in imported(path, set(mods)):
+            if dep in users and dep != name:
+                users[dep].add(owner if name.count(".") >= 2 or path.name == "__init__.py" else name)
+    lonely = {name: sorted(who) for name, who in users.items()
+              if len(who) == 1 and next(iter(who)) in {d.name for d in PACKAGE.iterdir() if d.is_dir()}}
+    assert not lonely, f"top-level modules used by one package only (move them beside it): {lonely}"
+
+
+ROLLOUT_FIELDS = {"completion_ids", "completion_mask", "truncated", "logps", "weight_version", "row_versions", "loss_mask",
+                  "completion_media", "texts", "columns", "metrics", "totals", "rewards", "reward_per_func"}
+
+
+def test_no_rollout_is_copied_field_by_field():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "rollout" / "base.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Rollout"):
+                continue
+            copied = []
+            for keyword in node.keywords:
+                value = keyword.value.value if isinstance(keyword.value, ast.Subscript) else keyword.value
+                if isinstance(value, ast.Attribute) and value.attr in ROLLOUT_FIELDS:
+                    copied.append(keyword.arg)
+            if len(copied) >= 2:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {', '.join(copied)}")
+    assert not offenders, "Rollout fields copied by hand (use Rollout.select / Rollout.concat):\n" + "\n".join(offenders)
+
+
+def test_registries_are_the_one_registry_type():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign | ast.Assign):
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if any(re.fullmatch(r"_?(REGISTRY|[A-Z]+S)", n) for n in names) and isinstance(node.value, ast.Dict) \
+                        and not node.value.keys and "register" in path.read_text():
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {names}")
+    assert not offenders, "a registry of its own (use mmgrpo.registry.Registry):\n" + "\n".join(offenders)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -18,6 +19,7 @@ from mmgrpo.grpo.batching import (
     pad_fraction,
     scatter_rows,
 )
+from mmgrpo.rollout.base import RolloutEngine
 
 
 def random_case(rng: random.Random):
@@ -98,17 +100,14 @@ class GradRecorder(torch.optim.SGD):
         return super().step(closure)
 
 
-class FixedEngine:
+class FixedEngine(RolloutEngine):
     """A rollout engine that returns the same completions every time."""
 
     def __init__(self, rollout):
         self.rollout = rollout
 
     def generate(self, prompts, sampling):
-        return self.rollout
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        pass
+        return copy.copy(self.rollout)  # a fresh one to score each time
 
 
 def fixed_rollout(template, num_tokens: int = 12):
@@ -130,8 +129,8 @@ def fixed_rollout(template, num_tokens: int = 12):
 def image_prompts(template, count: int) -> list:
     import PIL.Image
 
+    from mmgrpo.data.pipeline import PromptEncoder
     from mmgrpo.data.schema import normalize_row
-    from mmgrpo.setup import PromptEncoder
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -152,7 +151,7 @@ def test_step_with_a_budget_matches_fixed_micro_batches(
 ):
     from mmgrpo.config import TrainConfig
     from mmgrpo.engine import grpo_step
-    from mmgrpo.setup import build_run
+    from mmgrpo.training.run import build_run
 
     plugin = tmp_path / "length_reward.py"
     plugin.write_text(REWARD_PLUGIN)

@@ -10,8 +10,9 @@ import signal
 import pytest
 import torch
 
-from mmgrpo import checkpoint
-from mmgrpo.checkpoint import (
+from mmgrpo.errors import CheckpointError
+from mmgrpo.training import checkpoint
+from mmgrpo.training.checkpoint import (
     MARKER,
     check_checkpoint,
     latest_checkpoint,
@@ -19,7 +20,6 @@ from mmgrpo.checkpoint import (
     repair_interrupted,
     save_atomically,
 )
-from mmgrpo.errors import CheckpointError
 
 
 def write_files(names, fail_after=None):
@@ -63,7 +63,7 @@ def test_incomplete_and_truncated_checkpoints_are_skipped_with_one_line(tmp_path
     (half / "config.json").write_text("")
     with open(tmp_path / "checkpoint-3" / "model.safetensors", "r+") as f:
         f.truncate(3)
-    with caplog.at_level(logging.WARNING, logger="mmgrpo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mmgrpo.training.checkpoint"):
         assert latest_checkpoint(tmp_path).name == "checkpoint-1"
     lines = [r.getMessage() for r in caplog.records]
     assert any("checkpoint-5: incomplete (no checkpoint_complete.json" in line for line in lines)
@@ -145,12 +145,13 @@ def tiny_run(tiny_qwen2_vl_path):
 
 
 def _save(tiny_run, path, step):
-    from mmgrpo.train_state import TrainingState, save_training_checkpoint
+    from mmgrpo.training.resume import save_training_checkpoint
+    from mmgrpo.training.state import TrainState
 
     model, processor, optimizer = tiny_run
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return save_training_checkpoint(path, model=model, processor=processor, state_dict=state_dict,
-                                    optimizer=optimizer, state=TrainingState(step=step))
+                                    optimizer=optimizer, state=TrainState(step=step))
 
 
 def _killed_save(tiny_run, path, step, kill_at, call="fsync", exchange=True):
@@ -178,7 +179,7 @@ def _killed_save(tiny_run, path, step, kill_at, call="fsync", exchange=True):
 
 def _assert_previous_or_new_loads(out, new_step):
     from mmgrpo.models.loading import load_model
-    from mmgrpo.train_state import read_training_state
+    from mmgrpo.training.resume import read_training_state
 
     latest = latest_checkpoint(out)
     assert latest.name in ("checkpoint-1", f"checkpoint-{new_step}")
@@ -219,7 +220,8 @@ def test_sigkill_between_the_renames_of_a_replacement_keeps_a_loadable_best(tmp_
 
 
 def test_nonfinite_weights_are_never_saved(tmp_path, tiny_run):
-    from mmgrpo.train_state import TrainingState, save_training_checkpoint
+    from mmgrpo.training.resume import save_training_checkpoint
+    from mmgrpo.training.state import TrainState
 
     model, processor, _ = tiny_run
     state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -227,5 +229,5 @@ def test_nonfinite_weights_are_never_saved(tmp_path, tiny_run):
     state_dict[name][0] = float("nan")
     with pytest.raises(CheckpointError, match=f"not saving .*checkpoint-2: the weights hold NaN/inf \\(first: {name}\\)"):
         save_training_checkpoint(tmp_path / "checkpoint-2", model=model, processor=processor, state_dict=state_dict,
-                                 state=TrainingState(step=2))
+                                 state=TrainState(step=2))
     assert not any(tmp_path.iterdir())

@@ -14,9 +14,8 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.registry import mix_datasets, read_registry_file
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.base import Rollout, SamplingParams, cut_to_budgets
-from mmgrpo.rollout.sampling import sampling_params
-from mmgrpo.setup import build_run
+from mmgrpo.rollout.base import Rollout, SamplingParams, cut_to_budgets, sampling_params
+from mmgrpo.training.run import build_run
 
 REGISTRY = """\
 datasets:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from mmgrpo.config import SFTConfig, TrainConfig
-from mmgrpo.config_args import build_parser, config_from_namespace
-from mmgrpo.config_checks import parse_stop_at
+from mmgrpo.config.checks import parse_stop_at
+from mmgrpo.config.flags import build_parser, config_from_namespace
 from mmgrpo.data.registry import mix_datasets
 from mmgrpo.eval.in_training import TrainingEval
 

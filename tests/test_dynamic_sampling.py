@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmgrpo.grpo import dynamic_sampling
-from mmgrpo.grpo.dynamic_sampling import Round, fill_informative, informative_groups
+from mmgrpo.grpo import informative
+from mmgrpo.grpo.informative import Round, fill_informative, informative_groups
 from mmgrpo.rollout.base import Rollout
 
 G = 2
@@ -26,16 +26,15 @@ def make_round(tag: str, group_rewards: list[list[float]], width: int) -> Round:
     return Round(
         prompts=[f"{tag}{p}" for p in range(len(group_rewards))],
         rollout=Rollout(completion_ids=ids, completion_mask=torch.ones_like(ids), truncated=torch.zeros(len(ids), dtype=torch.bool),
-                        logps=-torch.ones(ids.shape)),
-        completions=[f"{tag}{p}/{j}" for p in range(len(group_rewards)) for j in range(G)],
-        per_func=rewards[None, :].clone(),
-        rewards=rewards,
+                        logps=-torch.ones(ids.shape),
+                        texts=[f"{tag}{p}/{j}" for p in range(len(group_rewards)) for j in range(G)],
+                        reward_per_func=rewards[None, :].clone(), rewards=rewards),
     )
 
 
 @pytest.fixture(autouse=True)
 def fresh_notice(monkeypatch):
-    monkeypatch.setattr(dynamic_sampling, "NOTICE", dynamic_sampling._Notice())
+    monkeypatch.setattr(informative, "NOTICE", informative._Notice())
 
 
 def test_informative_groups_by_hand():
@@ -51,8 +50,8 @@ def test_all_equal_groups_are_dropped_and_refilled():
     assert batch.prompts == ["a1", "a3", "b1", "c0"]  # informative groups in the order drawn
     assert stats.rounds == 3 and stats.resampled_prompts == 4 and stats.kept_groups == 4
     assert stats.frac_reward_zero_std == 0.0 and stats.frac_reward_zero_std_drawn == [0.5, 0.5, 0.0]
-    assert batch.rewards.tolist() == [0, 1, 1, 0, 1, 0, 0, 1]
-    assert batch.completions == ["a1/0", "a1/1", "a3/0", "a3/1", "b1/0", "b1/1", "c0/0", "c0/1"]
+    assert batch.rollout.rewards.tolist() == [0, 1, 1, 0, 1, 0, 0, 1]
+    assert batch.rollout.texts == ["a1/0", "a1/1", "a3/0", "a3/1", "b1/0", "b1/1", "c0/0", "c0/1"]
     # every per-completion tensor follows its rows; widths padded to the longest round (5)
     ids = batch.rollout.completion_ids
     assert ids.shape == (8, 5)
@@ -60,7 +59,7 @@ def test_all_equal_groups_are_dropped_and_refilled():
     assert ids[0].tolist() == [10, 10, 10, -1, -1] and ids[4].tolist() == [10] * 5 and ids[6].tolist() == [0, 0, -1, -1, -1]
     assert batch.rollout.completion_mask.sum(1).tolist() == [3, 3, 3, 3, 5, 5, 2, 2]
     assert batch.rollout.logps.sum(1).tolist() == [-3, -3, -3, -3, -5, -5, -2, -2]
-    assert batch.per_func.tolist() == [batch.rewards.tolist()]
+    assert batch.rollout.reward_per_func.tolist() == [batch.rollout.rewards.tolist()]
     assert stats.metrics()["dynamic/resampled_prompts"] == 4.0
 
 
@@ -100,8 +99,8 @@ def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_pa
     writes <answer>...</answer>, so every group is all-equal and the bound stops the step."""
     from mmgrpo.config import TrainConfig
     from mmgrpo.rollout.base import SamplingParams
-    from mmgrpo.rollout.step_sampling import score
-    from mmgrpo.setup import build_run
+    from mmgrpo.rollout.rounds import score
+    from mmgrpo.training.run import build_run
 
     run = build_run(TrainConfig.from_args([
         "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "answer_format",
@@ -116,7 +115,7 @@ def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_pa
         start = next(drawn)
         prompts = [(dataset[i], template.encode_prompt(dataset[i].load_media())) for i in (start, start + 1)]
         rollout = run.rollout.generate([enc for _, enc in prompts], SamplingParams(num_generations=G, max_new_tokens=4 + start))
-        return score(run, prompts, rollout, G)  # widths differ per round
+        return Round(prompts, score(run, prompts, rollout))  # widths differ per round
 
     with pytest.warns(UserWarning, match="only 0 of 2"):
         batch, stats = fill_informative(draw(), draw, num_prompts=2, num_generations=G, max_resample_times=2,

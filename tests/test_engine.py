@@ -51,7 +51,7 @@ def test_train_cli_leaves_the_run_files(tmp_path):
 
 
 def test_report_to_none_writes_metrics_only(tmp_path):
-    from mmgrpo.runlog import RunLogger
+    from mmgrpo.training.runlog import RunLogger
 
     cfg = TrainConfig.from_args([*FAST, "--report_to", "none", "--output_dir", str(tmp_path)])
     logger = RunLogger(tmp_path, cfg)
@@ -108,7 +108,7 @@ def run_cli(args, capsys):
 
 def test_start_up_errors_name_the_flag_before_any_model_loads(tmp_path, capsys):
     err = run_cli(["train", *FAST, "--reward_funcs", "no_such_reward", "--output_dir", str(tmp_path)], capsys)
-    assert "no_such_reward" in err and "Registered rewards" in err
+    assert "no_such_reward" in err and "choose one of: " in err
     err = run_cli(["train", *FAST, "--reward_funcs", "missing.py:fn", "--output_dir", str(tmp_path)], capsys)
     assert "missing.py" in err
     err = run_cli(["train", *FAST, "--num_generations", "3", "--output_dir", str(tmp_path)], capsys)
@@ -163,12 +163,12 @@ def test_unregistered_names_are_start_up_errors_and_registered_ones_work(tmp_pat
     err = run_cli(["train", *FAST, "--advantage_estimator", "nope", "--output_dir", str(tmp_path)], capsys)
     assert "nope" in err and "rloo" in err
     err = run_cli(["train", *FAST, "--loss_type", "nope", "--output_dir", str(tmp_path)], capsys)
-    assert "--loss_type 'nope'" in err and "dapo" in err
+    assert "unknown loss type 'nope' (--loss_type)" in err and "dapo" in err
     register_loss("token_sum_for_test")(lambda per_token_loss, mask, **_: (per_token_loss * mask).sum())
     try:  # a loss a plugin registers can be chosen
         TrainConfig.from_args([*FAST, "--loss_type", "token_sum_for_test"]).validate()
     finally:
-        del losses._LOSSES["token_sum_for_test"]
+        losses.LOSSES.unregister("token_sum_for_test")
 
 
 def test_every_second_of_a_step_has_a_phase(tmp_path):
@@ -191,7 +191,7 @@ def test_a_skipped_step_still_advances_the_schedule(tmp_path):
                       "    import math\n    return [float(i) for i in range(len(completions))]\n")
     from mmgrpo.grpo import advantages as advantages_module
 
-    estimator = advantages_module._ADVANTAGES["grpo"]
+    estimator = advantages_module.get_advantage("grpo")
     calls = []
 
     def nan_first_step(rewards, *args, **kwargs):
@@ -199,13 +199,14 @@ def test_a_skipped_step_still_advances_the_schedule(tmp_path):
         calls.append(1)
         return (adv * float("nan"), stats) if len(calls) == 1 else (adv, stats)
 
-    advantages_module._ADVANTAGES["grpo"] = nan_first_step
+    advantages_module.register_advantage("nan_first_for_test")(nan_first_step)
     try:
         out = train(TrainConfig.from_args([*FAST, "--reward_funcs", f"{plugin}:nan_on_first", "--max_steps", "3",
                                            "--lr_scheduler_type", "cosine", "--learning_rate", "1e-3",
+                                           "--advantage_estimator", "nan_first_for_test",
                                            "--output_dir", str(tmp_path / "run")]))
     finally:
-        advantages_module._ADVANTAGES["grpo"] = estimator
+        advantages_module.ADVANTAGES.unregister("nan_first_for_test")
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["skipped"] for m in metrics] == [1, 0, 0] and metrics[-1]["nonfinite_steps"] == 1
     rates = [m["learning_rate"] for m in metrics]

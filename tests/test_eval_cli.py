@@ -8,6 +8,7 @@ import pytest
 from mmgrpo.cli import main
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval import run as eval_run
+from mmgrpo.training.state import TrainState
 
 
 def _eval(model_path, output_dir, *extra):
@@ -175,7 +176,7 @@ class _FakeRun:
     """What TrainingEval.keep_best touches of a Run: save()."""
 
     def save(self, path):
-        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/checkpoint.py)
+        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/training/checkpoint.py)
         (path / "weights").write_text("saved")
 
 
@@ -194,7 +195,7 @@ def _evaluator(tmp_path, **options):
 def test_best_checkpoint_follows_greater_is_better(tmp_path, greater, best_step):
     evaluator = _evaluator(tmp_path, metric_for_best_model="eval/vqa_accuracy", greater_is_better=greater)
     assert evaluator.metrics == ["answer_format", "vqa_accuracy"]  # the eval dataset's rewards
-    run = _FakeRun()
+    run, state = _FakeRun(), TrainState()
     for step, value in [
         (1, 0.5),
         (2, 0.7),
@@ -202,9 +203,10 @@ def test_best_checkpoint_follows_greater_is_better(tmp_path, greater, best_step)
         (4, 0.7),
         (5, None),
     ]:  # a tie or None keeps the earlier one
-        evaluator.keep_best(run, step, {"answer_format": 1.0, "vqa_accuracy": value})
+        evaluator.keep_best(run, step, state, {"answer_format": 1.0, "vqa_accuracy": value})
     best = json.loads((tmp_path / "checkpoint-best" / "best.json").read_text())
     assert (best["step"], best["metric"]) == (best_step, "vqa_accuracy")
+    assert (state.best_step, state.best_metric) == (best_step, 0.7 if greater else 0.5)  # what a checkpoint saves
     assert (tmp_path / "checkpoint-best" / "weights").is_file()
 
 
@@ -218,7 +220,7 @@ def test_eval_options_fail_before_training(tmp_path):
     with pytest.raises(ConfigError, match="no split 'dev'"):
         _evaluator(tmp_path, eval_dataset="shapes-color:dev")
     with pytest.raises(ConfigError, match="not an eval metric"):
-        _evaluator(tmp_path, metric_for_best_model="accuracy").keep_best(_FakeRun(), 1, {"vqa_accuracy": 1.0})
+        _evaluator(tmp_path, metric_for_best_model="accuracy").keep_best(_FakeRun(), 1, TrainState(), {"vqa_accuracy": 1.0})
     assert _evaluator(tmp_path).due(4, final=False) is False  # eval_steps 0: only after the last step
     assert _evaluator(tmp_path, eval_steps=2).due(4, final=False) and _evaluator(tmp_path).due(7, final=True)
     assert not TrainConfig().eval.eval_dataset and not _evaluator(tmp_path, eval_dataset=None).due(
@@ -246,7 +248,7 @@ def test_train_evaluates_several_datasets(tmp_path, tiny_qwen2_vl_path):
 
 
 def test_the_eval_bar_shows_seconds_per_sample_not_a_reward(tmp_path, tiny_qwen2_vl_path):
-    from mmgrpo.runlog import console
+    from mmgrpo.training.runlog import console
 
     with console.capture() as captured:
         _eval(tiny_qwen2_vl_path, tmp_path / "bar", "--limit", "4")

@@ -80,8 +80,8 @@ def test_reference_shares_frozen_weights(tmp_path):
 
 def test_freeze_flags_in_full_training(tiny_qwen2_vl_path):
     from mmgrpo.config import TrainConfig
-    from mmgrpo.lora import freeze
     from mmgrpo.models.loading import model_skeleton
+    from mmgrpo.models.train_type import freeze
     from mmgrpo.templates.qwen2_vl import Qwen2VLTemplate
 
     components = Qwen2VLTemplate.components
@@ -105,15 +105,17 @@ def test_freeze_flags_in_full_training(tiny_qwen2_vl_path):
     ],
 )
 def test_bad_training_choices_fail_before_the_model_loads(tmp_path, monkeypatch, flags, match):
-    import mmgrpo.setup
+    import mmgrpo.models.train_type
+    from mmgrpo.training.run import build_run
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")
 
-    monkeypatch.setattr(mmgrpo.setup, "load_model", no_loading)
+    monkeypatch.setattr(mmgrpo.models.train_type, "load_model", no_loading)
     cfg = dist_worker.config("none", 1, tmp_path, *flags)
     with pytest.raises(ConfigError, match=match):
-        mmgrpo.setup.build_run(cfg)
+        cfg.validate()
+        build_run(cfg)
 
 
 def test_reference_is_the_base_model_with_adapters_off(lora_run, tiny_qwen2_vl_path):

@@ -171,12 +171,12 @@ def test_a_video_shorter_than_the_frames_asked_for(tmp_path, capsys):
 
 
 def test_a_medium_the_family_does_not_take_is_an_error_at_start_up(tmp_path, capsys, monkeypatch):
-    import mmgrpo.setup
+    import mmgrpo.models.train_type
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model must not load")
 
-    monkeypatch.setattr(mmgrpo.setup, "load_model", no_model)
+    monkeypatch.setattr(mmgrpo.models.train_type, "load_model", no_model)
     with pytest.raises(SystemExit):
         main(train_args("qwen2-audio", ["shapes-color"], tmp_path / "a"))
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.config_checks import parse_modality_weights
+from mmgrpo.config.checks import parse_modality_weights
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo import LossConfig, policy_loss
 

@@ -8,7 +8,7 @@ import pytest
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.loading import infer_model_type, load_template
 from mmgrpo.templates import Template, register_template, templates_for_hf_type
-from mmgrpo.templates.base import _TEMPLATES
+from mmgrpo.templates.base import TEMPLATES
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_an_ambiguous_type_asks_for_the_flag(plain_checkpoint):
         with pytest.raises(ConfigError, match=r"served by several templates \(doc-second-qwen25, qwen2.5-vl\).*--model_type"):
             infer_model_type(str(plain_checkpoint))
     finally:
-        del _TEMPLATES["doc-second-qwen25"]
+        TEMPLATES.unregister("doc-second-qwen25")
 
 
 def test_a_folder_without_config_json_names_the_flag(tmp_path):

@@ -110,7 +110,9 @@ def test_trajectory_logprobs_under_the_training_forward_equal_the_samplers(tool_
     assert difference.max() < 1e-4, difference.max()
 
 
-def test_a_short_multi_turn_run_uses_the_zoom_tool_and_changes_the_weights(tool_caller, zoom_data, tmp_path):
+@pytest.mark.parametrize("resampling", [[], ["--dynamic_sample", "--max_resample_times", "1", "--first_stage_generations", "2"]],
+                         ids=["plain", "resampled"])
+def test_a_short_multi_turn_run_uses_the_zoom_tool_and_changes_the_weights(tool_caller, zoom_data, tmp_path, resampling):
     plugin = tmp_path / "length.py"
     plugin.write_text("def length(completions, **columns):\n"
                       "    return [len(c) / 100 + t for c, t in zip(completions, columns['tool_calls'])]\n")  # fmt: skip
@@ -120,8 +122,11 @@ def test_a_short_multi_turn_run_uses_the_zoom_tool_and_changes_the_weights(tool_
         "--per_device_train_batch_size", "16", "--max_completion_length", "400", "--max_steps", "1",
         "--temperature", "1.5",  # the warm start is near-deterministic: hotter sampling so that groups differ
         "--learning_rate", "1e-3", "--beta", "0", "--dataloader_num_workers", "0", "--output_dir", str(tmp_path / "run"),
+        *resampling,
     ]))  # fmt: skip
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    if resampling:  # the extra rounds are episodes too, and the batch keeps them whole
+        assert metrics["dynamic/rounds"] >= 1 and "two_stage/prompts" in metrics
     assert metrics["tools/calls_per_completion"] > 0.5 and metrics["tools/turns"] > 1.5, metrics
     for key in ("tools/errors", "tools/max_turns_reached", "tools/model_tokens", "tools/tool_tokens"):
         assert key in metrics

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.checkpoint import save_atomically
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import CheckpointError, ConfigError
-from mmgrpo.preflight import preflight
-from mmgrpo.train_state import STATE_FILE, TrainingState
+from mmgrpo.training.checkpoint import save_atomically
+from mmgrpo.training.output_dir import preflight
+from mmgrpo.training.resume import STATE_FILE
+from mmgrpo.training.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,11 +76,11 @@ def test_resume_latest_picks_the_newest_complete_checkpoint_and_trims_the_logs(t
     fake_checkpoint(tmp_path, 2)
     fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 6, complete=False)  # killed while saving
-    with caplog.at_level(logging.WARNING, logger="mmgrpo.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mmgrpo.training.checkpoint"):
         plan = preflight(config(tmp_path, "--resume_from_checkpoint", "latest"))
     assert "checkpoint-6: incomplete" in caplog.text
     assert plan.mode == "resume" and plan.resume_from == tmp_path / "checkpoint-4" and plan.resume_step == 4
-    assert isinstance(plan.state, TrainingState)
+    assert isinstance(plan.state, TrainState)
     plan.apply()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert [json.loads(line)["step"] for line in (tmp_path / "completions.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

@@ -76,7 +76,7 @@ def test_a_training_step_passes_completion_ids_to_the_length_rewards(tmp_path):
 
 
 def test_reward_kwargs_for_a_reward_not_in_the_run_is_a_start_up_error(tmp_path):
-    from mmgrpo.setup import bound_rewards
+    from mmgrpo.rewards.reward_set import bound_rewards
 
     cfg = TrainConfig.from_args([*FAST, "--reward_funcs", "format", "--reward_kwargs", '{"cosine": {}}'])
     with pytest.raises(ConfigError, match="--reward_kwargs names cosine"):

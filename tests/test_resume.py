@@ -1,7 +1,9 @@
 """Exact resume: a 12-step run killed with SIGKILL at random moments (during a step, during a save)
 and resumed from the latest checkpoint writes the metrics.jsonl of an uninterrupted run, step for
 step (fp32, one process, DataLoader workers, two epochs, a reference model, evaluation with a best
-checkpoint; and with --async_generate, whose rollout in flight at a save is kept). Runs `mmgrpo train`."""
+checkpoint; asynchronous with --max_staleness 2, whose two rollouts in flight at a save are kept;
+and with the options whose state lives between steps: --dynamic_modality_weights over a two-dataset
+mixture, two-stage generation and dynamic sampling, which draw extra prompts). Runs `mmgrpo train`."""
 
 import json
 import os
@@ -15,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.checkpoint import latest_checkpoint
 from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.training.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 
@@ -27,11 +29,11 @@ REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c 
 def inputs(tmp_path_factory):
     """12 prompts (6 steps of 2 per epoch: the run crosses an epoch) and a reward that varies."""
     folder = tmp_path_factory.mktemp("inputs")
-    source = resolve_dataset("shapes-color")
-    with open(folder / "prompts.jsonl", "w") as f:
-        for row in source.rows.select(range(12)):
-            row["images"] = [str(Path(source.media_root) / image) for image in row["images"]]
-            f.write(json.dumps(row) + "\n")
+    for name, source in (("prompts", resolve_dataset("shapes-color")), ("counts", resolve_dataset("shapes-count"))):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for row in source.rows.select(range(12)):
+                row["images"] = [str(Path(source.media_root) / image) for image in row["images"]]
+                f.write(json.dumps(row) + "\n")
     (folder / "reward.py").write_text(REWARD)
     return folder
 
@@ -44,9 +46,10 @@ def flags(inputs, out):
             "--metric_for_best_model", "answer_format", "--output_dir", str(out)]
 
 
-def start(inputs, out, *extra, background=False):
+def start(inputs, out, *extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    extra = (*extra, "--save_in_background") if background else extra
+    if "--dynamic_modality_weights" in extra:  # a mixture of two datasets, weighted by dataset
+        extra = (*extra, "--dataset", str(inputs / "prompts.jsonl"), str(inputs / "counts.jsonl"))
     return subprocess.Popen([sys.executable, "-m", "mmgrpo", "train", *flags(inputs, out), *extra], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -80,7 +83,11 @@ def metrics(out):
     return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
 
 
-MODES = {"foreground": [], "background": ["--save_in_background"], "async": ["--async_generate"]}
+MODES = {
+    "foreground": [], "background": ["--save_in_background"], "async": ["--max_staleness", "2"],
+    "resampling": ["--dynamic_modality_weights", "--dynamic_weights_by", "dataset", "--first_stage_generations", "2",
+                   "--dynamic_sample", "--max_resample_times", "1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +96,12 @@ def uninterrupted(inputs, tmp_path_factory):
     runs = {}
 
     def of(mode):
-        rollouts = "async" if mode == "async" else "sync"  # where a save is written does not change the run
-        if rollouts not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted-{rollouts}")
-            finish(start(inputs, out, *MODES[rollouts if rollouts == "async" else "foreground"]))
-            runs[rollouts] = metrics(out)
-        return runs[rollouts]
+        kind = "foreground" if mode == "background" else mode  # where a save is written does not change the run
+        if kind not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
+            finish(start(inputs, out, *MODES[kind]))
+            runs[kind] = metrics(out)
+        return runs[kind]
 
     return of
 
@@ -107,6 +114,8 @@ def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted
     expected = uninterrupted(mode)
     assert [row["step"] for row in expected] == list(range(1, 13))
     assert any("eval/answer_format" in row for row in expected)
+    if mode == "resampling":  # the weights moved away from 1 (their moving averages are run state)
+        assert len({round(row["weights/counts"], 6) for row in expected}) > 2
 
     # 1. killed at a random moment after the first checkpoint: during a step, an eval or a save
     process = start(inputs, out, *MODES[mode])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.checkpoint import latest_checkpoint
+from mmgrpo.training.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-VARYING = ("time/", "samples_per_s", "memory/", "rollout/generate_s")
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")
 REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

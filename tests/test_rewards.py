@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from mmgrpo import plugins
+from mmgrpo import registry as plugins
 from mmgrpo.errors import ConfigError, RewardError
 from mmgrpo.rewards import (
     box_iou,
@@ -33,7 +33,8 @@ from mmgrpo.rewards.iou import iou_at_50_reward
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
     # Tests register throwaway rewards and check warn-once: give each a private registry state.
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.REWARDS.names()  # the built-ins loaded before the copy
+    monkeypatch.setattr(registry.REWARDS, "_entries", dict(registry.REWARDS._entries))
     monkeypatch.setattr(registry, "_WARNED", set())
     monkeypatch.setattr(plugins, "_LOADED", {})
 

@@ -20,8 +20,8 @@ from mmgrpo.grpo.logprobs import completion_logprobs
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.rollout.sampling import filter_logits
 from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+from mmgrpo.rollout.token_sampler import filter_logits
 from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",

@@ -17,11 +17,11 @@ import torch
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
-from mmgrpo.grpo import dynamic_sampling
+from mmgrpo.grpo import informative
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
-from mmgrpo.rollout.sampling import sampling_params
-from mmgrpo.rollout.step_sampling import complete_batch, settled_prompts
-from mmgrpo.setup import build_run
+from mmgrpo.rollout.base import sampling_params
+from mmgrpo.rollout.rounds import complete_batch, score, settled_prompts
+from mmgrpo.training.run import build_run
 
 REWARDS = '''
 def always_one(completions, **columns):
@@ -35,7 +35,7 @@ def first_of_group(completions, sample_id, **columns):
 
 @pytest.fixture(autouse=True)
 def fresh_notice(monkeypatch):
-    monkeypatch.setattr(dynamic_sampling, "NOTICE", dynamic_sampling._Notice())
+    monkeypatch.setattr(informative, "NOTICE", informative._Notice())
 
 
 def config(tmp_path, reward: str, *extra) -> TrainConfig:
@@ -70,7 +70,8 @@ def test_all_equal_groups_are_refilled_from_new_prompts(tmp_path):
     batches = run.prompt_batches()
     prompts = next(batches)
     rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
-    kept, rollout, (per_func, rewards), stats = complete_batch(run, prompts, rollout, batches, step=1)
+    kept, rollout, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
+    per_func, rewards = rollout.reward_per_func, rollout.rewards
     assert stats["dynamic/frac_reward_zero_std_first_round"] >= 0.5  # the even rows: all-equal groups
     assert len(kept) == 4 and rollout.completion_ids.shape[0] == 16
     groups = rewards.view(4, 4)
@@ -93,7 +94,8 @@ def test_a_mixture_is_refilled_from_its_own_stream(tmp_path):
     batches = run.prompt_batches()
     prompts = next(batches)
     rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
-    kept, rollout, (_, rewards), stats = complete_batch(run, prompts, rollout, batches, step=1)
+    kept, rollout, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
+    rewards = rollout.rewards
     assert stats["dynamic/kept_groups"] == 4 and stats["dynamic/resampled_prompts"] >= 4
     assert rewards.view(4, 4).std(dim=1).gt(0).all()  # every kept group differs
     assert all(int(s.id.rsplit("/", 1)[1]) % 2 == 1 for s, _ in kept)  # odd rows: the informative ones
@@ -112,7 +114,7 @@ def test_two_stage_completes_only_the_open_groups(tmp_path):
     first_rewards = [1.0 if int(s.id.rsplit("/", 1)[1]) % 2 == 0 else float(len(t) % 2)
                      for (s, _), t in zip([p for p in prompts for _ in range(2)], first_texts)]
     settled = settled_prompts(torch.tensor(first_rewards), 2).tolist()
-    kept, out, (_, rewards), stats = complete_batch(run, prompts, rollout, batches, step=1)
+    kept, out, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
     open_ids = [s.id for (s, _), done in zip(prompts, settled) if not done] or [prompts[0][0].id]
     assert [s.id for s, _ in kept] == open_ids
     assert stats["two_stage/settled_prompts"] == sum(settled)
@@ -180,3 +182,17 @@ def test_dynamic_sampling_with_async_rollouts(tmp_path):
     metrics = metrics_of(out)
     assert [m["rollout/staleness"] for m in metrics] == [0, 1, 1]
     assert all(1 <= m["dynamic/rounds"] <= 3 for m in metrics)
+
+
+def test_extra_rounds_respect_the_staleness_bound(tmp_path):
+    """--max_staleness 2: the extra rounds (refills, second stages) run after the rollouts asked
+    before them, on the newest weights, so a batch mixes completions 0 and 2 steps back, never more."""
+    out = train(config(tmp_path, "first_of_group", "--dynamic_sample", "--max_resample_times", "2",
+                       "--first_stage_generations", "2", "--max_staleness", "2", "--max_steps", "4"))
+    metrics = metrics_of(out)
+    assert [m["rollout/staleness"] for m in metrics][:2] == [0, 1]
+    for m in metrics:
+        shares = [m[f"staleness/share_{k}"] for k in range(3)]
+        assert sum(shares) == pytest.approx(1.0) and m["rollout/staleness"] <= 2
+    # the step's own rollout 2 steps back, refills and second stages on the newest weights beside it
+    assert any(m["staleness/share_0"] > 0 and m["staleness/share_2"] > 0 for m in metrics[2:]), metrics

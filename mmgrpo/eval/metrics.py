@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmgrpo.errors import ConfigError, MMGRPOError
+from mmgrpo.registry import Registry
 
 # A completion counts as correct for pass@k / mean@k when its judge score is at least this
 # (exact_match and accuracy-style rewards give 0 or 1; IoU >= 0.5 is the usual grounding hit).
@@ -63,29 +64,27 @@ class Metric:
     keeps: Callable[[list[str], dict], dict] | None = None
 
 
-_METRICS: dict[str, Metric] = {}
+METRICS = Registry("metric", flag="--metrics")
 
 
 def register_metric(name: str, *, needs: tuple[str, ...] = (), corpus: bool = False, needs_box=False, keeps=None):
     """Register `fn(completions, **columns) -> MetricValues` under `name` (a duplicate is an error)."""
 
     def decorator(fn):
-        if name in _METRICS:
-            raise ValueError(f"metric {name!r} is already registered")
-        _METRICS[name] = Metric(name, fn, needs, corpus, needs_box, keeps)
+        METRICS.register(name, Metric(name, fn, needs, corpus, needs_box, keeps))
         return fn
 
     return decorator
 
 
 def list_metrics() -> list[str]:
-    return sorted(_METRICS)
+    return METRICS.names()
 
 
 def get_metric(spec: str) -> Metric:
     """The metric named `spec` (see the module docstring for the forms); unknown -> ConfigError."""
-    if spec in _METRICS:
-        return _METRICS[spec]
+    if spec in METRICS:
+        return METRICS.get(spec)
     if match := re.fullmatch(r"(pass|mean)@(\d+)(?::(.+))?", spec):
         kind, k, judge = match.group(1), int(match.group(2)), match.group(3) or "exact_match"
         if k < 1:
@@ -196,8 +195,8 @@ def _at_k_metric(kind: str, k: int | None, judge_name: str, name: str) -> Metric
     return Metric(name, fn, needs)
 
 
-_METRICS["pass_at_k"] = _at_k_metric("pass", None, "exact_match", "pass_at_k")  # pass@1, 2, 4 ... n
-_METRICS["mean_at_k"] = _at_k_metric("mean", None, "exact_match", "mean_at_k")  # mean@n
+METRICS.register("pass_at_k", _at_k_metric("pass", None, "exact_match", "pass_at_k"))  # pass@1, 2, 4 ... n
+METRICS.register("mean_at_k", _at_k_metric("mean", None, "exact_match", "mean_at_k"))  # mean@n
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ one file can be mailed or attached anywhere. A panel appears only if its keys we
     Seconds per phase  time/<phase>, stacked; time/step (the whole step) as a line
     Held-out accuracy  eval/<metric> against the step and against the training seconds (the sum
                        of time/step - time/eval up to that step: evaluations excluded)
-    Loss, Gradient norm, Learning rate, and one panel per prefix of any other numeric key
+    Loss, Gradient norm, Learning rate (learning_rate/<group> too: --vit_lr ...)
+    Modality reliance  fusion/reliance/<modality> (--fusion_probe_steps; docs/fusion.md)
+    Attention share    fusion/attention/<modality>/<band>
+    and one panel per prefix of any other numeric key
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ PANELS = [
     ("Seconds per phase", "time", lambda k: k.startswith("time/"), True),
     ("Loss", "loss", lambda k: k == "loss", False),
     ("Gradient norm", "grad_norm", lambda k: k == "grad_norm", False),
-    ("Learning rate", "learning_rate", lambda k: k == "learning_rate", False),
+    ("Learning rate", "learning_rate", lambda k: k == "learning_rate" or k.startswith("learning_rate/"), False),
+    ("Modality reliance (nats per token)", "fusion_reliance", lambda k: k.startswith("fusion/reliance/"), False),
+    ("Attention share by layer band", "fusion_attention", lambda k: k.startswith("fusion/attention/"), False),
 ]
 _NOT_PLOTTED = {"step", "reward_std", "epoch"}
 WIDE = ' class="wide"'  # the held-out panel has two plots side by side  # step is the x axis; reward_std is the reward band

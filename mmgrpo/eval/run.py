@@ -12,6 +12,7 @@ they come, so an interrupted eval resumes with `--resume`.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -19,18 +20,24 @@ import torch
 
 from mmgrpo.eval.results import run_eval
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.runlog import console, progress_bar
+from mmgrpo.training.runlog import console, progress_bar
+
+PROBE_FILE = "fusion_probe.json"  # --fusion_probe's means, beside eval.json
 
 
 class EngineGenerator:
     """generate_fn for `run_eval`: a batch of Samples -> k completions each (+ box mappers), through
     a rollout engine (mmgrpo/rollout/)."""
 
-    def __init__(self, engine, template, *, max_new_tokens: int, temperature: float = 1.0, media_kwargs=None, bar=None):
+    def __init__(self, engine, template, *, max_new_tokens: int, temperature: float = 1.0, media_kwargs=None, bar=None,
+                 fusion_probe: bool = False):
         self.engine, self.template = engine, template
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.media_kwargs = media_kwargs or {}
         self.bar = bar
+        # --fusion_probe: modality reliance on each sample's first completion (mmgrpo/fusion/probe.py)
+        self.probe_sums: dict[str, float] | None = {} if fusion_probe else None
+        self.probe_counts: dict[str, int] = {}
 
     @torch.no_grad()
     def __call__(self, samples: list, num_samples: int):
@@ -41,27 +48,54 @@ class EngineGenerator:
             temperature=self.temperature, greedy=num_samples == 1,
         )
         rollout = self.engine.generate(encoded, params)
+        if self.probe_sums is not None:
+            self._probe(encoded, rollout, num_samples)
         texts = self.template.decode(rollout.completion_ids, rollout.completion_mask)
         completions = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(samples))]
         if self.bar is not None:
             self.bar.advance({"time/step": (time.perf_counter() - started) / len(samples)}, amount=len(samples))
         return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
 
+    def _probe(self, encoded, rollout, num_samples: int) -> None:
+        from mmgrpo.forward.policy import Policy
+        from mmgrpo.fusion.probe import measure_reliance
+
+        rows = torch.arange(0, len(encoded) * num_samples, num_samples)
+        policy = Policy(self.engine.model, self.template, shared_prefix=False)
+        measured = measure_reliance(policy, encoded, rollout.completion_ids[rows], rollout.completion_mask[rows],
+                                    temperature=1.0 if num_samples == 1 else self.temperature)
+        for key, value in measured.items():  # a mean over the batch: summed weighted by its samples
+            if value == value:  # not NaN
+                self.probe_sums[key] = self.probe_sums.get(key, 0.0) + value * len(encoded)
+                self.probe_counts[key] = self.probe_counts.get(key, 0) + len(encoded)
+
+    def probe_result(self) -> dict[str, float]:
+        """The probe's means over the samples generated (fusion/reliance/<m>, fusion/attention/<m>/<band>)."""
+        return {key: total / self.probe_counts[key] for key, total in sorted((self.probe_sums or {}).items())}
+
 
 def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model_name: str, num_samples: int = 1,
              max_new_tokens: int = 64, temperature: float = 1.0, batch_size: int = 32, resume: bool = False,
-             limit: int | None = None, media_kwargs=None, show_progress: bool = True) -> dict:
-    """Score the rollout engine's model on every sample of `dataset` (a DatasetView); writes eval.json and returns it."""
+             limit: int | None = None, media_kwargs=None, show_progress: bool = True, fusion_probe: bool = False) -> dict:
+    """Score the rollout engine's model on every sample of `dataset` (a DatasetView); writes eval.json and returns it.
+
+    fusion_probe: also measure modality reliance on each sample's first completion (mmgrpo/fusion/probe.py),
+    written to fusion_probe.json and returned under "fusion_probe" (samples an earlier --resume run finished
+    are not probed again)."""
     count = len(dataset) if limit is None else min(limit, len(dataset))
     samples = (dataset[i] for i in range(count))
     with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress, shown=None, unit="sample") as bar:
         generate = EngineGenerator(engine, template, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   media_kwargs=media_kwargs, bar=bar)
-        return run_eval(
+                                   media_kwargs=media_kwargs, bar=bar, fusion_probe=fusion_probe)
+        result = run_eval(
             samples, generate, output_dir, model=model_name, dataset=getattr(dataset, "name", str(dataset)),
             split=getattr(dataset, "split", ""), metrics=metrics, num_samples=num_samples, batch_size=batch_size,
             resume=resume, config={"max_new_tokens": max_new_tokens, "temperature": temperature},
         )
+    if fusion_probe:
+        result["fusion_probe"] = generate.probe_result()
+        (Path(output_dir) / PROBE_FILE).write_text(json.dumps(result["fusion_probe"], indent=1) + "\n")
+    return result
 
 
 def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
@@ -103,6 +137,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
     p.add_argument("--output_dir", required=True, help="Where eval.json, eval.md and samples.jsonl go.")
     p.add_argument("--resume", action="store_true", help="Continue an interrupted eval in --output_dir.")
+    p.add_argument("--fusion_probe", action="store_true",
+                   help="Also measure how much each answer relies on each modality (log-prob with vs without the medium, "
+                   "attention shares per layer band; docs/fusion.md): fusion_probe.json.")
     return p
 
 
@@ -123,8 +160,9 @@ def main(argv: list[str]) -> dict:
         engine, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
         num_samples=args.num_samples, max_new_tokens=args.max_completion_length or dataset.max_completion_length or 64, temperature=args.temperature,
         batch_size=args.batch_size, resume=args.resume, limit=args.limit, media_kwargs=media_kwargs,
+        fusion_probe=args.fusion_probe,
     )
-    for name, value in result["metrics"].items():
+    for name, value in {**result["metrics"], **result.get("fusion_probe", {})}.items():
         console.print(f"{name}: {value}")
     console.print(f"eval written to {Path(args.output_dir) / 'eval.json'}")
     return result

@@ -12,7 +12,7 @@ prompt and its media run once per group and its G completions read the prompt's 
 values (mmgrpo/forward/shared_prefix.py); elsewhere the naive path repeats the prompt per
 completion. Both give the same log-probs and gradients (tests/test_shared_prefix.py).
 
-Everything a Policy needs is given when it is built (mmgrpo/setup.py builds the run's one):
+Everything a Policy needs is given when it is built (mmgrpo/training/run.py builds the run's one):
 how its forwards run (`call`: a plain call, or through a sharding wrapper that gathers the
 weights they touch) and what the reference is (a frozen copy of the starting weights, or with
 LoRA the same model with its adapters disabled). Nothing patches it afterwards.
@@ -29,6 +29,7 @@ from torch import nn
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
+from mmgrpo.fusion.attach import prompt_length
 from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
 from mmgrpo.templates.turns import with_completion_media
 
@@ -175,8 +176,9 @@ class Policy:
         else:
             backbone = model.get_submodule(self.template.components["backbone"])
             inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
-            hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
             prompt_len = batch.prompts["input_ids"].shape[1]
+            with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
+                hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
             # Position P - 1 + t predicts completion token t.
             hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
         lm_head = model.get_submodule(self.template.components["lm_head"])

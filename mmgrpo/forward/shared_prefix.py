@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from mmgrpo.fusion.attach import continuing_rows
+
 # Tested on CPU. flash_attention_2 should work (bottom-right causal, 2D mask) but is untested: off until a GPU test says so.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -257,7 +259,8 @@ def shared_prefix_hidden(
     )
     # A completion is text: no media, and (Gemma3) no token_type_ids, which Gemma3Model does
     # not require; its masks then come from the cache's sizes, the sliding window included.
-    with _cache_through_checkpointing(decoder):
+    # fusion modules (mmgrpo/fusion/): row i reads the memory of prompt prompt_of_row[i]
+    with _cache_through_checkpointing(decoder), continuing_rows(model, prompt_of_row):
         completion_hidden = core(
             input_ids=completion_ids[:, :inputs],
             attention_mask=attention_mask,

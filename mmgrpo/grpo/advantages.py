@@ -36,12 +36,13 @@ import torch
 from torch import Tensor
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.registry import Registry
 
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # added to the std, not a clamp: a zero-std group gets advantages of exactly 0
 
 AdvantageFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-_ADVANTAGES: dict[str, AdvantageFn] = {}
+ADVANTAGES = Registry("advantage estimator", flag="--advantage_estimator")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -49,21 +50,12 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
 
     A duplicate name is an error, so a plugin cannot silently replace a built-in estimator.
     """
-
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return decorator
+    return ADVANTAGES.register(name)
 
 
 def get_advantage(name: str) -> AdvantageFn:
     """The advantage estimator registered as ``name`` (``--advantage_estimator``)."""
-    if name not in _ADVANTAGES:
-        raise ConfigError(f"unknown advantage estimator {name!r}; choose one of {sorted(_ADVANTAGES)}")
-    return _ADVANTAGES[name]
+    return ADVANTAGES.get(name)
 
 
 @register_advantage("grpo")

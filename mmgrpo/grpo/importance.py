@@ -65,3 +65,24 @@ def sampling_importance_weights(
         "is_ratio_max": counted.max() if counted.numel() else diff.new_ones(()),
     }
     return weights, stats
+
+
+def logp_gap_by_group(trainer_logps: Tensor, sampling_logps: Tensor, completion_mask: Tensor,
+                      groups: Tensor) -> dict[int, float]:
+    """The mean |trainer - sampler| log-prob gap over the real tokens of each group of rows, by the
+    group's number (asynchronous training: rows by staleness, where the gap grows with it).
+    trainer_logps, sampling_logps, completion_mask: [N, T]; groups: [N] integers.
+
+    >>> trainer = torch.log(torch.tensor([[0.5, 0.5], [0.9, 0.1], [0.2, 0.2]]))
+    >>> sampler = torch.log(torch.tensor([[0.5, 0.5], [0.3, 0.1], [0.1, 0.1]]))
+    >>> gaps = logp_gap_by_group(trainer, sampler, torch.ones(3, 2), torch.tensor([0, 2, 2]))
+    >>> {group: round(gap, 4) for group, gap in gaps.items()}   # group 2: (log 3 + 0 + log 2 + log 2) / 4
+    {0: 0.0, 2: 0.6212}
+    """
+    mask = completion_mask.bool()
+    gaps = torch.nan_to_num((trainer_logps.detach().float() - sampling_logps.float()).abs(), nan=0.0)  # [N, T]
+    result = {}
+    for group in sorted(set(groups.tolist())):
+        rows = mask & (groups == group).to(mask.device)[:, None]  # [N, T]
+        result[int(group)] = float(gaps[rows].mean()) if rows.any() else 0.0
+    return result

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.registry import Registry
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a finite k3 even for a token the policy all but forbids
@@ -95,7 +96,7 @@ class LossType:
     aggregate: Aggregate
 
 
-_LOSSES: dict[str, LossType] = {}
+LOSSES = Registry("loss type", flag="--loss_type")
 
 
 def register_loss(name: str, surrogate: Surrogate = clipped_surrogate) -> Callable[[Aggregate], Aggregate]:
@@ -107,16 +108,14 @@ def register_loss(name: str, surrogate: Surrogate = clipped_surrogate) -> Callab
     """
 
     def decorator(aggregate: Aggregate) -> Aggregate:
-        if name in _LOSSES:
-            raise ValueError(f"loss type {name!r} is already registered")
-        _LOSSES[name] = LossType(surrogate, aggregate)
+        LOSSES.register(name, LossType(surrogate, aggregate))
         return aggregate
 
     return decorator
 
 
 def loss_types() -> list[str]:
-    return sorted(_LOSSES)
+    return LOSSES.names()
 
 
 def _masked_sum(per_token_loss: Tensor, completion_mask: Tensor) -> Tensor:
@@ -177,7 +176,7 @@ class LossConfig:
     """How a run's loss is computed (its --loss_type, --epsilon, ... flags); one per run.
 
     The defaults here are plain GRPO (DeepSeekMath); the training defaults (dapo, beta 0.04,
-    epsilon_high 0.28) live in ``mmgrpo/config.py``, see docs/algorithm.md.
+    epsilon_high 0.28) live in ``mmgrpo/config/schema.py``, see docs/algorithm.md.
     """
 
     loss_type: str = "grpo"  # a registered loss type, see ``loss_types()``
@@ -191,6 +190,22 @@ class LossConfig:
     importance_sampling_level: str = "token"
     # dual clip: the ratio is capped at delta for negative advantages (TRL's `delta`); None: off
     delta: float | None = None
+
+    def __post_init__(self):
+        """The options are checked once, when the config is made (not on every micro-batch)."""
+        LOSSES.get(self.loss_type)  # an unknown name: the registries' ConfigError
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"--importance_sampling_level {self.importance_sampling_level!r} is not one of "
+                f"{list(IMPORTANCE_SAMPLING_LEVELS)}"
+            )
+        if self.delta is not None:
+            if LOSSES.get(self.loss_type).surrogate is not clipped_surrogate:
+                raise ConfigError(f"--delta (dual clip) applies to the clipped PPO surrogate; --loss_type {self.loss_type} "
+                                  "has none. Drop --delta.")
+            epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+            if not self.delta > 1 + epsilon_high:
+                raise ConfigError(f"--delta {self.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")
 
 
 def policy_loss(
@@ -232,13 +247,6 @@ def policy_loss(
     """
     loss_type, beta, epsilon = config.loss_type, config.beta, config.epsilon
     importance_sampling_level = config.importance_sampling_level
-    if loss_type not in _LOSSES:
-        raise ConfigError(f"--loss_type {loss_type!r} is not one of {loss_types()}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ConfigError(
-            f"--importance_sampling_level {importance_sampling_level!r} is not one of "
-            f"{list(IMPORTANCE_SAMPLING_LEVELS)}"
-        )
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
     if logps.dim() != 2 or completion_mask.shape != logps.shape:
@@ -248,7 +256,7 @@ def policy_loss(
     if advantages.shape[0] != logps.shape[0]:
         raise ValueError(f"advantages {tuple(advantages.shape)} do not match logps {tuple(logps.shape)}")
     epsilon_high = epsilon if config.epsilon_high is None else config.epsilon_high
-    loss_spec = _LOSSES[loss_type]
+    loss_spec = LOSSES.get(loss_type)
 
     counts = completion_mask.bool()  # [N, T]
     mask = completion_mask.to(logps.dtype)  # [N, T]
@@ -264,11 +272,7 @@ def policy_loss(
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
     ratio = torch.exp(log_ratio)  # [N, T] or [N, 1]
 
-    if config.delta is not None:
-        if loss_spec.surrogate is not clipped_surrogate:
-            raise ConfigError(f"--delta (dual clip) applies to the clipped surrogate, not to --loss_type {loss_type}")
-        if not config.delta > 1 + epsilon_high:
-            raise ConfigError(f"--delta {config.delta} must be > 1 + epsilon_high ({1 + epsilon_high})")
+    if config.delta is not None:  # checked by LossConfig: the clipped surrogate, delta > 1 + epsilon_high
         surrogate = partial(clipped_surrogate, delta=config.delta)
     else:
         surrogate = loss_spec.surrogate

@@ -45,9 +45,11 @@ def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, template=None, **kwargs):
     """The model in eval mode, in the class the family's template names (`Template.model_class`:
-    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint)."""
+    the Auto classes, or e.g. Qwen2.5-Omni's thinker from a full checkpoint), with the fusion
+    modules a training checkpoint holds inserted (mmgrpo/fusion/)."""
     from transformers import AutoConfig
 
+    from mmgrpo.fusion.attach import attach_saved_fusion
     from mmgrpo.templates import Template
 
     path = checkpoint_path(name_or_path)
@@ -55,7 +57,9 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     model_class, config, extra = (template or Template).model_class(saved)
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
         extra = {**extra, "config": config}
-    return model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    attach_saved_fusion(model, path, template)
+    return model
 
 
 def model_skeleton(path: str, template=None) -> torch.nn.Module:
@@ -126,11 +130,11 @@ def infer_model_type(model: str) -> str:
     matches = templates_for_hf_type(hf_type) if hf_type else []
     if len(matches) == 1:
         return matches[0]
-    from mmgrpo.templates.base import _TEMPLATES
+    from mmgrpo.templates.base import TEMPLATES
 
     served = "; ".join(
-        f"{cls.name} ({', '.join(cls.__dict__.get('hf_model_types', ())) or 'declares none'})"
-        for cls in sorted(_TEMPLATES.values(), key=lambda c: c.name) if issubclass(cls, Template)
+        f"{name} ({', '.join(cls.__dict__.get('hf_model_types', ())) or 'declares none'})"
+        for name, cls in TEMPLATES.items() if issubclass(cls, Template)
     )
     if matches:
         raise ConfigError(
@@ -177,3 +181,12 @@ def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None)
     if shortest_edge is None or longest_edge is None:
         return
     image_processor.size = {"shortest_edge": min_pixels or shortest_edge, "longest_edge": max_pixels or longest_edge}
+
+
+def template_options(model_cfg) -> dict:
+    """The template options the model flags give (`load_template`'s keywords)."""
+    return dict(
+        template_plugin=model_cfg.template_plugin, min_pixels=model_cfg.min_pixels, max_pixels=model_cfg.max_pixels,
+        video_fps=model_cfg.video_fps, video_nframes=model_cfg.video_nframes,
+        **({"use_audio_in_video": True} if model_cfg.use_audio_in_video else {}),  # qwen2.5-omni's option
+    )

@@ -188,6 +188,7 @@ def _write_checkpoint(recipe: TinyRecipe, dims: dict, out: Path) -> None:
         pad_token=recipe.pad_token,
         bos_token=recipe.tokenizer_bos,
         named_tokens=dict(recipe.named_tokens),
+        text_tokens=recipe.text_tokens,
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in recipe.special_tokens}
     config = recipe.make_config(dims, len(tokenizer), ids)

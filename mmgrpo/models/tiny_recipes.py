@@ -94,6 +94,9 @@ GEMMA3_SPECIAL_TOKENS = (
     "<end_of_image>",
     "<image_soft_token>",
 )
+# Gemma's vocabulary holds runs of newlines as single tokens, and vLLM's Gemma3 processor looks
+# them up by their text (it merges the "\n\n" around an image with the newlines beside it).
+GEMMA3_NEWLINE_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 
 # SigLIP towers (LLaVA-OneVision, Gemma3) see square tiles of TILE_SIZE pixels: (56 / 14)**2 = 16 patches.
 TILE_SIZE = 56
@@ -105,6 +108,9 @@ GEMMA3_IMAGE_TOKENS = 4
 # so tiny models use few mel bins and short chunks (the real models: 128 bins, 30 s).
 AUDIO_MEL_BINS = 16
 AUDIO_CHUNK_SECONDS = 4
+# ...but the tiny Qwen2-Audio pads its clips to the real model's 30 s chunk: vLLM's Qwen2-Audio takes
+# that chunk only (3000 mel frames, fixed in its input schema).
+QWEN2_AUDIO_CHUNK_SECONDS = 30
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +133,7 @@ class TinyRecipe:
     bos_token: str = "<|endoftext|>"  # the config's bos id (a Qwen tokenizer adds no bos)
     tokenizer_bos: str | None = None  # a bos the tokenizer knows by name (Gemma3's chat template writes it)
     named_tokens: tuple[tuple[str, str], ...] = ()  # tokenizer attributes processors read, e.g. image_token
+    text_tokens: tuple[str, ...] = ()  # plain text kept as one token each, after the special tokens
     init_weights: Callable | None = None  # (model) -> None: re-initialise what transformers zero-initialises
 
 
@@ -231,16 +238,15 @@ def _qwen3_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_vl_ids(ids))
 
 
-def _whisper_encoder(dims: dict) -> dict:
-    """A 2-layer Whisper-style audio encoder over AUDIO_MEL_BINS mel bins and AUDIO_CHUNK_SECONDS clips."""
+def _whisper_encoder(dims: dict, chunk_seconds: int = AUDIO_CHUNK_SECONDS) -> dict:
+    """A 2-layer Whisper-style audio encoder over AUDIO_MEL_BINS mel bins and clips of `chunk_seconds`."""
     return {
         "num_mel_bins": AUDIO_MEL_BINS,
         "encoder_layers": dims["vision_depth"],
         "encoder_attention_heads": dims["vision_num_heads"],
         "encoder_ffn_dim": 2 * dims["vision_embed_dim"],
         "d_model": dims["vision_embed_dim"],
-        "max_source_positions": AUDIO_CHUNK_SECONDS
-        * 50,  # mel frames (100 per second) after the stride-2 conv
+        "max_source_positions": chunk_seconds * 50,  # mel frames (100 per second) after the stride-2 conv
     }
 
 
@@ -248,7 +254,7 @@ def _qwen2_audio_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen2AudioConfig
 
     text = {"model_type": "qwen2", **_qwen_text_dims(dims, vocab_size, ids, mrope=False)}
-    audio = {"model_type": "qwen2_audio_encoder", **_whisper_encoder(dims)}
+    audio = {"model_type": "qwen2_audio_encoder", **_whisper_encoder(dims, QWEN2_AUDIO_CHUNK_SECONDS)}
     return Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=ids["<|AUDIO|>"])
 
 
@@ -377,13 +383,13 @@ def _qwen_video_processor(dims: dict, cls_name: str = "Qwen2VLVideoProcessor", f
     return video_processor
 
 
-def _whisper_features():
+def _whisper_features(chunk_seconds: int = AUDIO_CHUNK_SECONDS):
     from transformers import WhisperFeatureExtractor
 
     return WhisperFeatureExtractor(
         feature_size=AUDIO_MEL_BINS,
         sampling_rate=16000,
-        chunk_length=AUDIO_CHUNK_SECONDS,
+        chunk_length=chunk_seconds,
         return_attention_mask=True,
     )
 
@@ -412,7 +418,8 @@ def _qwen2_audio_processor(dims: dict):
         from transformers import Qwen2AudioProcessor
 
         return Qwen2AudioProcessor(
-            feature_extractor=_whisper_features(), tokenizer=tokenizer, chat_template=tokenizer.chat_template
+            feature_extractor=_whisper_features(QWEN2_AUDIO_CHUNK_SECONDS), tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
         )
 
     return make
@@ -550,6 +557,7 @@ RECIPES: dict[str, TinyRecipe] = {
             ("eoi_token", "<end_of_image>"),
             ("image_token", "<image_soft_token>"),
         ),
+        text_tokens=GEMMA3_NEWLINE_TOKENS,
         init_weights=_gemma3_init,
     ),
     "qwen2": TinyRecipe(

@@ -220,19 +220,23 @@ def build_tokenizer(
     pad_token: str = "<|endoftext|>",
     bos_token: str | None = None,
     named_tokens: dict[str, str] | None = None,
+    text_tokens: tuple[str, ...] = (),
 ):
-    """Qwen2Tokenizer: trained BPE, then `special_tokens` at ids BPE_VOCAB_SIZE + i, then fillers.
+    """Qwen2Tokenizer: trained BPE, then `special_tokens` at ids BPE_VOCAB_SIZE + i, then
+    `text_tokens`, then fillers.
 
     `vocab_size` None pads to a multiple of 64; a larger value (151936 like the real Qwen
     vocabularies) pads with unused tokens, so len(tokenizer) always equals the model's vocab.
     `named_tokens` become tokenizer attributes that some processors read, e.g.
     {"image_token": "<|IMAGE|>"} gives `tokenizer.image_token` and `tokenizer.image_token_id`.
+    `text_tokens` are pieces of plain text the tokenizer keeps whole and lists under their own text
+    in `get_vocab()` (not special: decoding keeps them), e.g. Gemma's runs of newlines.
     """
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
     vocab, merges = train_bpe()
-    for token in special_tokens:
+    for token in special_tokens + text_tokens:
         vocab[token] = len(vocab)
     min_size = len(vocab)
     vocab_size = vocab_size or -(-min_size // 64) * 64
@@ -255,5 +259,7 @@ def build_tokenizer(
     tokenizer.add_special_tokens(
         {"extra_special_tokens": [AddedToken(t, special=True, normalized=False) for t in special_tokens]}
     )
+    if text_tokens:  # matched before BPE, longest first: "\n\n\n" is one token, as in Gemma's vocabulary
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in text_tokens])
     tokenizer.chat_template = chat_template
     return tokenizer

@@ -8,7 +8,7 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.parallel.launch import env_world_size
 
 PARALLEL_CHOICES = ("none", "fsdp2", "zero3")
-TRAIN_TYPES = ("full", "lora")
+TRAIN_TYPES = ("full", "lora", "fusion")
 
 
 def validate_parallel(cfg) -> None:

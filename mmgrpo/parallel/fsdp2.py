@@ -37,8 +37,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from mmgrpo.forward.policy import plain_call
-from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
+from mmgrpo.parallel.guards import step_unless_nonfinite
 
 OPTIMIZER_SHARDS = "optimizer"  # a torch.distributed.checkpoint folder inside checkpoint-N
 
@@ -98,7 +98,7 @@ class FSDP2(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the global norm over all shards
-        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/guards.py); the norm tells the loop
+        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/parallel/guards.py); the norm tells the loop
         return float(norm)
 
     def full_tensors(self, model, names: list[str]):

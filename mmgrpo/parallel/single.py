@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmgrpo.guards import step_unless_nonfinite
 from mmgrpo.parallel.base import Prepared, Strategy
+from mmgrpo.parallel.guards import step_unless_nonfinite
 
 
 class SingleProcess(Strategy):
@@ -21,7 +21,7 @@ class SingleProcess(Strategy):
     def optimizer_step(self, optimizer, max_grad_norm: float) -> float:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/guards.py); the norm tells the loop
+        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/parallel/guards.py); the norm tells the loop
         return float(norm)
 
     def full_state_dict(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ completions (`solution`, `sample_id`, `to_image_box`, and every other dataset co
     >>> per_func, total = compute_rewards(["doc_is_short", is_short], [1.0, 0.5], ["ok", "far too long"], {})
     >>> per_func.tolist(), total.tolist()
     ([[1.0, 0.0], [1.0, 0.0]], [1.5, 0.0])
-    >>> del _REGISTRY["doc_is_short"]  # (keeps the registry as it was for other tests)
+    >>> REWARDS.unregister("doc_is_short")  # (keeps the registry as it was for other tests)
 """
 
 from __future__ import annotations
@@ -23,14 +23,21 @@ import time
 from collections.abc import Callable, Sequence
 
 from mmgrpo.errors import ConfigError, RewardError
-from mmgrpo.plugins import import_plugin
+from mmgrpo.registry import Registry, import_plugin
 from mmgrpo.rewards.timeout import RewardTimeout, call_with_timeout
 
 logger = logging.getLogger("mmgrpo.rewards")
 
 RewardFunc = Callable[..., list]
 
-_REGISTRY: dict[str, RewardFunc] = {}
+
+def _load_builtins() -> None:
+    # The built-in rewards register themselves when the package is imported.
+    import mmgrpo.rewards  # noqa: F401
+
+
+REWARDS = Registry("reward", flag="--reward_funcs", load=_load_builtins)
+PLUGIN_HINT = "For your own reward pass 'path/to/file.py:function_name'."
 _WARNED: set[str] = set()  # warnings already logged (once per reward and kind)
 
 
@@ -41,15 +48,10 @@ def register_reward(name: str):
     """
 
     def decorator(func: RewardFunc) -> RewardFunc:
-        if name in _REGISTRY:
-            raise ConfigError(
-                f"reward '{name}' is already registered (by {_describe(_REGISTRY[name])}); "
-                f"choose another name for {_describe(func)}"
-            )
         if not callable(func):
             raise ConfigError(f"reward '{name}' must be a function, got {type(func).__name__}")
+        REWARDS.register(name, func)
         func.reward_name = name
-        _REGISTRY[name] = func
         return func
 
     return decorator
@@ -57,8 +59,7 @@ def register_reward(name: str):
 
 def list_rewards() -> list[str]:
     """Names of the registered rewards, sorted."""
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def get_reward(spec: str | RewardFunc) -> RewardFunc:
@@ -72,30 +73,14 @@ def get_reward(spec: str | RewardFunc) -> RewardFunc:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"a reward is a registered name or 'path/to/file.py:function', got {spec!r}")
     spec = spec.strip()
-    _load_builtins()
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
-    if ":" in spec or spec.endswith(".py"):
+    if spec not in REWARDS and (":" in spec or spec.endswith(".py")):
         return _load_plugin(spec)
-    raise ConfigError(
-        f"unknown reward '{spec}'. Registered rewards: {', '.join(sorted(_REGISTRY))}. "
-        "For your own reward pass 'path/to/file.py:function_name'."
-    )
+    return REWARDS.get(spec, hint=PLUGIN_HINT)
 
 
 def reward_name(func: RewardFunc) -> str:
     """The name a reward is logged and reported under."""
     return getattr(func, "reward_name", None) or getattr(func, "__name__", None) or repr(func)
-
-
-def _describe(func) -> str:
-    module = getattr(func, "__module__", "?")
-    return f"{module}.{getattr(func, '__qualname__', repr(func))}"
-
-
-def _load_builtins() -> None:
-    # The built-in rewards register themselves when the package is imported.
-    import mmgrpo.rewards  # noqa: F401
 
 
 def _load_plugin(spec: str) -> RewardFunc:

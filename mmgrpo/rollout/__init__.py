@@ -6,13 +6,18 @@
 
     hf.py             transformers' generate, on any model
     shared_prefix.py  each prompt prefilled once for its G samples; lean decode steps (lean_decode.py)
-    sampling.py       the logit filters and the sampler of the in-process engines
-    vllm_*.py         vLLM in the training process (vllm_colocate.py) or as a server (vllm_server.py,
+    token_sampler.py  the logit filters and the sampler of the in-process engines
+    weight_sync.py    the policy's weights as an engine with its own copy receives them
+    pipeline.py       when rollouts run: in step, or up to K steps ahead of training (--max_staleness)
+    worker.py         the background thread that generates them, weights loaded between rollouts
+    rounds.py         the step's batch scored once, then completed: dynamic sampling, two-stage generation
+    vllm_*.py         vLLM in the training process (vllm_colocate.py) or as servers (vllm_server.py,
                       vllm_client.py), chosen by --use_vllm --vllm_mode (vllm_engine.py)
+    weight_group.py   weights broadcast from trainer rank 0 to every server over a group of their own
     multiturn.py      episodes with tool calls over any of them (--max_turns > 1)
 
-A new engine implements `generate` and `update_weights` and gets a branch in
-`build_rollout_engine` (docs/architecture.md).
+A new engine subclasses `RolloutEngine`, implements `generate` (and `update_weights` where it
+holds its own weights) and gets a branch in `build_rollout_engine` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def choose_engine(policy, strategy, prepared, *, gather_for_generation, asynchro
     if asynchronous:
         if sharded:
             raise ConfigError(
-                "--async_generate with --parallel fsdp2 / zero3 needs a rollout engine with its own weights "
+                "--async_generate / --max_staleness with --parallel fsdp2 / zero3 needs a rollout engine with its own weights "
                 "(--use_vllm); the in-process engines share the sharded model."
             )
         source = copy.deepcopy(peft_model).merge_and_unload() if peft_model is not None else copy.deepcopy(model)

@@ -2,24 +2,40 @@
 
 A rollout engine turns B prompts into B x G completions. The training step needs nothing else
 from it, so the in-process engines (HF generate, the shared-prefix sampler) and vLLM (colocated
-or as a server) stand behind the same two calls:
+or as a server) stand behind the same calls of `RolloutEngine`:
 
     rollout = engine.generate(prompts, sampling)      # list[PromptInputs] -> Rollout
     engine.update_weights(named_tensors, version)     # after every optimizer step
+    engine.close()                                    # at the end of the run
 
 An in-process engine samples from the policy's own module, so its `update_weights` only records
 the version; an engine holding its own copy of the weights (vLLM) loads the tensors it is given.
 `named_tensors` is a lazy iterable of (HF parameter name, full tensor): an engine that does not
 iterate it costs nothing, one that does receives the tensors one at a time.
+
+A `Rollout` is the one batch type every later stage passes on: rewards are written into it once
+(`score`, mmgrpo/rollout/rounds.py), and `select` / `concat` keep every per-completion field, so
+dynamic sampling and two-stage generation never copy fields by hand:
+
+    >>> ids = torch.tensor([[5, 2], [6, 7], [8, 2]])
+    >>> a = Rollout(ids, torch.ones_like(ids), torch.tensor([False, True, False]), texts=["x", "y", "z"])
+    >>> b = a.select([2, 0])
+    >>> b.completion_ids.tolist(), b.texts
+    ([[8, 2], [5, 2]], ['z', 'x'])
+    >>> c = Rollout.concat([b, Rollout(torch.tensor([[9]]), torch.ones(1, 1, dtype=torch.long), torch.tensor([True]),
+    ...                                texts=["w"])], pad_token_id=0)
+    >>> c.completion_ids.tolist(), c.completion_mask.tolist(), c.texts
+    ([[8, 2], [5, 2], [9, 0]], [[1, 1], [1, 1], [1, 0]], ['z', 'x', 'w'])
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from mmgrpo.data.schema import dataset_of
 
 
 @dataclass
@@ -51,42 +67,147 @@ class SamplingParams:
         return budgets.repeat_interleave(self.num_generations)
 
 
+# Rollout fields by how they follow the rows: [N, T] tensors right-padded by `concat` (the value
+# it pads with; None: the pad token id), [N] / [F, N] tensors, and per-row lists.
+_PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0}
+_ROW_TENSORS = ("truncated", "rewards", "row_versions")
+_ROW_LISTS = ("completion_media", "texts")
+
+
 @dataclass
 class Rollout:
     completion_ids: torch.Tensor  # [B * G, T] right-padded with pad_token_id
     completion_mask: torch.Tensor  # [B * G, T] 1 up to and including the EOS token
     truncated: torch.Tensor  # [B * G] bool: no EOS within max_new_tokens
     logps: torch.Tensor | None = None  # [B * G, T] the sampler's log-probs of the tokens (0 after EOS), if it gives them
-    weight_version: int = 0  # the optimizer steps the sampling weights had seen
+    weight_version: int = 0  # the optimizer steps the sampling weights had seen (the oldest, after `concat`)
+    # [B * G] each row's weight version where the rows' differ (`concat` of rounds sampled on other weights);
+    # None: every row's is weight_version. `versions()` gives them either way.
+    row_versions: torch.Tensor | None = None
     # Multi-turn episodes (mmgrpo/rollout/multiturn.py); a single-turn engine leaves these unset.
     # A completion is then the whole trajectory after the prompt: the model's turns and the tool
     # turns between them, all under completion_mask (the training forward runs them all).
     loss_mask: torch.Tensor | None = None  # [B * G, T] 1 on the model's own tokens; None: all of completion_mask
     completion_media: list[dict] | None = None  # per row: media tensors of the images inside its completion, in order
-    texts: list[str] | None = None  # per row: what rewards score (an episode's last model turn); None: decode the ids
+    texts: list[str] | None = None  # per row: what rewards score (an episode's last model turn); `score` decodes the rest
     columns: dict[str, list] = field(default_factory=dict)  # per-row reward columns (trajectory, tool_calls ...)
-    metrics: dict[str, float] = field(default_factory=dict)  # logged with the step (tools/...)
+    # The generation's own figures, logged with the step: means over its completions (tools/turns ...)
+    # and totals that add up across rollouts (tools/errors, tools/seconds). `select` keeps both.
+    metrics: dict[str, float] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+    # Set once by `score` (mmgrpo/rollout/rounds.py): the weighted sum of the rewards, and each reward's own.
+    rewards: torch.Tensor | None = None  # [B * G] (NaN: every reward skipped the completion)
+    reward_per_func: torch.Tensor | None = None  # [F, B * G] (NaN = skipped)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
 
     @property
     def lengths(self) -> torch.Tensor:  # [B * G]
         return self.completion_mask.sum(1)
 
+    @property
+    def scored(self) -> bool:
+        return self.rewards is not None
 
-class RolloutEngine(Protocol):
-    """The interface every rollout engine implements (see the module docstring)."""
+    def versions(self) -> torch.Tensor:
+        """[B * G] the weight version that sampled each row."""
+        if self.row_versions is not None:
+            return self.row_versions
+        return torch.full((len(self),), self.weight_version, dtype=torch.long)
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> Rollout:
+        """The completions `rows` (indices, in that order), every per-row field with them."""
+        index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        picked = index.tolist()
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name in ("weight_version", "metrics", "totals"):
+                values[f.name] = value
+            elif f.name == "reward_per_func":
+                values[f.name] = value[:, index.to(value.device)]
+            elif f.name in _PADDED or f.name in _ROW_TENSORS:
+                values[f.name] = value[index.to(value.device)]
+            elif f.name in _ROW_LISTS:
+                values[f.name] = [value[i] for i in picked]
+            elif f.name == "columns":
+                values[f.name] = {key: [column[i] for i in picked] for key, column in value.items()}
+        return Rollout(**values)
+
+    @classmethod
+    def concat(cls, rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+        """The rows of `rollouts` one after the other; [N, T] fields right-padded to the longest.
+        A field set in some parts and not in others is dropped (None), except `loss_mask`, which
+        defaults to the completion mask. Metrics are weighted by rows, totals added."""
+        if len(rollouts) == 1:
+            return rollouts[0]
+        width = max(r.completion_ids.shape[1] for r in rollouts)
+        counts = [len(r) for r in rollouts]
+        values = {"weight_version": min(r.weight_version for r in rollouts)}
+        for name, pad in _PADDED.items():
+            parts = [getattr(r, name) for r in rollouts]
+            if name == "loss_mask" and any(p is not None for p in parts):
+                parts = [r.completion_mask if p is None else p for r, p in zip(rollouts, parts)]
+            if any(p is None for p in parts):
+                values[name] = None
+                continue
+            value = pad_token_id if pad is None else pad
+            values[name] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts])
+        if len({r.weight_version for r in rollouts}) > 1 or any(r.row_versions is not None for r in rollouts):
+            values["row_versions"] = torch.cat([r.versions() for r in rollouts])
+        for name in _ROW_TENSORS + ("reward_per_func",):
+            if name == "row_versions":
+                continue
+            parts = [getattr(r, name) for r in rollouts]
+            values[name] = None if any(p is None for p in parts) else torch.cat(parts, dim=-1)
+        for name in _ROW_LISTS:
+            parts = [getattr(r, name) for r in rollouts]
+            values[name] = None if any(p is None for p in parts) else [x for p in parts for x in p]
+        keys = [k for r in rollouts for k in r.columns]
+        values["columns"] = {key: [x for r in rollouts for x in r.columns.get(key, [None] * len(r))] for key in dict.fromkeys(keys)}
+        values["metrics"] = {
+            key: sum(r.metrics.get(key, 0.0) * n for r, n in zip(rollouts, counts)) / max(1, sum(counts))
+            for key in dict.fromkeys(k for r in rollouts for k in r.metrics)
+        }
+        values["totals"] = {key: sum(r.totals.get(key, 0.0) for r in rollouts) for key in dict.fromkeys(k for r in rollouts for k in r.totals)}
+        return cls(**values)
+
+    def to_file(self) -> dict:
+        """What `torch.save` writes for `from_file` (tensors and plain values: loads with weights_only=True)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_file(cls, saved: dict) -> Rollout:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in saved.items() if key in known})
+
+
+class RolloutEngine:
+    """What every rollout engine is (see the module docstring); subclasses implement `generate`
+    and keep these defaults where they fit: an engine on the policy's own module has no weights to
+    load and nothing to close."""
 
     # True where the engine samples from its own copy of the weights (vLLM; an in-process engine
     # on a copy, for asynchronous rollouts): its samples may lag or differ numerically from the
     # policy, so the step recomputes their log-probs and measures the mismatch.
-    separate_weights: bool
-    weight_version: int  # the version of the weights it samples from
+    separate_weights: bool = False
+    weight_version: int = 0  # the version of the weights it samples from
+
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
-        ...
+        raise NotImplementedError
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Make the next `generate` sample from these weights, tagged `version`."""
-        ...
+        """Make the next `generate` sample from these weights, tagged `version`. Here, for the
+        in-process engines: on the policy's own module nothing to load; on a copy of it
+        (`separate_weights`, asynchronous rollouts) the tensors are copied into `self.model`."""
+        if self.separate_weights:
+            load_named_tensors(self.model, named_tensors)
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Free what the engine holds (a vLLM engine goes before the process group it uses)."""
 
 
 def collate_on_device(template, prompts: list, model: torch.nn.Module, prepare=None) -> dict:
@@ -154,3 +275,33 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[i
     positions = torch.arange(completion_ids.shape[1], device=completion_ids.device)  # [T]
     mask = (positions[None, :] <= first_eos[:, None]).long()  # EOS itself is scored
     return mask, ~has_eos
+
+
+def step_seed(cfg, step: int, rank: int) -> int:
+    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
+    return cfg.seed * 100_003 + step + 1_000_003 * rank
+
+
+def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
+                    completion_caps: dict[str, int] | None = None) -> SamplingParams:
+    """A TrainConfig's rollout options as the engines' SamplingParams.
+
+    completion_caps: {dataset: its own max_completion_length} (the registry's); each of `samples`
+    from such a dataset gets that budget, the others --max_completion_length.
+    """
+    budget, per_prompt = cfg.rollout.max_completion_length, None
+    if samples and completion_caps:
+        per_prompt = [completion_caps.get(dataset_of(sample.id), budget) for sample in samples]
+        budget = max(per_prompt)
+        if min(per_prompt) == budget:  # one budget for the whole batch
+            per_prompt = None
+    return SamplingParams(
+        # two-stage generation rolls out K first (mmgrpo/rollout/rounds.py completes the groups)
+        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
+        max_new_tokens=budget,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        seed=seed,
+        max_new_tokens_per_prompt=per_prompt,
+    )

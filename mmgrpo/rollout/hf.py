@@ -21,15 +21,15 @@ import torch
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.rollout.base import (
     Rollout,
+    RolloutEngine,
     SamplingParams,
     collate_on_device,
     completion_mask_from_ids,
     cut_to_budgets,
-    load_named_tensors,
 )
 
 
-class HFRollout:
+class HFRollout(RolloutEngine):
     def __init__(
         self,
         model,
@@ -59,7 +59,6 @@ class HFRollout:
         self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
         self.call, self.scope, self.prepare = call, scope, prepare
         self.synced = synced
-        self.weight_version = 0
         self.separate_weights = separate_weights
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
@@ -69,13 +68,6 @@ class HFRollout:
             rollout = self.call(self._generate, batch, sampling)
         rollout.weight_version = self.weight_version
         return cut_to_budgets(rollout, sampling, self.pad_token_id)
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        """On the policy's own module: nothing to load, only the version. On a copy
-        (`separate_weights`): the tensors are copied into it."""
-        if self.separate_weights:
-            load_named_tensors(self.model, named_tensors)
-        self.weight_version = version
 
     @torch.no_grad()
     def _generate(self, prompt_batch: dict, params: SamplingParams) -> Rollout:

@@ -10,6 +10,7 @@ layers' weights:
     embed -> per layer: RMSNorm, q/k/v (+ Qwen3's q/k norms), RoPE, write K/V into the
     rollout's buffer, SDPA over it, o_proj, residual, RMSNorm, SwiGLU MLP, residual
     -> final RMSNorm
+    (fusion modules after their layers where the model has them: mmgrpo/fusion/)
 
 The buffer (`GroupedPrefixKV`) holds each prompt's K/V once, followed by its G rows' tokens,
 and one SDPA call per prompt serves its G rows; transformers' cache would hold G copies.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mmgrpo.fusion.attach import decoder_fusion
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -68,6 +71,8 @@ class LeanDecoder:
         self.norm = language_model.norm
         self.rotary = language_model.rotary_emb
         self.layers = [_Layer(layer) for layer in language_model.layers]
+        # fusion modules (mmgrpo/fusion/) after some layers: their forward hooks are not called here
+        self.fusion = decoder_fusion(language_model)
 
     @staticmethod
     def supports(language_model: nn.Module) -> tuple[bool, str]:
@@ -111,7 +116,10 @@ class LeanDecoder:
         rows = token.shape[0]
         hidden = F.embedding(token, self.embed.weight)[:, None]  # [N, 1, H]
         cos, sin = cos[:, None, None], sin[:, None, None]  # [N, 1, 1, D]
-        for layer, store in zip(self.layers, kv):
+        fusion = self.fusion
+        if fusion is not None:
+            fusion.continue_rows(rows)
+        for index, (layer, store) in enumerate(zip(self.layers, kv)):
             x = _rms_norm(hidden, layer.input_norm)
             q = F.linear(x, layer.q.weight, layer.q.bias).view(rows, 1, -1, layer.head_dim)
             k = F.linear(x, layer.k.weight, layer.k.bias).view(rows, 1, -1, layer.head_dim)
@@ -126,6 +134,8 @@ class LeanDecoder:
             x = _rms_norm(hidden, layer.post_norm)
             x = F.silu(F.linear(x, layer.gate.weight, layer.gate.bias)) * F.linear(x, layer.up.weight, layer.up.bias)
             hidden = hidden + F.linear(x, layer.down.weight, layer.down.bias)
+            if fusion is not None and fusion._active and str(index) in fusion.blocks:
+                hidden = fusion.fuse(index, hidden)
         return _rms_norm(hidden, self.norm)[:, 0]  # [N, H]
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.templates.turns import ToolTurn, encode_tool_turn, extend_prompt, merge_media
 from mmgrpo.tools.calls import parse_tool_calls
 from mmgrpo.tools.environment import ERROR_KINDS, ToolEnvironment, ToolResult
@@ -72,7 +72,7 @@ class Episode:
         return "".join(text + next(tool_texts, "") for text in self.model_texts)
 
 
-class MultiTurnRollout:
+class MultiTurnRollout(RolloutEngine):
     """`generate(prompts, sampling) -> Rollout` over episodes of up to `max_turns` model turns."""
 
     def __init__(self, inner, template, environment: ToolEnvironment, max_turns: int):
@@ -83,7 +83,7 @@ class MultiTurnRollout:
 
     @property
     def separate_weights(self) -> bool:
-        return getattr(self.inner, "separate_weights", False)
+        return self.inner.separate_weights
 
     @property
     def weight_version(self) -> int:
@@ -91,6 +91,9 @@ class MultiTurnRollout:
 
     def update_weights(self, named_tensors, version: int) -> None:
         self.inner.update_weights(named_tensors, version)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B prompts -> B x G episodes, the G of a prompt contiguous (see the module docstring)."""
@@ -207,12 +210,14 @@ class MultiTurnRollout:
         metrics = {
             "tools/calls_per_completion": sum(calls) / num_rows,
             "tools/used": sum(c > 0 for c in calls) / num_rows,  # share of episodes with a tool call
-            "tools/errors": float(sum(errors.values())),
-            **{f"tools/errors_{kind}": float(count) for kind, count in errors.items()},
             "tools/turns": sum(e.turns for e in episodes) / num_rows,
             "tools/max_turns_reached": sum(e.max_turns_reached for e in episodes) / num_rows,
             "tools/model_tokens": float(loss_mask.sum()) / num_rows,
             "tools/tool_tokens": float((completion_mask - loss_mask).sum()) / num_rows,
+        }
+        totals = {  # add up across rollouts (rounds of one step)
+            "tools/errors": float(sum(errors.values())),
+            **{f"tools/errors_{kind}": float(count) for kind, count in errors.items()},
             "tools/seconds": tool_seconds,
         }
         return Rollout(
@@ -231,5 +236,6 @@ class MultiTurnRollout:
                 "turns": [e.turns for e in episodes],
             },
             metrics=metrics,
+            totals=totals,
         )
 

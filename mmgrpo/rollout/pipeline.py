@@ -1,136 +1,193 @@
-"""When rollouts run: in step (synchronous) or one step ahead of training (asynchronous).
+"""When rollouts run: in step (synchronous), or up to K steps ahead of training (asynchronous with
+bounded staleness, `--max_staleness K`; `--async_generate` is K = 1). One call gives the loop the
+batch it trains on, so the loop reads the same either way:
 
-    pipeline = RolloutPipeline(engine, weights, asynchronous=cfg.rollout.async_generate)
-    pipeline.sync_weights(); pipeline.start(prompts_1, sampling)       # step 1's rollout
+    pipeline = RolloutPipeline(run, batches)
     for step in 1, 2, ...:
-        prompts, rollout = pipeline.result()                           # this step's completions
-        pipeline.sync_weights(); pipeline.start(prompts_next, sampling) # async: runs while this step trains
-        ... train on rollout
-        pipeline.policy_updated(step)                                  # the policy's weights are version `step`
+        batch = pipeline.next_batch(step, timers)   # prompts and their completions: scored, extra rounds done
+        ... train on batch.prompts, batch.rollout
+        pipeline.policy_updated(step)               # the policy's weights are now version `step`
 
-`sync_weights` loads the policy's newest weights into an engine that holds its own copy (once
-per version; a no-op for an engine on the policy's own module), and `start` refuses to run on
-older weights: a rollout is never stale by accident.
+The schedule. A version counts the optimizer steps the weights have taken: step t trains version
+t - 1, and step t's rollout samples version max(0, t - 1 - K), so its staleness, (t - 1) minus the
+version that sampled it, is at most K:
 
-Synchronous: `start` generates there and then; every rollout samples from the weights the step
-trains. Asynchronous (one-step off-policy, ms-swift's `--async_generate`): after step t's
-rollout is taken, the newest weights (version t - 1) are loaded and the next batch is generated
-in a background thread while step t trains; step t + 1 then trains on completions of version
-t - 1: exactly one step stale, and `Rollout.weight_version` says so. The engine must hold its
-own copy of the weights (vLLM, or an in-process engine on a copy of the model): training
-changes the policy's weights while the rollout runs. A weight update never overlaps a rollout:
-it happens between `result` and `start`.
+    synchronous (K = 0)   step t draws its prompts, loads version t - 1 into the engine (once per
+                          version; nothing for an engine on the policy's own module) and generates.
+    asynchronous (K >= 1) once step t's batch is complete, the rollouts of steps t + 1 .. t + K are
+                          asked for (the one not asked yet, t + K, on version t - 1, the newest) and
+                          a background thread (mmgrpo/rollout/worker.py) generates them in order while
+                          the steps train. Step t waits only for what is not ready yet.
 
-`weights` is a callable returning the lazy (HF name, tensor) iterable of the policy's current
-weights (`lora.rollout_weights`); it is iterated only by engines that hold their own copy.
+K = 1 is one step off-policy: each rollout generates while the step before trains. K = 2 trains
+every step two versions stale (from step 3 on) and in exchange lets the rollouts get up to two
+steps ahead, so one that takes longer than a step (long answers, a busy rollout server) is hidden
+by the slack that the others left. The version a rollout samples is fixed by this schedule, not by
+timing: a run is the same however fast its rollouts come back, and a resumed run continues it
+exactly (the checkpoint keeps the rollouts in flight: mmgrpo/training/resume.py).
+
+Weights change between rollouts, never during one. Where the worker is idle (K = 1 always: step
+t + 1's rollout is asked once step t's is taken) the newest weights are loaded there and then
+(time/weight_sync). Where it is still generating (K >= 2, generation behind), the trainer takes a
+host copy of the weights to sync (`worker.snapshot`: memory for one copy of the trainable weights
+per version waiting) and the worker loads it before the rollout that needs it.
+
+Extra rounds (--dynamic_sample, two-stage generation) run on the same engine after the rollouts
+asked before them, on the newest weights (staleness 0).
+
+A rollout staler than K (restored from a checkpoint saved with a larger K, or sampled by an engine
+that held other weights than asked) is never trained on: it is dropped (rollout/dropped_stale
+counts its completions) and generated again from the same prompts on the newest weights.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 
-import torch
+from mmgrpo.forward.policy import autocast
+from mmgrpo.rollout.base import Rollout, SamplingParams, step_seed
+from mmgrpo.rollout.rounds import complete_batch, score
+from mmgrpo.rollout.weight_sync import rollout_weights
+from mmgrpo.rollout.worker import RolloutRequest, RolloutWorker, snapshot
 
-from mmgrpo.rollout.base import Rollout, SamplingParams
+
+@dataclass
+class StepBatch:
+    """What a step trains on."""
+
+    prompts: list  # (Sample, PromptInputs) of the B prompts
+    rollout: Rollout  # their B x G completions, scored
+    metrics: dict[str, float]  # the rounds' (dynamic/*, two_stage/*), rollout/generate_s, rollout/dropped_stale
+
+
+@dataclass
+class Ahead:
+    """A rollout asked for a step that has not taken it yet."""
+
+    prompts: list
+    position: tuple[int, int]  # (epoch, batch) of the prompt stream where its prompts began
+    request: RolloutRequest
+
+
+def untimed(name: str):
+    return nullcontext()
 
 
 class RolloutPipeline:
-    def __init__(self, engine, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], *, asynchronous: bool = False):
-        if asynchronous and not getattr(engine, "separate_weights", False):
+    def __init__(self, run, batches):
+        """run: the Run (engine, weights, rewards, options); batches: its prompt stream."""
+        self.run, self.batches, self.engine = run, batches, run.rollout
+        self.max_staleness = run.cfg.rollout.staleness_bound  # 0: synchronous
+        if self.max_staleness and not getattr(self.engine, "separate_weights", False):
             raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
-        self.engine, self.weights, self.asynchronous = engine, weights, asynchronous
+        self.weights = lambda: rollout_weights(run.model, run.peft_model, run.strategy)
         self.version = 0  # optimizer steps the policy's weights have taken
-        # seconds the engine spent on the rollouts taken by `result` since `take_generate_seconds`
-        # (background when async); counted when a rollout is taken, so a step reports its own rollout's
-        self.generate_seconds = 0.0
-        self._seconds = 0.0  # of the rollout in flight, written by the thread that generates it
-        self._thread: threading.Thread | None = None
-        self._result: Rollout | BaseException | None = None
-        self._prompts: list | None = None
+        self.ahead: dict[int, Ahead] = {}  # by step
+        self.worker = RolloutWorker(self.engine, lambda: autocast(run.bf16, run.device)) if self.max_staleness else None
+        # the version the engine holds once everything asked of it has run
+        self._asked_version = getattr(self.engine, "weight_version", 0)
+        self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of
 
     def policy_updated(self, version: int) -> None:
         """The policy's weights are now `version` (optimizer steps taken)."""
         self.version = version
 
-    def start(self, prompts: list, sampling: SamplingParams) -> None:
-        """Begin the rollout of `prompts`, a step's (Sample, PromptInputs) pairs, on the policy's newest weights."""
-        if self._prompts is not None:
-            raise RuntimeError("the previous rollout was not taken")
-        if getattr(self.engine, "weight_version", 0) != self.version:
-            raise RuntimeError(
-                f"the rollout engine holds weights of version {self.engine.weight_version}, the policy's are "
-                f"{self.version}: call sync_weights() first"
-            )
-        self._prompts = prompts
-        encoded = [enc for _, enc in prompts]
-        if not self.asynchronous:
-            self._generate(encoded, sampling)
-            if isinstance(self._result, BaseException):
-                self._prompts, error, self._result = None, self._result, None
-                raise error
-            return
-        self._result = None
-        self._thread = threading.Thread(target=self._generate, args=(encoded, sampling), daemon=True)
-        self._thread.start()
+    def next_batch(self, step: int, timers: Callable = untimed) -> StepBatch:
+        """Step `step`'s prompts and their completions, scored and completed by the extra rounds;
+        then the rollouts of the next K steps asked for. `timers(phase)` times data, weight_sync,
+        rollout (generating, or waiting for what the worker generates), reward and resample."""
+        run, cfg = self.run, self.run.cfg
+        metrics = {"rollout/dropped_stale": 0} if self.max_staleness else {}
+        self._generate_seconds = 0.0
+        if step not in self.ahead:  # synchronous, the first step, or a rollout dropped
+            self._ask(step, timers)
+        ahead = self.ahead.pop(step)
+        with timers("rollout"):
+            rollout = self._take(ahead.request)
+        if (step - 1) - rollout.weight_version > self.max_staleness:  # never trained on
+            metrics["rollout/dropped_stale"] += len(rollout)
+            self._ask(step, timers, again=ahead)
+            with timers("rollout"):
+                rollout = self._take(self.ahead.pop(step).request)
+        with timers("reward"):
+            score(run, ahead.prompts, rollout)  # the one scoring of these completions
+        prompts = ahead.prompts
+        if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the batch is unchanged
+            with timers("resample"):
+                prompts, rollout, sampled = complete_batch(run, prompts, rollout, self.batches, step, generate=self.generate)
+            metrics.update(sampled)
+        oldest = int(rollout.versions().min())
+        if (step - 1) - oldest > self.max_staleness:
+            raise RuntimeError(f"step {step} would train on weights of version {oldest}, more than --max_staleness "
+                               f"{self.max_staleness} behind the policy's {step - 1}")
+        for later in range(step + 1, min(step + self.max_staleness, run.total_steps) + 1):
+            if later not in self.ahead:
+                self._ask(later, timers)
+        metrics["rollout/generate_s"] = self._generate_seconds
+        return StepBatch(prompts, rollout, metrics)
 
-    def result(self) -> tuple[list, Rollout]:
-        """The prompts of the rollout begun last and its completions (waits for them)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        prompts, result = self._prompts, self._result
-        self._prompts = self._result = None
-        self.generate_seconds, self._seconds = self.generate_seconds + self._seconds, 0.0
-        if isinstance(result, BaseException):
-            raise result
-        return prompts, result
+    def generate(self, encoded: list, sampling: SamplingParams) -> Rollout:
+        """A rollout of `encoded` prompts on the newest weights, now: the extra rounds' (after the
+        rollouts asked before it, on the same engine)."""
+        return self._take(self._submit(encoded, sampling, untimed))
 
-    @property
-    def in_flight(self) -> bool:
-        """A rollout was started (or restored) and not yet taken by `result`."""
-        return self._prompts is not None
+    def in_flight(self) -> list[tuple[int, tuple[int, int], Rollout]]:
+        """(step, where its prompts began in the prompt stream, rollout) of every rollout asked ahead,
+        in step order, each finished (waits for it) and left in place. A checkpoint saves them."""
+        return [(step, ahead.position, ahead.request.result()) for step, ahead in sorted(self.ahead.items())]
 
-    def pending(self) -> tuple[list, Rollout] | None:
-        """The rollout in flight, finished (waits for it) but left in place for `result`; None if none.
-        A checkpoint saves it: mmgrpo/resume.py."""
-        if self._prompts is None:
-            return None
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if isinstance(self._result, BaseException):
-            return None  # `result` raises it
-        return self._prompts, self._result
-
-    def restore(self, prompts: list, rollout: Rollout, version: int) -> None:
-        """Put back a rollout saved in flight (`pending`), with the policy's weights at `version`."""
-        if self._prompts is not None:
-            raise RuntimeError("a rollout is in flight already")
-        self._prompts, self._result, self.version = prompts, rollout, version
-
-    def take_generate_seconds(self) -> float:
-        """Seconds the engine spent generating the rollouts taken since the last call."""
-        seconds, self.generate_seconds = self.generate_seconds, 0.0
-        return seconds
+    def restore(self, saved: list[tuple[int, list, tuple[int, int], Rollout]], version: int) -> None:
+        """Put back the rollouts a checkpoint saved in flight, (step, prompts, position, rollout)
+        each, with the policy's weights at `version`."""
+        self.version = version
+        for step, prompts, position, rollout in saved:
+            self.ahead[step] = Ahead(prompts, position, RolloutRequest.finished(rollout))
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self.worker is not None:
+            self.worker.close()
 
-    def _generate(self, encoded: list, sampling: SamplingParams) -> None:
-        start = time.perf_counter()
-        try:
-            self._result = self.engine.generate(encoded, sampling)
-        except BaseException as error:  # raised in the training thread by `result`
-            self._result = error
-        self._seconds = time.perf_counter() - start
+    def _ask(self, step: int, timers: Callable, again: Ahead | None = None) -> None:
+        """Ask for step `step`'s rollout: new prompts from the stream, or those of `again`."""
+        if again is None:
+            with timers("data"):
+                prompts = next(self.batches)
+            position = self.batches.last_start
+        else:
+            prompts, position = again.prompts, again.position
+        sampling = self.run.sampling(prompts, step_seed(self.run.cfg, step, self.run.strategy.rank))
+        request = self._submit([enc for _, enc in prompts], sampling, timers)
+        self.ahead[step] = Ahead(prompts, position, request)
 
-    def sync_weights(self) -> None:
-        """Load the policy's newest weights into the engine (once per version). Not while a rollout runs."""
-        if self._thread is not None:
-            raise RuntimeError("weights cannot change while a rollout runs: take its result first")
-        if getattr(self.engine, "weight_version", 0) != self.version:
+    def _submit(self, encoded: list, sampling: SamplingParams, timers: Callable) -> RolloutRequest:
+        """A rollout on the newest weights: generated here (synchronous) or asked of the worker."""
+        with timers("weight_sync"):
+            weights = self._newest_weights()
+        if self.worker is not None:
+            return self.worker.submit(encoded, sampling, self.version, weights)
+        request = RolloutRequest(encoded, sampling, self.version)
+        started = time.perf_counter()
+        with timers("rollout"), autocast(self.run.bf16, self.run.device):
+            request.rollout = self.engine.generate(encoded, sampling)
+        request.seconds = time.perf_counter() - started
+        request.done.set()
+        return request
+
+    def _newest_weights(self):
+        """What the next rollout asked needs to sample the newest weights: nothing where the engine
+        will hold them by then (or is loaded now, while idle); else a host copy for the worker."""
+        if self._asked_version == self.version:
+            return None
+        self._asked_version = self.version
+        if self.worker is None or self.worker.idle:  # nothing runs: load them now, from the policy itself
             self.engine.update_weights(self.weights(), self.version)
+            return None
+        return snapshot(self.weights())
+
+    def _take(self, request: RolloutRequest) -> Rollout:
+        rollout = request.result()
+        self._generate_seconds += request.seconds
+        return rollout

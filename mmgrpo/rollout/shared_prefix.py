@@ -32,7 +32,7 @@ Qwen2, Qwen2-Audio, LLaVA-OneVision and Gemma3), the decode steps call its text 
 row (no `repeat_rows` needed, unlike HFRollout). Gemma3's sliding-window layers get their own
 per-step mask (see `_step_masks`).
 
-Sampling is rollout/sampling.py's (transformers' order). Greedy outputs equal HF generate's
+Sampling is rollout/token_sampler.py's (transformers' order). Greedy outputs equal HF generate's
 token for token (tests/test_shared_prefix.py).
 
     engine = SharedPrefixRollout(model, template)
@@ -52,16 +52,17 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
+from mmgrpo.fusion.attach import keep_prompts
 from mmgrpo.rollout.base import (
     Rollout,
+    RolloutEngine,
     SamplingParams,
     collate_on_device,
     completion_mask_from_ids,
     cut_to_budgets,
-    load_named_tensors,
 )
 from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
-from mmgrpo.rollout.sampling import pick_tokens
+from mmgrpo.rollout.token_sampler import pick_tokens
 
 
 class _BufferLayer(DynamicLayer):
@@ -96,7 +97,7 @@ class _BufferLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
 
 
-class SharedPrefixRollout:
+class SharedPrefixRollout(RolloutEngine):
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
 
     check_every: steps between the host reads of "has every row finished?" (each read is one
@@ -138,7 +139,6 @@ class SharedPrefixRollout:
         self.call, self.scope, self.prepare = call, scope, prepare
         self.check_every, self.drop_finished = check_every, drop_finished
         self.lean = LeanDecoder(self.decoder) if lean and lean_applies(model, template) else None
-        self.weight_version = 0
         self.separate_weights = separate_weights
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
@@ -148,13 +148,6 @@ class SharedPrefixRollout:
             rollout, logps = self.call(self.sample, batch, sampling)
         rollout.logps, rollout.weight_version = logps, self.weight_version
         return cut_to_budgets(rollout, sampling, self.pad_token_id)
-
-    def update_weights(self, named_tensors, version: int) -> None:
-        """On the policy's own module: nothing to load, only the version. On a copy
-        (`separate_weights`): the tensors are copied into it."""
-        if self.separate_weights:
-            load_named_tensors(self.model, named_tensors)
-        self.weight_version = version
 
     @torch.no_grad()
     def sample(self, prompt_batch: dict, params: SamplingParams) -> tuple[Rollout, torch.Tensor]:
@@ -232,6 +225,7 @@ class SharedPrefixRollout:
                     rows, finished, token = rows[kept], finished[kept], token[kept]
                     budgets = None if budgets is None else budgets[kept]
                     advance.keep(kept)
+                    keep_prompts(self.model, kept[::group] // group)  # fusion modules' memory: whole groups
             logits = self.lm_head(advance(token, step)).float()  # [n, V]
         return tokens, logps
 

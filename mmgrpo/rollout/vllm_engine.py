@@ -3,8 +3,11 @@
     engine = build_vllm_engine(cfg, model_path, template, strategy)
 
 `--vllm_mode colocate`: a vLLM engine in this process (mmgrpo/rollout/vllm_colocate.py), one per rank
-under torchrun. `--vllm_mode server`: a client of `mmgrpo rollout-server` (mmgrpo/rollout/vllm_client.py),
-which checks at start-up that the server answers and serves this model.
+under torchrun. `--vllm_mode server`: every rank a client of one or several `mmgrpo rollout-server`s
+(mmgrpo/rollout/vllm_client.py), which checks at start-up that every server answers and serves this model.
+
+>>> server_addresses(["10.0.0.5", "10.0.0.6"], [8000]), server_addresses("127.0.0.1", [8000, 8001])
+([('10.0.0.5', 8000), ('10.0.0.6', 8000)], [('127.0.0.1', 8000), ('127.0.0.1', 8001)])
 """
 
 from __future__ import annotations
@@ -17,18 +20,40 @@ def max_model_len(cfg) -> int:
     return cfg.rollout.vllm_max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
 
 
+def server_addresses(hosts, ports) -> list[tuple[str, int]]:
+    """(host, port) of every server from --vllm_server_host / --vllm_server_port: lists of equal
+    length, or one of them a single value shared by all (a YAML scalar counts as one)."""
+    hosts = [hosts] if isinstance(hosts, str) else list(hosts)
+    ports = [ports] if isinstance(ports, int) else list(ports)
+    if not hosts or not ports:
+        raise ConfigError("--vllm_server_host / --vllm_server_port: give at least one server.")
+    if len(hosts) != len(ports) and 1 not in (len(hosts), len(ports)):
+        raise ConfigError(
+            f"--vllm_server_host names {len(hosts)} hosts and --vllm_server_port {len(ports)} ports: give one port "
+            "per host, or one host (or port) for all."
+        )
+    count = max(len(hosts), len(ports))
+    servers = list(zip(hosts * count if len(hosts) == 1 else hosts, ports * count if len(ports) == 1 else ports))
+    repeated = sorted({f"{host}:{port}" for host, port in servers if servers.count((host, port)) > 1})
+    if repeated:
+        raise ConfigError(f"--vllm_server_host / --vllm_server_port: {', '.join(repeated)} is listed twice; "
+                          "list each server once.")
+    return servers
+
+
 def build_vllm_engine(cfg, model_path: str, template, strategy):
     rollout = cfg.rollout
     if rollout.vllm_mode == "server":
         from mmgrpo.rollout.vllm_client import VLLMServerRollout
 
-        if strategy is not None and strategy.world_size > 1:
-            raise ConfigError(
-                "--vllm_mode server serves one trainer process for now; under torchrun use --vllm_mode colocate."
-            )
         return VLLMServerRollout(
-            rollout.vllm_server_host, rollout.vllm_server_port, model_path, template,
-            timeout=rollout.vllm_server_timeout,
+            server_addresses(rollout.vllm_server_host, rollout.vllm_server_port), model_path, template,
+            rank=strategy.rank if strategy is not None else 0,
+            world_size=strategy.world_size if strategy is not None else 1,
+            device=strategy.device if strategy is not None else "cpu",
+            timeout=rollout.vllm_server_timeout, bucket_bytes=rollout.vllm_weight_bucket_mb << 20,
+            transfer=rollout.vllm_weight_transfer, group_host=rollout.vllm_group_host,
+            group_port=rollout.vllm_group_port, checkpoint_dir=cfg.output_dir,
         )
     from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout
 
@@ -44,14 +69,15 @@ def build_vllm_engine(cfg, model_path: str, template, strategy):
 
 
 def validate_vllm(cfg) -> None:
-    """The --use_vllm checks that need no model: vLLM importable, sizes that make sense."""
+    """The --use_vllm checks that need no model: vLLM importable (colocated: a server's trainer needs
+    none), sizes that make sense, servers listed once."""
     import importlib.util
 
     from mmgrpo.rollout.vllm_requests import INSTALL_HINT
 
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(INSTALL_HINT + ".")
     rollout = cfg.rollout
+    if rollout.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(INSTALL_HINT + ".")
     if not 0 < rollout.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"--vllm_gpu_memory_utilization {rollout.vllm_gpu_memory_utilization}: give a share in (0, 1].")
     if rollout.vllm_enable_sleep_mode:
@@ -63,6 +89,17 @@ def validate_vllm(cfg) -> None:
         raise ConfigError("--vllm_tensor_parallel_size must be at least 1.")
     if rollout.vllm_kv_cache_memory_bytes is not None and rollout.vllm_kv_cache_memory_bytes <= 0:
         raise ConfigError("--vllm_kv_cache_memory_bytes must be a positive number of bytes (e.g. 268435456).")
+    if rollout.vllm_mode == "server":
+        server_addresses(rollout.vllm_server_host, rollout.vllm_server_port)
+        if rollout.vllm_weight_transfer not in ("collective", "http"):
+            raise ConfigError(f"--vllm_weight_transfer {rollout.vllm_weight_transfer!r}: give collective or http.")
+        if rollout.vllm_weight_bucket_mb < 1:
+            raise ConfigError(f"--vllm_weight_bucket_mb {rollout.vllm_weight_bucket_mb}: give at least 1 (MB); "
+                              "a bucket always holds at least one fused layer's weights.")
+        if not 0 <= rollout.vllm_group_port < 65536:
+            raise ConfigError(f"--vllm_group_port {rollout.vllm_group_port}: give a port in 1-65535, or 0 for a free one.")
+        if rollout.vllm_server_timeout <= 0:
+            raise ConfigError(f"--vllm_server_timeout {rollout.vllm_server_timeout}: give a positive number of seconds.")
     if max_model_len(cfg) <= rollout.max_completion_length:
         raise ConfigError(
             f"--vllm_max_model_len {max_model_len(cfg)} leaves no room for a prompt before --max_completion_length "

@@ -20,6 +20,7 @@ divides by.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -44,24 +45,89 @@ def require_vllm():
     return vllm
 
 
-def architectures(model_path: str) -> list[str]:
-    """The `architectures` a checkpoint's config.json names (what vLLM picks its model class by)."""
+def architectures(model_path: str, template) -> list[str]:
+    """The `architectures` vLLM picks its model class by: the checkpoint's config.json, as the
+    family's template gives it to vLLM (`Template.vllm_config`)."""
     config = Path(model_path) / "config.json"
     if not config.is_file():
         return []
-    return list(json.loads(config.read_text()).get("architectures") or [])
+    return list(template.vllm_config(json.loads(config.read_text())).get("architectures") or [])
 
 
 def check_supported(model_path: str, template) -> None:
-    """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture."""
+    """ConfigError at start-up where vLLM has no model class for the checkpoint's architecture, or the
+    family's template says why vLLM cannot run this checkpoint (`Template.vllm_unsupported`)."""
     vllm = require_vllm()
-    names = architectures(model_path)
+    names = architectures(model_path, template)
     supported = set(vllm.ModelRegistry.get_supported_archs())
     if names and not any(name in supported for name in names):
         raise ConfigError(
             f"--use_vllm: vLLM {vllm.__version__} has no model class for --model_type {template.name!r} "
             f"(architecture {', '.join(names)}); {ALTERNATIVES}, or pick a family vLLM runs (docs/vllm.md)."
         )
+    reason = template.vllm_unsupported()
+    if reason:
+        raise ConfigError(
+            f"--use_vllm: vLLM {vllm.__version__} cannot run {model_path} (--model_type {template.name!r}): {reason}; "
+            f"{ALTERNATIVES}."
+        )
+
+
+def known_mismatch(template) -> ConfigError | None:
+    """A ConfigError naming the family where its template records that vLLM computes other log-probs
+    than transformers for it (`Template.vllm_mismatch`), else None."""
+    if not template.vllm_mismatch:
+        return None
+    import vllm
+
+    return ConfigError(
+        f"--use_vllm: vLLM {vllm.__version__} would sample --model_type {template.name!r} from another model than "
+        f"the policy: {template.vllm_mismatch}. {ALTERNATIVES[0].upper()}{ALTERNATIVES[1:]}."
+    )
+
+
+def one_way_media_attention(llm, template) -> ConfigError | None:
+    """A ConfigError naming the family where vLLM's model attends among media tokens both ways (as the
+    policy does, e.g. Gemma3's image tokens) but the attention backend it runs on here cannot, so it
+    attends them causally and samples from another model than the policy; else None. (vLLM on CPU:
+    its one attention backend has no such mode. On CUDA vLLM picks a backend that has it, or stops.)"""
+    backends = sorted({name for name in llm.apply_model(_causal_media_backend) if name})
+    if not backends:
+        return None
+    import vllm
+
+    return ConfigError(
+        f"--use_vllm: vLLM {vllm.__version__} runs --model_type {template.name!r} here with causal attention among "
+        f"its media tokens ({', '.join(backends)} attention has no bidirectional mode), where the model attends "
+        f"them both ways: it would sample from another model than the policy. Run vLLM on a GPU, or {ALTERNATIVES}."
+    )
+
+
+def _causal_media_backend(model) -> str | None:
+    """The name of the attention backend of a layer that should attend media tokens both ways but cannot."""
+    for module in model.modules():
+        backend = getattr(module, "attn_backend", None)
+        if getattr(module, "use_mm_prefix", False) and backend is not None and not backend.supports_mm_prefix():
+            return backend.get_name()
+    return None
+
+
+def repack_tied_heads(llm) -> None:
+    """After a weight sync on CPU: vLLM computes an LM head from a packed copy of its weight, made when
+    the weight loads. A head tied to the input embedding (Gemma3, the small Qwen models) gets nothing
+    of its own in a sync, only the embedding it shares does, so its copy would stay the old weights
+    (greedy completions and log-probs off by up to a nat). Repack the tied heads from their weight."""
+    llm.apply_model(_repack_tied_heads)
+
+
+def _repack_tied_heads(model) -> int:
+    packed = [m for m in model.modules()  # embeddings and LM heads that vLLM's CPU GEMM packed
+              if hasattr(m, "cpu_linear") and hasattr(getattr(m, "quant_method", None), "embedding")]
+    users = Counter(m.weight.data_ptr() for m in packed)
+    tied = [m for m in packed if users[m.weight.data_ptr()] > 1]
+    for module in tied:
+        module.quant_method.process_weights_after_loading(module)
+    return len(tied)
 
 
 # ---- prompts ------------------------------------------------------------------------------------
@@ -120,6 +186,42 @@ def check_prompt_lengths(prompts: list, max_model_len: int, max_new_tokens: int)
                 f"{max_new_tokens} exceeds --vllm_max_model_len {max_model_len}; raise --vllm_max_model_len, "
                 "or lower --max_pixels / --video_nframes."
             )
+
+
+def check_media_tokens(prompts: list, prompt_token_ids: list[list[int]], template) -> None:
+    """DataError naming the first prompt whose media vLLM's processor expanded otherwise than the
+    template did (other counts, or another order: a video's frames and sound interleaved otherwise):
+    vLLM would sample from other inputs than the policy trains on.
+
+    Only the media tokens are compared, in order: an engine that re-tokenizes a multi-turn prompt's
+    text may split it differently (mmgrpo/templates/turns.py), while every image, video and audio clip
+    must become the tokens the policy's forward gives it.
+    """
+    media = {hook.token_id: modality for modality, hook in template.media.items()}
+    for prompt, ids in zip(prompts, prompt_token_ids):
+        ours = [token for token in prompt.prompt_ids.tolist() if token in media]
+        theirs = [token for token in ids if token in media]
+        if ours != theirs:
+            import vllm
+
+            def counts(tokens):
+                return ", ".join(f"{tokens.count(token)} {modality}" for token, modality in media.items())
+
+            raise DataError(
+                f"sample {prompt.id}: vLLM {vllm.__version__} expands its media to {counts(theirs)} tokens, the template "
+                f"of --model_type {template.name} (as transformers) to {counts(ours)}"
+                f"{' in another order' if sorted(ours) == sorted(theirs) else ''}; vLLM would sample from other inputs "
+                "than the policy trains on. Drop --use_vllm, or leave such samples out."
+            )
+
+
+def check_vllm_prompts(prompts: list, template) -> None:
+    """DataError naming the first prompt the family's template says vLLM cannot take as the policy does
+    (`Template.vllm_prompt_problem`), before vLLM runs it."""
+    for prompt in prompts:
+        problem = template.vllm_prompt_problem(prompt)
+        if problem:
+            raise DataError(f"sample {prompt.id}: --use_vllm: {problem}. Drop --use_vllm, or leave such samples out.")
 
 
 # ---- sampling -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ pickle crosses the wire.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -93,3 +94,23 @@ def model_identity(model_path: str) -> dict:
         "model_type": config.get("model_type"),
         **{key: text.get(key, config.get(key)) for key in ("hidden_size", "num_hidden_layers", "vocab_size")},
     }
+
+
+def model_fingerprint(model_path: str) -> str:
+    """A short hash of a checkpoint: its config (less the transformers version that wrote it), the
+    names and sizes of its weight files, and the first and last MiB of each. Copies of one checkpoint
+    agree on any host; another checkpoint of the same architecture (a fine-tune, another step)
+    differs. Reads a few MiB, whatever the model's size.
+    """
+    folder = Path(model_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("transformers_version", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for file in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(1 << 20))
+            handle.seek(max(0, size - (1 << 20)))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:12]

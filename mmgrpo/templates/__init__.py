@@ -11,7 +11,7 @@ name as `--model_type` (see docs/custom_template.md).
 from __future__ import annotations
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.plugins import import_plugin
+from mmgrpo.registry import import_plugin
 from mmgrpo.templates import (  # noqa: F401  (register the families)
     gemma3,
     llava_onevision,

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.registry import Registry
 
 MEDIA_TAGS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(tag) for tag in MEDIA_TAGS) + ")")
@@ -107,6 +108,16 @@ class Template:
     shared_prefix: bool = False
     sliding_window_layers: bool = False
     lean_decode: bool = False
+    # vLLM loads a family's weights by the names of its original Hugging Face checkpoints. Where
+    # transformers names them otherwise (in memory, or in a folder it saved) and vLLM's model class
+    # does not map them itself, these (regex, replacement) rules rename them, applied in order, for
+    # the checkpoint vLLM starts from and for every weight sync (mmgrpo/rollout/vllm_weights.py).
+    # A name already in the original layout must come out unchanged.
+    vllm_weight_names: tuple[tuple[str, str], ...] = ()
+    # Where vLLM's own implementation of the family computes other log-probs than transformers (a
+    # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
+    # another model than the policy. Checks of prompt ids and weight names turn it off.
+    vllm_mismatch: str = ""
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor
@@ -518,6 +529,31 @@ class Template:
         multimodal = type(config) in AutoModelForMultimodalLM._model_mapping
         return (AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM), config, {}
 
+    def vllm_config(self, config: dict) -> dict:
+        """The config.json vLLM should load for a checkpoint of this family whose config.json is
+        `config` (where vLLM registers the family under another architecture); default: `config`."""
+        return config
+
+    def vllm_unsupported(self) -> str | None:
+        """Why vLLM cannot run this checkpoint of the family (said at start-up with --use_vllm), or None."""
+        return None
+
+    def vllm_prompt_problem(self, prompt: PromptInputs) -> str | None:
+        """Why vLLM cannot take this prompt as the policy does (said in the error naming the sample), or None."""
+        return None
+
+    @classmethod
+    def vllm_weight_name(cls, name: str) -> str:
+        """A weight's name as vLLM loads it: `vllm_weight_names` applied in order.
+
+        >>> class T(Template): vllm_weight_names = ((r"^model\\.language_model\\.", "language_model.model."),)
+        >>> T.vllm_weight_name("model.language_model.norm.weight"), T.vllm_weight_name("lm_head.weight")
+        ('language_model.model.norm.weight', 'lm_head.weight')
+        """
+        for pattern, replacement in cls.vllm_weight_names:
+            name = re.sub(pattern, replacement, name)
+        return name
+
     # ----------------------------------------------------------------------------------------
     # Boxes and generation
     # ----------------------------------------------------------------------------------------
@@ -620,23 +656,20 @@ def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
 # Registry
 # ---------------------------------------------------------------------------------------------
 
-_TEMPLATES: dict[str, type[Template]] = {}
-
-
 def _normalise(name: str) -> str:
     """'qwen2_5_vl', 'Qwen2.5-VL' and 'qwen2-5-vl' name the same template."""
     return re.sub(r"[._\-]", "-", name.strip().lower())
+
+
+TEMPLATES = Registry("model_type", flag="--model_type", normalise=_normalise)
 
 
 def register_template(name: str):
     """Class decorator: register a Template under `name` (`--model_type`). Duplicates are an error."""
 
     def register(cls: type[Template]) -> type[Template]:
-        key = _normalise(name)
-        if key in _TEMPLATES:
-            raise ConfigError(f"template {name!r} is already registered (by {_TEMPLATES[key].__name__})")
+        TEMPLATES.register(name, cls)
         cls.name = name
-        _TEMPLATES[key] = cls
         return cls
 
     return register
@@ -644,7 +677,7 @@ def register_template(name: str):
 
 def known_templates() -> list[str]:
     """Registered template names, sorted."""
-    return sorted(cls.name for cls in _TEMPLATES.values())
+    return TEMPLATES.names()
 
 
 def templates_for_hf_type(hf_model_type: str) -> list[str]:
@@ -653,7 +686,7 @@ def templates_for_hf_type(hf_model_type: str) -> list[str]:
     >>> templates_for_hf_type("qwen2_5_vl"), templates_for_hf_type("bert")
     (['qwen2.5-vl'], [])
     """
-    return sorted(cls.name for cls in _TEMPLATES.values() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
+    return sorted(name for name, cls in TEMPLATES.items() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
 
 
 def get_template(model_type: str, processor, **kwargs) -> Template:
@@ -661,9 +694,4 @@ def get_template(model_type: str, processor, **kwargs) -> Template:
 
     kwargs are the template's options (see MediaOptions), e.g. `min_pixels`, `max_pixels`.
     """
-    key = _normalise(model_type)
-    if key not in _TEMPLATES:
-        raise ConfigError(
-            f"unknown model_type {model_type!r}; known templates: {', '.join(known_templates())}"
-        )
-    return _TEMPLATES[key](processor, **kwargs)
+    return TEMPLATES.get(model_type, hint="A family of your own: --template_plugin (docs/custom_template.md).")(processor, **kwargs)

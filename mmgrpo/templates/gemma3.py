@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mmgrpo.templates.base import Template, register_template
+from mmgrpo.templates.hooks import SIGLIP_TOWER_NAMES
 
 
 class SoftTokenImages:
@@ -67,6 +68,14 @@ class Gemma3Template(Template):
     token_type_key = "token_type_ids"
     token_types = {"image": 1}
     expand_in_text = True
+    # the original checkpoints' layout, which vLLM loads: language_model.model.*, multi_modal_projector.*
+    # and the SigLIP tower under vision_tower.vision_model.* (the LM head is tied to the embeddings)
+    vllm_weight_names = (
+        (r"^model\.language_model\.", "language_model.model."),
+        (r"^lm_head\.", "language_model.lm_head."),
+        (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
+        *SIGLIP_TOWER_NAMES,
+    )
     shared_prefix = True  # token_type_ids on the prompt forward only; completions are text
     sliding_window_layers = True  # Gemma3 interleaves sliding-window and full layers
 

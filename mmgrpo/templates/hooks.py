@@ -29,6 +29,11 @@ from collections.abc import Callable
 
 import torch
 
+# `Template.vllm_weight_names` of a SigLIP vision tower (LLaVA-OneVision, Gemma3): the original
+# checkpoints name it `vision_tower.vision_model.*`; transformers 5 drops the `vision_model` level,
+# in memory (`model.vision_tower.encoder...`) and in the folders it saves (`vision_tower.encoder...`).
+SIGLIP_TOWER_NAMES = ((r"^(?:model\.)?vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."),)
+
 
 def video_metadata(video) -> dict:
     """A Video's metadata restricted to the fields transformers' VideoMetadata takes."""

@@ -24,7 +24,7 @@ import torch
 
 from mmgrpo.errors import DataError
 from mmgrpo.templates.base import Template, register_template
-from mmgrpo.templates.hooks import render_chatml
+from mmgrpo.templates.hooks import SIGLIP_TOWER_NAMES, render_chatml
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 LLAVA_PARTS = {"image": "<image>\n", "video": "<video>\n"}
@@ -134,6 +134,14 @@ class LlavaOnevisionTemplate(Template):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = ("<image>", "<video>")
+    # the llava-hf checkpoints' layout, which vLLM loads: language_model.model.*, language_model.lm_head.*,
+    # multi_modal_projector.*, image_newline and the SigLIP tower under vision_tower.vision_model.*
+    vllm_weight_names = (
+        (r"^model\.language_model\.", "language_model.model."),
+        (r"^lm_head\.", "language_model.lm_head."),
+        (r"^model\.(multi_modal_projector\.|image_newline$)", r"\1"),
+        *SIGLIP_TOWER_NAMES,
+    )
     shared_prefix = True  # batch_num_images stays per prompt
     lean_decode = True  # the llava-onevision-qwen2 checkpoints' LLM is Qwen2
 
@@ -142,6 +150,12 @@ class LlavaOnevisionTemplate(Template):
             "image": AnyresImages(self.processor, "<image>", self.token_id("<image>")),
             "video": PooledVideos(self.processor, "<video>", self.token_id("<video>")),
         }
+
+    def vllm_prompt_problem(self, prompt) -> str | None:
+        if len(prompt.images) > 1:
+            return ("vLLM 0.32 tiles every image of a prompt with several (anyres), transformers takes each one's base "
+                    f"view ({len(prompt.images)} images here): keep one image per prompt")
+        return None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML with a default system turn; each medium -> `<image>\\n` or `<video>\\n`."""

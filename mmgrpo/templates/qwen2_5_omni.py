@@ -65,6 +65,20 @@ class Qwen2_5OmniTemplate(Template):
         "lm_head": "lm_head",
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
+    # vLLM runs the thinker as part of a full Qwen2.5-Omni checkpoint (`thinker.model.*`,
+    # `thinker.visual.*`, `thinker.audio_tower.*`, `thinker.lm_head.*` beside `talker.*` and
+    # `token2wav.*`, which it skips). transformers 5.19 holds and saves a thinker as `model.*`,
+    # `visual.*`, `audio_tower.*`, `lm_head.*`; 5.23 holds its towers and LLM under `model.`.
+    vllm_weight_names = (
+        (r"^model\.(visual|audio_tower)\.", r"\1."),
+        (r"^model\.language_model\.", "model."),
+        (r"^(?!thinker\.|talker\.|token2wav\.)", "thinker."),
+    )
+    vllm_mismatch = (
+        "vLLM 0.32's Qwen2.5-Omni thinker gives prompts with images, videos or audio other log-probs than "
+        "transformers 5.19 (0.2 to 0.9 nat per token on the tiny model, on CPU; text alone agrees), and with "
+        "use_audio_in_video lays out a video's frames and sound in other chunks"
+    )
     shared_prefix = True  # audio, video with sound: the prompt forward takes them as the naive one does
     lean_decode = True  # the thinker's decoder layers are Qwen2-style
     never_sample_tokens = (
@@ -183,6 +197,22 @@ class Qwen2_5OmniTemplate(Template):
         from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
         return Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config, {"key_mapping": {r"^thinker\.": ""}}
+
+    def vllm_config(self, config: dict) -> dict:
+        """A thinker checkpoint's config wrapped as a full model's without speech output: vLLM
+        registers the thinker only under the full model's architecture (Qwen2_5OmniModel)."""
+        if config.get("model_type") != "qwen2_5_omni_thinker":
+            return config
+        from transformers import Qwen2_5OmniConfig
+
+        full = Qwen2_5OmniConfig(thinker_config=config, enable_audio_output=False).to_dict()
+        return {**full, "architectures": ["Qwen2_5OmniModel"]}
+
+    def vllm_prompt_problem(self, prompt) -> str | None:
+        if self.use_audio_in_video and prompt.audios:
+            return ("with use_audio_in_video vLLM 0.32 takes the videos' sound tracks and no other audio clip "
+                    f"({len(prompt.audios)} here)")
+        return None
 
     def batch_flags(self, prompts: list) -> dict:
         return {"use_audio_in_video": True} if self.use_audio_in_video else {}

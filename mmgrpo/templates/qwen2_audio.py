@@ -14,6 +14,7 @@ from mmgrpo.templates.base import Template, register_template
 from mmgrpo.templates.hooks import WhisperAudio, render_chatml
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
+VLLM_CHUNK_FRAMES = 3000  # vLLM's Qwen2-Audio takes the real model's 30 s chunk only (fixed in its input schema)
 
 
 @register_template("qwen2-audio")
@@ -31,6 +32,14 @@ class Qwen2AudioTemplate(Template):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+    # vLLM's class loads the original layout only (it maps no other names): audio_tower.*,
+    # multi_modal_projector.*, language_model.model.*, language_model.lm_head.*. transformers 5 holds
+    # them under model.* and lm_head, and 5.19 saves the LLM as language_model.model.model.*.
+    vllm_weight_names = (
+        (r"^model\.(audio_tower|multi_modal_projector)\.", r"\1."),
+        (r"^(?:model\.language_model|language_model\.model\.model)\.", "language_model.model."),
+        (r"^lm_head\.", "language_model.lm_head."),
+    )
     shared_prefix = True  # a prompt's clips run once, in its own row
     lean_decode = True  # its LLM is Qwen2
 
@@ -38,6 +47,13 @@ class Qwen2AudioTemplate(Template):
         return {
             "audio": WhisperAudio(self.processor.feature_extractor, "<|AUDIO|>", self.token_id("<|AUDIO|>"))
         }
+
+    def vllm_unsupported(self) -> str | None:
+        frames = self.processor.feature_extractor.nb_max_frames
+        if frames != VLLM_CHUNK_FRAMES:
+            return (f"its feature extractor pads audio clips to {frames} mel frames; vLLM's Qwen2-Audio takes "
+                    f"{VLLM_CHUNK_FRAMES} (30 s) only")
+        return None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML with a default system turn; the i-th audio -> `Audio i: <|audio_bos|><|AUDIO|><|audio_eos|>\\n`."""

@@ -11,10 +11,10 @@ fine: the model is told the error (mmgrpo/tools/environment.py).
     ...     return f"you said {arguments.get('text', '')!r}"
     >>> get_tool("doc_echo") is echo
     True
-    >>> del _REGISTRY["doc_echo"]  # (keeps the registry as it was for other tests)
+    >>> TOOLS.unregister("doc_echo")  # (keeps the registry as it was for other tests)
 
 `--tools NAME` takes a registered name, `--tools path/to/file.py:fn` a function in your file
-(loaded like reward plugins, mmgrpo/plugins.py); the tool is called by the name it is
+(loaded like reward plugins, mmgrpo/registry.py); the tool is called by the name it is
 registered under, or by its function name.
 """
 
@@ -25,11 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.plugins import import_plugin
+from mmgrpo.registry import Registry, import_plugin
 
 ToolFunc = Callable[..., Any]
 
-_REGISTRY: dict[str, ToolFunc] = {}
+
+def _load_builtins() -> None:
+    # The built-in tools register themselves when the package is imported.
+    import mmgrpo.tools  # noqa: F401
+
+
+TOOLS = Registry("tool", flag="--tools", load=_load_builtins)
 
 
 @dataclass
@@ -66,12 +72,10 @@ def register_tool(name: str):
     """
 
     def decorator(func: ToolFunc) -> ToolFunc:
-        if name in _REGISTRY:
-            raise ConfigError(f"tool '{name}' is already registered (by {_REGISTRY[name].__module__}); choose another name")
         if not callable(func):
             raise ConfigError(f"tool '{name}' must be a function, got {type(func).__name__}")
+        TOOLS.register(name, func)
         func.tool_name = name
-        _REGISTRY[name] = func
         return func
 
     return decorator
@@ -79,8 +83,7 @@ def register_tool(name: str):
 
 def list_tools() -> list[str]:
     """Names of the registered tools, sorted."""
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return TOOLS.names()
 
 
 def tool_name(func: ToolFunc) -> str:
@@ -95,14 +98,8 @@ def get_tool(spec: str | ToolFunc) -> ToolFunc:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError(f"--tools takes a registered name or 'path/to/file.py:function', got {spec!r}")
     spec = spec.strip()
-    _load_builtins()
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]
-    if ":" not in spec:
-        raise ConfigError(
-            f"unknown tool '{spec}'. Registered tools: {', '.join(sorted(_REGISTRY))}. "
-            "For your own tool pass 'path/to/file.py:function_name'."
-        )
+    if spec in TOOLS or ":" not in spec:
+        return TOOLS.get(spec, hint="For your own tool pass 'path/to/file.py:function_name'.")
     path, _, func_name = spec.rpartition(":")
     if not path.endswith(".py") or not func_name:
         raise ConfigError(f"tool plugin '{spec}' must be 'path/to/file.py:function_name'")
@@ -114,8 +111,3 @@ def get_tool(spec: str | ToolFunc) -> ToolFunc:
             f"tool plugin '{spec}': {path} defines no function '{func_name}'. Functions it defines: {', '.join(found) or 'none'}"
         )
     return func
-
-
-def _load_builtins() -> None:
-    # The built-in tools register themselves when the package is imported.
-    import mmgrpo.tools  # noqa: F401

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import prompt_length
 
 MAX_VIDEO_PANELS = 8  # temporal slots drawn per video, evenly spaced
 
@@ -129,7 +130,8 @@ def answer_attention(
     handles = [module.register_forward_hook(keep) for module in attention_modules]
     try:
         inputs = template.forward_inputs(batch, completion_ids, completion_mask, model=model)
-        with torch.no_grad():
+        # fusion modules of a checkpoint (mmgrpo/fusion/) read the prompt's part of the sequence only
+        with torch.no_grad(), prompt_length(model, prompt_len):
             model.get_submodule(template.components["backbone"])(**inputs, use_cache=False)
     finally:
         for handle in handles:
@@ -287,7 +289,7 @@ def attention_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> Path:
     from mmgrpo.data.registry import resolve_dataset
     from mmgrpo.rollout import HFRollout, SamplingParams
-    from mmgrpo.runlog import console
+    from mmgrpo.training.runlog import console
 
     args = attention_parser().parse_args(argv)
     if args.layers not in ("all", "last") and not args.layers.lstrip("-").isdigit():

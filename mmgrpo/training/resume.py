@@ -1,21 +1,34 @@
-"""What a checkpoint holds to continue a run bit for bit, and putting it back.
+"""A run saved so that it continues exactly, and continued (`--resume_from_checkpoint PATH|latest`).
+
+    plan = preflight(cfg)                                   # which checkpoint (mmgrpo/training/output_dir.py)
+    run = build_run(cfg, resume_from=plan.resume_from)      # reference: --model; policy: the checkpoint's weights
+    resume_run(run, plan.resume_from, state, batches, pipeline)
+    ...
+    save_run(run, out / f"checkpoint-{step}", state, batches, pipeline)   # every --save_steps and at the end
 
     checkpoint-8/
         config.json, model.safetensors, processor files   the HF folder from_pretrained loads (LoRA: the adapter)
-        optimizer.pt, scheduler.pt                        torch state dicts (one process)
+        mmgrpo.json                                       the model type (`mmgrpo eval` needs no --model_type)
+        optimizer.pt, scheduler.pt                        torch state dicts (one process; sharded: each rank's files)
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
-        training_state.json                               step, epoch, counters, best eval metric, data position
+        training_state.json                               the TrainState (mmgrpo/training/state.py)
         step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
-        checkpoint_complete.json                          written last (mmgrpo/checkpoint.py)
+        rollouts_in_flight_<rank>.pt                      async: the completions asked for the next K steps
+        checkpoint_complete.json                          written last (mmgrpo/training/checkpoint.py)
 
-The loop's two calls:
+The TrainState holds the loop's counters, the best in-training evaluation, the dynamic modality
+weights, the prompt stream's position and the starting `--model` (the reference model: a resumed
+run is refused with another one, whose KL term would pull toward other weights). The reference
+model is not in a checkpoint: a resumed run builds it from `--model` as the first run did.
 
-    pending = save_training_checkpoint(out / f"checkpoint-{step}", model=..., processor=..., state_dict=...,
-                                       optimizer=..., scheduler=..., state=TrainingState(step=step, ...))
-    state = load_training_checkpoint(path, model=run.model, optimizer=run.optimizer, scheduler=run.scheduler)
-
-The reference model is not in a checkpoint: a resumed run builds it from `--model` (the starting
-weights) as the first run did, then loads the policy's weights from the checkpoint.
+Asynchronous training (`--max_staleness K`, `--async_generate`) has up to K rollouts in flight
+across the step boundary: those for steps N + 1 .. N + K, sampled on the weights of steps
+N - K .. N - 1, which no checkpoint holds (mmgrpo/rollout/pipeline.py). Regenerating them on the
+saved (step N) weights would give another run, so the save waits for them and each rank keeps its
+own completions and log-probs (`rollouts_in_flight_<rank>.pt`, kilobytes: token ids, not media)
+with the prompt stream's position where each one's prompts began; the resumed run reads those
+prompts again, puts the rollouts back in flight and trains on them as the uninterrupted run does.
+Resumed with a smaller K, a rollout that would be too stale is dropped and generated again.
 """
 
 from __future__ import annotations
@@ -23,16 +36,17 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mmgrpo.checkpoint import (
+from mmgrpo.errors import CheckpointError
+from mmgrpo.models.saving import save_model_folder
+from mmgrpo.rollout.base import Rollout
+from mmgrpo.training.checkpoint import (
     STAGING_SUFFIX,
     PendingSave,
     check_checkpoint,
@@ -41,86 +55,105 @@ from mmgrpo.checkpoint import (
     rotate_checkpoints,
     save_atomically,
 )
-from mmgrpo.errors import CheckpointError
+from mmgrpo.training.state import TrainState, capture_rng, restore_rng
 
 STATE_FILE = "training_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
-STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: mmgrpo.preflight.restore_step_log
+STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: output_dir.restore_step_log
+
+EARLIER_ROLLOUT_FILE = "rollout_in_flight.pt"  # one rollout, rank 0's, its prompts just before the saved position
+
+
+def rollouts_file(rank: int) -> str:
+    return f"rollouts_in_flight_{rank}.pt"
+
+
+def save_run(run, path: Path, state: TrainState, batches, pipeline, *, background: bool = False,
+             step_log: dict[str, str] | None = None) -> PendingSave:
+    """Write checkpoint `path` of a run after step `state.step` (every rank calls it).
+
+    step_log: the step's lines of metrics.jsonl and completions.jsonl (`runlog.step_log_lines`,
+    timings of the save aside). The loop logs a step after its save; a kill between the two would
+    lose the step's lines, so the checkpoint keeps them and a resume restores them.
+
+    background: copy what is saved, then write it in a thread (one process; the final save is
+    awaited by the caller). A NaN/inf weight is a CheckpointError and nothing is written.
+    """
+    cfg, strategy = run.cfg, run.strategy
+    in_flight = pipeline.in_flight()  # async: the rollouts asked for the next steps, finished
+    state.model = cfg.model.model
+    state.rollout_in_flight = len(in_flight)
+    state.data = batches.state_dict()
+    extra_files: dict[str, object] = {}
+    if step_log is not None:
+        extra_files[STEP_LOG_FILE] = json.dumps(step_log) + "\n"
+    rank_files = {}
+    if in_flight:  # each rank's own completions; their prompts are read again on resume
+        rank_files[rollouts_file(strategy.rank)] = [
+            {"step": step, "position": list(position), "rollout": rollout.to_file()} for step, position, rollout in in_flight
+        ]
+    return save_training_checkpoint(
+        path, model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
+        state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
+        optimizer=run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
+        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background,
+        keep_last=cfg.save_total_limit, extra_files=extra_files, rank_files=rank_files,
+        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+    )
+
+
+def resume_run(run, path: Path, batches, pipeline) -> TrainState:
+    """Continue a run from checkpoint `path`: its TrainState (counters, best evaluation, modality
+    weights, data position), optimizer, schedule, the rollout in flight (async) and, last, every
+    RNG of this rank. The policy's weights were loaded by `build_run(cfg, resume_from=path)`."""
+    strategy = run.strategy
+    state = load_training_checkpoint(
+        path, optimizer=run.optimizer, scheduler=run.scheduler, rank=strategy.rank, world_size=strategy.world_size,
+        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+    )
+    if state.model is not None and state.model != run.cfg.model.model:
+        raise CheckpointError(
+            f"checkpoint {path} continues a run that started from --model {state.model} (its KL reference); "
+            f"this run has --model {run.cfg.model.model}. Resume with --model {state.model}."
+        )
+    position = {**state.data, "rank": strategy.rank}  # ranks move in step: rank 0's position is each one's
+    batches.load_state_dict(position)
+    pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
+    if state.rollout_in_flight:
+        if not run.cfg.rollout.staleness_bound:
+            raise CheckpointError(f"checkpoint {path} was saved by asynchronous training with {int(state.rollout_in_flight)} "
+                                  f"rollout(s) in flight: resume with --max_staleness {int(state.rollout_in_flight)} too.")
+        pipeline.restore(restore_in_flight(Path(path), strategy.rank, state, batches, position), state.step)
+    return state
+
+
+def restore_in_flight(path: Path, rank: int, state: TrainState, batches, position: dict) -> list:
+    """(step, prompts, position, rollout) of each rollout a checkpoint saved in flight: its prompts
+    read again from where they began in the stream, which is then back at `position`."""
+    file = path / rollouts_file(rank)
+    if file.is_file():
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+    else:  # written before K > 1: one rollout (rank 0's), its prompts the batch at the saved position
+        rollout = torch.load(path / EARLIER_ROLLOUT_FILE, map_location="cpu", weights_only=True)
+        saved = [{"step": state.step + 1, "position": [state.data["epoch"], state.data["batch"]], "rollout": rollout}]
+        position = None  # after reading them the stream is where it goes on
+    restored = []
+    for record in saved:
+        epoch, batch = record["position"]
+        if (batches.epoch, batches.batch) != (epoch, batch):
+            batches.load_state_dict({**state.data, "epoch": epoch, "batch": batch, "rank": rank})
+        restored.append((record["step"], next(batches), (epoch, batch), Rollout.from_file(record["rollout"])))
+    if position is not None and (batches.epoch, batches.batch) != (position["epoch"], position["batch"]):
+        batches.load_state_dict(position)
+    return restored
+
+
+# ---- the files of a checkpoint ---------------------------------------------------------------------
 
 
 def rng_file(rank: int) -> str:
     return f"rng_state_{rank}.pth"
-
-
-@dataclass
-class TrainingState:
-    """The loop's counters, saved as JSON beside the weights.
-
-    >>> TrainingState.from_dict({"step": 4, "best_metric": 0.5}).step
-    4
-    """
-
-    step: int = 0
-    """Steps finished (the resumed run starts at step + 1)."""
-    epoch: int = 0
-    """Epoch of the prompt stream at the save (also inside `data`)."""
-    nonfinite_steps: int = 0
-    """Steps skipped for a NaN/inf loss or gradient norm so far (--max_nonfinite_steps counts them)."""
-    best_metric: float | None = None
-    """The in-training evaluation's best --metric_for_best_model value so far."""
-    best_step: int | None = None
-    """The step of checkpoint-best."""
-    data: dict = field(default_factory=dict)
-    """The prompt stream's position (mmgrpo.data.stream.PromptStream.state_dict())."""
-    world_size: int = 1
-    """Ranks that wrote the checkpoint; a resume needs as many."""
-    extra: dict = field(default_factory=dict)
-    """Room for later parts (e.g. the async rollout's state), saved and restored as is."""
-
-    @classmethod
-    def from_dict(cls, values: dict) -> TrainingState:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-
-# ---- random number generators --------------------------------------------------------------------
-
-
-def capture_rng() -> dict:
-    """Every global RNG this process draws from: python `random`, numpy's global state, torch CPU
-    and (when present) every CUDA device. Only tensors and plain values, so it loads with
-    `torch.load(weights_only=True)`.
-
-    >>> state = capture_rng(); a = (random.random(), np.random.rand(), torch.rand(1).item())
-    >>> restore_rng(state); a == (random.random(), np.random.rand(), torch.rand(1).item())
-    True
-    """
-    kind, keys, position, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    """Put back what `capture_rng` took."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
-                         numpy["has_gauss"], numpy["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---- saving -----------------------------------------------------------------------------------------
 
 
 def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -150,32 +183,34 @@ def save_training_checkpoint(
     state_dict: dict[str, torch.Tensor],
     optimizer=None,
     scheduler=None,
-    state: TrainingState,
+    state: TrainState,
     peft_model=None,
+    template=None,
     rank: int = 0,
     world_size: int = 1,
     any_rank: Callable[[bool], bool] | None = None,
     background: bool = False,
     keep_last: int | None = None,
     extra_files: dict[str, object] | None = None,
+    rank_files: dict[str, object] | None = None,
     save_shards: Callable[[Path], None] | None = None,
 ) -> PendingSave:
-    """Write a complete checkpoint of a run atomically (mmgrpo/checkpoint.py).
+    """Write a complete checkpoint of a run atomically (mmgrpo/training/checkpoint.py).
 
+    template: the run's template (its name goes into mmgrpo.json); None writes no mmgrpo.json.
     state_dict: the full weights by HF name (`strategy.full_state_dict(policy)`; LoRA: the
         trainable ones), on rank 0. A NaN/inf in it is a CheckpointError and nothing is written:
         the previous checkpoints stay the newest.
     background: copy weights, optimizer state and RNGs now (the only time training waits), and
-        write them in a thread; `wait()` the result before exiting (mmgrpo/checkpoint.py).
+        write them in a thread; `wait()` the result before exiting (mmgrpo/training/checkpoint.py).
     extra_files: more files for rank 0 to write, by name: a str is written as text, anything else
         with torch.save (tensors only, so it loads with weights_only=True).
+    rank_files: files this rank writes (each rank its own names), with torch.save.
     world_size > 1: every rank calls this with `any_rank` (`strategy.any_rank`: True everywhere if
         True on any; it is also the barrier); each writes its RNG file, rank 0 the rest and the
         marker, in the foreground. `save_shards(folder)`, a collective every rank calls, writes the
         sharded optimizer state (`strategy.save_sharded_optimizer`: each rank its shards).
     """
-    from mmgrpo.lora import save_pretrained
-
     path = Path(path)
     bad = first_nonfinite(state_dict) if rank == 0 else None
     if (any_rank(bad is not None) if world_size > 1 else bad is not None):
@@ -183,7 +218,7 @@ def save_training_checkpoint(
             f"not saving {path}: the weights hold NaN/inf (first: {bad or 'on rank 0'}); the last good checkpoint stays the newest. "
             "Lower --learning_rate or --max_grad_norm, or train in fp32."
         )
-    state = TrainingState(**{**asdict(state), "world_size": world_size})
+    state = TrainState(**{**asdict(state), "world_size": world_size})
     rng = capture_rng()
     optimizer_state = optimizer.state_dict() if optimizer is not None and world_size == 1 else None
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
@@ -191,18 +226,19 @@ def save_training_checkpoint(
         if world_size > 1:
             raise CheckpointError("background checkpoint saving is for one process; save in the foreground under torchrun.")
         state_dict, optimizer_state, scheduler_state = snapshot(state_dict), snapshot(optimizer_state), snapshot(scheduler_state)
-        extra_files = snapshot(extra_files)
+        extra_files, rank_files = snapshot(extra_files), snapshot(rank_files)
 
     def write_rank_files(folder: Path) -> None:
         torch.save(rng, folder / rng_file(rank))
+        for name, content in (rank_files or {}).items():
+            torch.save(content, folder / name)
         if save_shards is not None:
             save_shards(folder)
 
     def write(folder: Path) -> None:
         if world_size == 1:
             write_rank_files(folder)
-        save_pretrained(model, peft_model, folder, state_dict)
-        processor.save_pretrained(folder)
+        save_model_folder(folder, model, peft_model, processor, template, state_dict)
         if optimizer_state is not None:
             torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         if scheduler_state is not None:
@@ -255,18 +291,15 @@ def _together(any_rank: Callable[[bool], bool], action, argument, path: Path) ->
         raise CheckpointError(f"not saving {path}: another rank failed (its error is above)")
 
 
-# ---- loading ----------------------------------------------------------------------------------------
-
-
-def read_training_state(path: str | os.PathLike) -> TrainingState:
-    """The TrainingState of a complete checkpoint (CheckpointError if it is not one)."""
+def read_training_state(path: str | os.PathLike) -> TrainState:
+    """The TrainState of a complete checkpoint (CheckpointError if it is not one)."""
     path = check_checkpoint(path)
     file = path / STATE_FILE
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}: it holds weights only; "
                               f"start a new run with --model {path} instead of resuming")
     try:
-        return TrainingState.from_dict(json.loads(file.read_text()))
+        return TrainState.from_dict(json.loads(file.read_text()))
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is unreadable ({err})") from None
 
@@ -274,8 +307,8 @@ def read_training_state(path: str | os.PathLike) -> TrainingState:
 def load_training_checkpoint(
     path: str | os.PathLike, *, model=None, peft_model=None, template=None, optimizer=None, scheduler=None,
     rank: int = 0, world_size: int = 1, load_shards: Callable[[Path], None] | None = None,
-) -> TrainingState:
-    """Restore a run from a complete checkpoint; returns its TrainingState.
+) -> TrainState:
+    """Restore a run from a complete checkpoint; returns its TrainState.
 
     model: the policy's HF model, as built from --model (the reference stays that): its weights are
         replaced by the checkpoint's (LoRA: `peft_model`'s adapters). Call before the strategy wraps it.
@@ -315,7 +348,11 @@ def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_mod
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
+        from mmgrpo.fusion.attach import fusion_of, load_fusion_weights
+
         set_peft_model_state_dict(peft_model, load_file(str(path / "adapter_model.safetensors")))
+        if fusion_of(model) is not None:  # LoRA with fusion modules: theirs too
+            load_fusion_weights(fusion_of(model), path)
         return
     from mmgrpo.models.loading import load_model
 

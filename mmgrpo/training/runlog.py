@@ -5,7 +5,7 @@ output_dir/
     metrics.jsonl       one JSON object per step
     completions.jsonl   prompts, their G completions and every reward
     events.out.tfevents.*   TensorBoard scalars (same keys as metrics.jsonl)
-    wandb/ , mlruns/    --report_to wandb / mlflow (offline W&B runs, MLflow's file store; mmgrpo/trackers.py)
+    wandb/ , mlruns/    --report_to wandb / mlflow (offline W&B runs, MLflow's file store; mmgrpo/training/trackers.py)
     checkpoint-N/       HF folders (safetensors) that from_pretrained loads
 """
 
@@ -33,7 +33,7 @@ def _jsonable(value):
 
 def step_log_lines(metrics: dict, records=()) -> dict[str, str]:
     """A step's lines in each step log, as `RunLogger.log_step` writes them (a checkpoint keeps
-    its step's too: mmgrpo.preflight.restore_step_log)."""
+    its step's too: mmgrpo.training.output_dir.restore_step_log)."""
     metrics = {k: _jsonable(v) for k, v in metrics.items()}
     return {
         "metrics.jsonl": json.dumps(metrics) + "\n",
@@ -44,7 +44,7 @@ def step_log_lines(metrics: dict, records=()) -> dict[str, str]:
 class RunLogger:
     """resume_step: a resumed run continues after this step; TensorBoard hides the crashed run's
     events of later steps (SummaryWriter purge_step). The step logs are trimmed by
-    mmgrpo.preflight.OutputPlan.apply()."""
+    mmgrpo.training.output_dir.OutputPlan.apply()."""
 
     def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
         self.dir = Path(output_dir)
@@ -52,7 +52,7 @@ class RunLogger:
         (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
-        from mmgrpo.trackers import make_trackers
+        from mmgrpo.training.trackers import make_trackers
 
         self.trackers = make_trackers(self.dir, cfg, resume_step)  # --report_to: tensorboard, wandb, mlflow
 

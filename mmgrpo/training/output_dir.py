@@ -25,9 +25,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmgrpo.checkpoint import check_checkpoint, checkpoint_step, list_checkpoints, repair_interrupted
 from mmgrpo.errors import ConfigError
-from mmgrpo.train_state import STEP_LOG_FILE, TrainingState, read_training_state
+from mmgrpo.training.checkpoint import check_checkpoint, checkpoint_step, list_checkpoints, repair_interrupted
+from mmgrpo.training.resume import STEP_LOG_FILE, read_training_state
+from mmgrpo.training.state import TrainState
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
 RUN_GLOBS = ("events.out.tfevents.*", "checkpoint-*")
@@ -43,7 +44,7 @@ class OutputPlan:
     output_dir: Path
     mode: str  # "new" | "resume" | "overwrite"
     resume_from: Path | None = None
-    state: TrainingState | None = None  # the checkpoint's training state (mode "resume")
+    state: TrainState | None = None  # the checkpoint's training state (mode "resume")
     remove: list[Path] = field(default_factory=list)  # mode "overwrite": the earlier run's files
 
     @property

@@ -22,7 +22,7 @@ A save, in order:
 A kill at any instant leaves every earlier checkpoint loadable, and `latest_checkpoint`, the
 loaders and rotation skip a folder without the marker (with a one-line warning). With
 `background=True` steps 2-5 run in a thread: the caller hands over data it will not modify
-(`mmgrpo.train_state` copies tensors first) and training goes on; the thread is not a daemon,
+(`mmgrpo.training.state` copies tensors first) and training goes on; the thread is not a daemon,
 so the interpreter waits for it at exit, and the next save into the same folder awaits it first.
 """
 
@@ -48,7 +48,7 @@ STAGING_SUFFIX = ".tmp"  # a save in progress (or killed)
 ASIDE_SUFFIX = ".old"  # a replaced checkpoint waiting for deletion (fallback path only)
 NUMBERED = re.compile(r"^checkpoint-(\d+)$")
 FORMAT_VERSION = 1
-logger = logging.getLogger("mmgrpo.checkpoint")  # one line on stderr, no stack
+logger = logging.getLogger("mmgrpo.training.checkpoint")  # one line on stderr, no stack
 
 _IN_FLIGHT: dict[Path, PendingSave] = {}  # output folder -> its save running in the background
 _IN_FLIGHT_LOCK = threading.Lock()

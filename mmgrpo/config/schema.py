@@ -3,7 +3,7 @@
 Nested dataclasses are the single source of truth. The docstring under each field is its
 `--help` text. A YAML file (`--config run.yaml`, nested by section or flat) overrides the
 defaults, and command-line flags override the YAML. Flag names follow TRL and ms-swift.
-Turning them into flags is mmgrpo/config_args.py; checking them, mmgrpo/config_checks.py.
+Turning them into flags is mmgrpo/config/flags.py; checking them, mmgrpo/config/checks.py.
 
     >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
     >>> cfg.rollout.num_generations, cfg.algo.beta
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mmgrpo.config_args import build_parser, config_from_namespace
+from mmgrpo.config.flags import build_parser, config_from_namespace
 from mmgrpo.models.tiny import DEFAULT_MODEL
 
 
@@ -44,9 +44,10 @@ class ModelConfig:
     """Recompute activations in backward: about 20% slower, much less activation memory."""
     shared_prefix: bool = True
     """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
-    # ---- which weights train (mmgrpo/lora.py) ----
+    # ---- which weights train (mmgrpo/models/train_type.py) ----
     train_type: str = "full"
-    """`full` (every weight not frozen) or `lora` (peft adapters only; the reference model is the base)."""
+    """`full` (every weight not frozen), `lora` (peft adapters only; the reference model is the base) or `fusion`
+    (only the --fusion_module modules; the reference is the model without them, no copy)."""
     lora_rank: int = 8
     """LoRA rank r."""
     lora_alpha: int = 32
@@ -61,6 +62,15 @@ class ModelConfig:
     """Freeze the aligner (projector between the vision tower and the LLM)."""
     freeze_llm: bool = False
     """Freeze the language model and LM head."""
+    # ---- fusion modules (mmgrpo/fusion/, docs/fusion.md) ----
+    fusion_module: str | None = None
+    """Insert a trainable module after each --fusion_layers decoder layer through which the text attends to the
+    sample's modality features (the tower's output after the projector): `gated_xattn`, `coattn`, or a name
+    registered with `register_fusion` (--fusion_plugin). Its tanh gate starts at 0: at step 0 the model is the base."""
+    fusion_layers: list[str] = field(default_factory=list)
+    """Decoder layers (0-based) after which the modules go, e.g. `4,20`. Empty: the middle layer."""
+    fusion_plugin: list[str] = field(default_factory=list)
+    """Python files or modules that call `register_fusion` (imported before --fusion_module is looked up)."""
 
 
 @dataclass
@@ -101,10 +111,15 @@ class RolloutConfig:
     tool_timeout: float = 10.0
     """Seconds a tool call may run; a slower one is answered with an error message (counted in tools/errors)."""
     async_generate: bool = False
-    """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name). The
-    rollout engine samples from its own copy of the weights, one optimizer step old; see
-    --vllm_importance_sampling_correction."""
-    # ---- which completions the step trains on (mmgrpo/rollout/step_sampling.py) ----
+    """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name): the
+    same as --max_staleness 1. The rollout engine samples from its own copy of the weights, one optimizer step
+    old; see --vllm_importance_sampling_correction."""
+    max_staleness: int | None = None
+    """Asynchronous training with bounded staleness: rollouts are generated up to K steps ahead of the trainer,
+    step t's on the weights of step t - 1 - K (so K steps stale; 1 is --async_generate), and a rollout staler than
+    K is never trained on (dropped and generated again, rollout/dropped_stale). Larger K absorbs rollouts that
+    take longer than a step. None: synchronous, or 1 with --async_generate (mmgrpo/rollout/pipeline.py)."""
+    # ---- which completions the step trains on (mmgrpo/rollout/rounds.py) ----
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
     prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""
@@ -128,12 +143,32 @@ class RolloutConfig:
     """Colocate on GPUs: vLLM releases its KV cache and moves its weights to host memory between rollouts."""
     vllm_kv_cache_memory_bytes: int | None = None
     """vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB; on GPUs it overrides --vllm_gpu_memory_utilization)."""
-    vllm_server_host: str = "127.0.0.1"
-    """Server mode: the host of `mmgrpo rollout-server`."""
-    vllm_server_port: int = 8000
-    """Server mode: its port."""
+    vllm_server_host: list[str] = field(default_factory=lambda: ["127.0.0.1"])
+    """Server mode: the host of each `mmgrpo rollout-server` (one host for all ports, or one per port)."""
+    vllm_server_port: list[int] = field(default_factory=lambda: [8000])
+    """Server mode: the port of each server (one port for all hosts, or one per host). Rank r of W sends its
+    prompts to server r mod S (with more servers than ranks: spread over servers r, r + W, ...)."""
     vllm_server_timeout: float = 240.0
-    """Server mode: seconds to wait for the server at start-up, and for any one request before failing."""
+    """Server mode: seconds to wait for the servers at start-up, for any one request, and for any collective of
+    the weight group, before the run stops with a line naming the server."""
+    vllm_weight_transfer: str = "collective"
+    """Server mode: how weights reach the servers. `collective`: broadcast from trainer rank 0 over a process
+    group of their own (NCCL where trainer and servers are all on GPUs, gloo otherwise); `http`: safetensors
+    chunks (through /dev/shm to a server on this host)."""
+    vllm_weight_bucket_mb: int = 256
+    """Server mode: weights travel in buckets of about this many MB (a fused layer's weights never split)."""
+    vllm_group_host: str | None = None
+    """Server mode, collective transfer: the address of trainer rank 0 that every server reaches. None: the
+    address of this host on the route to the servers (127.0.0.1 when they all run here)."""
+    vllm_group_port: int = 0
+    """Server mode, collective transfer: the port of the weight group's store on trainer rank 0. 0: a free one."""
+
+    @property
+    def staleness_bound(self) -> int:
+        """K of asynchronous training (--max_staleness, or 1 for --async_generate); 0: synchronous."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.async_generate else 0
 
 
 @dataclass
@@ -221,6 +256,13 @@ class OptimConfig:
     lower peak memory) or `adamw_torch` (torch's for-each/for-loop AdamW). Same update either way."""
     learning_rate: float = 1e-6
     """Peak learning rate of AdamW."""
+    vit_lr: float | None = None
+    """Peak learning rate of the vision (and audio) tower, the aligner excluded (ms-swift's name); its own parameter
+    group on the same schedule, logged as learning_rate/vit. None: --learning_rate."""
+    aligner_lr: float | None = None
+    """Peak learning rate of the aligner (the projector into the LLM), logged as learning_rate/aligner. None: --learning_rate."""
+    fusion_lr: float | None = None
+    """Peak learning rate of the --fusion_module modules, logged as learning_rate/fusion. None: --learning_rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -259,6 +301,13 @@ class EvalConfig:
     """Keep output_dir/checkpoint-best at the best value of this eval metric. None: the first eval metric."""
     greater_is_better: bool = True
     """Whether a larger metric_for_best_model is better."""
+    fusion_probe_steps: int = 0
+    """Every N steps, measure on a few of the step's completions how much the policy relies on each modality:
+    the mean token log-prob with the medium against with it blanked (fusion/reliance/<modality>), and the share of
+    attention the completion gives each modality's tokens per layer band (fusion/attention/<modality>/<band>).
+    0: never (docs/fusion.md)."""
+    fusion_probe_rows: int = 4
+    """Completions the probe reads (one per prompt, the first prompts of the step)."""
 
 
 @dataclass
@@ -349,9 +398,19 @@ class TrainConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config_checks import validate_train
+        from mmgrpo.config.checks import validate_train
 
         validate_train(self)
+
+    def loss_config(self):
+        """The policy loss's options (`mmgrpo.grpo.losses.LossConfig`, which checks them when made)."""
+        from mmgrpo.grpo.losses import LossConfig
+
+        return LossConfig(
+            loss_type=self.algo.loss_type, epsilon=self.algo.epsilon, epsilon_high=self.algo.epsilon_high,
+            beta=self.algo.beta, max_completion_length=self.rollout.max_completion_length,
+            importance_sampling_level=self.algo.importance_sampling_level, delta=self.algo.delta,
+        )
 
 
 @dataclass
@@ -377,6 +436,6 @@ class SFTConfig(RunOptions):
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config_checks import validate_sft
+        from mmgrpo.config.checks import validate_sft
 
         validate_sft(self)

@@ -1,4 +1,4 @@
-"""The checks of `TrainConfig.validate` and `SFTConfig.validate` (mmgrpo/config.py), and the parsers of
+"""The checks of `TrainConfig.validate` and `SFTConfig.validate` (mmgrpo/config/schema.py), and the parsers of
 flags whose values have a syntax of their own (`--stop_at`, `--modality_weights`).
 
 Every check runs before any model loads and raises a ConfigError that names the flag and says what
@@ -17,16 +17,19 @@ from mmgrpo.errors import ConfigError
 
 def validate_common(cfg) -> None:
     """Checks every training command shares (GRPO and SFT): model, optimizer, steps."""
-    from mmgrpo.optim import scheduler_kwargs
+    from mmgrpo.training.optim import scheduler_kwargs
 
     scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
-    from mmgrpo.trackers import report_targets
+    from mmgrpo.training.trackers import report_targets
 
     report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
     choices = {
         "optim": (cfg.optim.optim, ("adamw_torch_fused", "adamw_torch")),
     }
     check_choices(choices)
+    from mmgrpo.fusion.attach import check_fusion_flags
+
+    check_fusion_flags(cfg)  # --fusion_module, --fusion_layers, --train_type fusion, --vit_lr ...
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
         raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
 
@@ -69,6 +72,8 @@ def validate_sft(cfg) -> None:
     check_choices({"loss_normalization": (cfg.loss_normalization, SFT_LOSS_NORMALIZATIONS)})
     if env_world_size() > 1:
         raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
+    if cfg.eval.fusion_probe_steps:
+        raise ConfigError("--fusion_probe_steps measures GRPO steps' completions; SFT has none. Use `mmgrpo eval --fusion_probe`.")
     if cfg.resume_from_checkpoint:  # its loop saves weights only (mmgrpo/sft.py)
         raise ConfigError("--resume_from_checkpoint: mmgrpo sft does not resume; start it again with --model CHECKPOINT.")
 
@@ -82,7 +87,7 @@ def check_choices(choices: dict[str, tuple[str, tuple[str, ...]]]) -> None:
 def validate_train(cfg) -> None:
     """GRPO's checks (`TrainConfig.validate`). Every name a registry resolves (loss type, advantage
     estimator) is looked up now, so a plugin's registered name works and a typo fails at start-up."""
-    from mmgrpo.grpo import get_advantage, loss_types
+    from mmgrpo.grpo import get_advantage
     from mmgrpo.grpo.importance import IS_MODES
     from mmgrpo.parallel import validate_parallel
 
@@ -99,10 +104,8 @@ def validate_train(cfg) -> None:
             f"--num_generations {g}: each prompt's {g} completions must stay in one step."
         )
     check_choices({
-        "loss_type": (cfg.algo.loss_type, tuple(loss_types())),
         "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
-        "importance_sampling_level": (cfg.algo.importance_sampling_level, ("token", "sequence")),
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
         "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
@@ -110,20 +113,9 @@ def validate_train(cfg) -> None:
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
-    num_rewards = len(cfg.algo.reward_funcs) + len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
-    if cfg.algo.reward_weights is not None and cfg.algo.reward_funcs and len(cfg.algo.reward_weights) != num_rewards:
-        raise ConfigError(
-            f"--reward_weights has {len(cfg.algo.reward_weights)} values for {num_rewards} rewards "
-            f"({len(cfg.algo.reward_funcs)} --reward_funcs, {len(cfg.algo.reward_model)} --reward_model"
-            f"{', 1 --judge_model' if cfg.algo.judge_model else ''}): give one weight per reward, in that order."
-        )
     if cfg.algo.judge_parse not in ("score", "verdict"):
         raise ConfigError(f"--judge_parse {cfg.algo.judge_parse!r}: choose one of score, verdict.")
-    epsilon_high = cfg.algo.epsilon if cfg.algo.epsilon_high is None else cfg.algo.epsilon_high
-    if cfg.algo.delta is not None and not cfg.algo.delta > 1 + epsilon_high:
-        raise ConfigError(f"--delta {cfg.algo.delta}: the dual clip must be above 1 + --epsilon_high ({1 + epsilon_high}), e.g. 3.")
-    if cfg.algo.delta is not None and cfg.algo.loss_type == "cispo":
-        raise ConfigError("--delta (dual clip) applies to the clipped PPO surrogate; --loss_type cispo has none. Drop --delta.")
+    cfg.loss_config()  # --loss_type, --importance_sampling_level, --delta: checked by the loss's own config
     if cfg.algo.loss_type == "dr_grpo" and cfg.algo.scale_rewards != "none":
         # Dr. GRPO removes both biases: the length one (the loss) and the difficulty one (the std).
         # Kept as asked, since scaling may be wanted on purpose; said at start-up.
@@ -146,10 +138,27 @@ def validate_train(cfg) -> None:
             "into a different number of forwards, and sharded forwards must match across ranks. Drop it, or use "
             "--per_device_train_batch_size."
         )
+    if cfg.eval.fusion_probe_steps < 0 or cfg.eval.fusion_probe_rows < 1:
+        raise ConfigError("--fusion_probe_steps must be >= 0 (0: off) and --fusion_probe_rows >= 1.")
+    if cfg.rollout.use_vllm and cfg.model.fusion_module:
+        raise ConfigError(
+            f"--fusion_module {cfg.model.fusion_module} with --use_vllm: vLLM runs the model's stock architecture, "
+            "without fusion modules. Drop --use_vllm (the in-process engines run the modules) or --fusion_module."
+        )
+    if cfg.rollout.max_turns > 1 and cfg.model.fusion_module:
+        raise ConfigError(
+            f"--fusion_module with --max_turns {cfg.rollout.max_turns}: the modules read the prompt's media, and a tool's "
+            "images arrive inside the completion; drop one of them (docs/fusion.md)."
+        )
     if cfg.rollout.use_vllm:  # before any model loads: vLLM installed, flags that fit
         from mmgrpo.rollout.vllm_engine import validate_vllm
 
         validate_vllm(cfg)
+    if cfg.rollout.max_staleness is not None and cfg.rollout.max_staleness < 1:
+        raise ConfigError(
+            f"--max_staleness {cfg.rollout.max_staleness}: give K >= 1, the most optimizer steps a rollout's weights may "
+            "lag behind the policy it trains (1: one step off-policy, as --async_generate); leave it out to train synchronously."
+        )
     if cfg.rollout.max_resample_times < 0:
         raise ConfigError("--max_resample_times must be >= 0.")
     if not 0 <= cfg.rollout.first_stage_generations < cfg.rollout.num_generations:
@@ -219,9 +228,6 @@ def validate_tools(cfg) -> None:
         raise ConfigError("--tools needs --max_turns 2 or more: the turn that calls a tool would end the episode.")
     if not rollout.tool_timeout > 0:
         raise ConfigError(f"--tool_timeout {rollout.tool_timeout}: give a number of seconds > 0.")
-    if rollout.max_turns > 1 and (rollout.dynamic_sample or rollout.first_stage_generations):
-        raise ConfigError("--max_turns > 1 does not combine with --dynamic_sample or --first_stage_generations yet "
-                          "(their rounds would drop the episodes' loss masks and tool images); drop one of them.")
     if rollout.max_turns > 1 and cfg.dist.strategy != "none":
         raise ConfigError("--max_turns > 1 runs in one process for now: drop --parallel / --deepspeed (docs/tools.md).")
     for spec in rollout.tools:

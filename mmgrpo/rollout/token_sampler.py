@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from mmgrpo.data.schema import dataset_of
 from mmgrpo.rollout.base import SamplingParams
 
 
@@ -68,33 +67,3 @@ def pick_tokens(
         return logits.argmax(-1)
     logits = filter_logits(logits, params.temperature, params.top_k, params.top_p)
     return sample_from(logits.softmax(-1), uniform)
-
-
-def step_seed(cfg, step: int, rank: int) -> int:
-    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
-    return cfg.seed * 100_003 + step + 1_000_003 * rank
-
-
-def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
-                    completion_caps: dict[str, int] | None = None) -> SamplingParams:
-    """A TrainConfig's rollout options as the engines' SamplingParams.
-
-    completion_caps: {dataset: its own max_completion_length} (the registry's); each of `samples`
-    from such a dataset gets that budget, the others --max_completion_length.
-    """
-    budget, per_prompt = cfg.rollout.max_completion_length, None
-    if samples and completion_caps:
-        per_prompt = [completion_caps.get(dataset_of(sample.id), budget) for sample in samples]
-        budget = max(per_prompt)
-        if min(per_prompt) == budget:  # one budget for the whole batch
-            per_prompt = None
-    return SamplingParams(
-        # two-stage generation rolls out K first (mmgrpo/rollout/step_sampling.py completes the groups)
-        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
-        max_new_tokens=budget,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        seed=seed,
-        max_new_tokens_per_prompt=per_prompt,
-    )

@@ -1,5 +1,5 @@
 """Dataclasses <-> command line and YAML: the parser of `mmgrpo train` / `mmgrpo sft` is built from
-their config dataclasses (mmgrpo/config.py), and a config is read back from flags and `--config`.
+their config dataclasses (mmgrpo/config/schema.py), and a config is read back from flags and `--config`.
 
 Each leaf field becomes `--<name>` in the group of its section; the docstring under a field is its
 `--help` text; `bool` flags take an optional true/false; list fields take several values; `none`

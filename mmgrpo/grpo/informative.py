@@ -8,8 +8,8 @@ with what it has (the first time that happens it says so, then only logs it).
 
 The step calls it with its first round and a function that rolls out and scores the next prompts:
 
-    first = score(next(prompt_batches))                            # Round: rollout + rewards of B prompts
-    batch, stats = fill_informative(first, lambda: score(next(prompt_batches)),
+    first = Round(prompts, score(run, prompts, rollout))           # B prompts, their rollout with its rewards
+    batch, stats = fill_informative(first, draw_next_round,
                                     num_prompts=B, num_generations=G, max_resample_times=3)
     # batch: a Round of at most B groups, all informative (or the last ones drawn, see below);
     # stats: {"dynamic/rounds", "dynamic/resampled_prompts", "dynamic/kept_groups", "frac_reward_zero_std", ...}
@@ -36,61 +36,27 @@ from mmgrpo.rollout.base import Rollout
 
 @dataclass
 class Round:
-    """One rollout round as the step holds it: B prompts and their B x G scored completions.
-    Row i of every per-completion field belongs to prompt i // G (the G of a prompt contiguous)."""
+    """One rollout round as the step holds it: B prompts and their B x G completions, scored
+    (`Rollout.rewards`). Row i of the rollout belongs to prompt i // G (the G of a prompt contiguous)."""
 
     prompts: list  # B (Sample, PromptInputs) pairs
-    rollout: Rollout  # [B * G, T] completions
-    completions: list[str]  # B * G decoded texts
-    per_func: torch.Tensor  # [F, B * G] each reward function's score (NaN = skipped)
-    rewards: torch.Tensor  # [B * G] the weighted sum
+    rollout: Rollout  # [B * G, T] completions with their rewards
+
+    def take_groups(self, groups: list[int], num_generations: int) -> Round:
+        """The prompts `groups` (indices into `prompts`), in that order, with their G completions each."""
+        rows = [g * num_generations + k for g in groups for k in range(num_generations)]
+        return Round([self.prompts[g] for g in groups], self.rollout.select(rows))
+
+    @staticmethod
+    def concat(rounds: list[Round], pad_token_id: int) -> Round:
+        """Rounds one after the other; completions right-padded to the longest round's length."""
+        return Round([p for r in rounds for p in r.prompts], Rollout.concat([r.rollout for r in rounds], pad_token_id))
 
 
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """[B] True for each group whose G rewards are not all equal (NaN counts as 0, as in the step)."""
     grouped = torch.nan_to_num(rewards.detach().float(), nan=0.0).view(-1, num_generations)  # [B, G]
     return ~torch.isclose(grouped.std(dim=1), torch.zeros(grouped.shape[0]))
-
-
-def take_groups(round_: Round, groups: list[int], num_generations: int) -> Round:
-    """The prompts `groups` (indices into round_.prompts) of a round, in that order."""
-    rows = torch.tensor([g * num_generations + k for g in groups for k in range(num_generations)], dtype=torch.long)
-    r = round_.rollout
-    return Round(
-        prompts=[round_.prompts[g] for g in groups],
-        rollout=Rollout(
-            completion_ids=r.completion_ids[rows], completion_mask=r.completion_mask[rows], truncated=r.truncated[rows],
-            logps=None if r.logps is None else r.logps[rows], weight_version=r.weight_version,
-        ),
-        completions=[round_.completions[i] for i in rows.tolist()],
-        per_func=round_.per_func[:, rows],
-        rewards=round_.rewards[rows],
-    )
-
-
-def concat_rounds(rounds: list[Round], pad_token_id: int) -> Round:
-    """Rounds one after the other; completions right-padded to the longest round's length."""
-    if len(rounds) == 1:
-        return rounds[0]
-    width = max(r.rollout.completion_ids.shape[1] for r in rounds)
-
-    def padded(tensor: torch.Tensor, value) -> torch.Tensor:  # [N, T] -> [N, width]
-        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
-
-    logps = [r.rollout.logps for r in rounds]
-    return Round(
-        prompts=[p for r in rounds for p in r.prompts],
-        rollout=Rollout(
-            completion_ids=torch.cat([padded(r.rollout.completion_ids, pad_token_id) for r in rounds]),
-            completion_mask=torch.cat([padded(r.rollout.completion_mask, 0) for r in rounds]),
-            truncated=torch.cat([r.rollout.truncated for r in rounds]),
-            logps=None if any(lp is None for lp in logps) else torch.cat([padded(lp, 0.0) for lp in logps]),
-            weight_version=rounds[0].rollout.weight_version,
-        ),
-        completions=[c for r in rounds for c in r.completions],
-        per_func=torch.cat([r.per_func for r in rounds], dim=1),
-        rewards=torch.cat([r.rewards for r in rounds]),
-    )
 
 
 @dataclass
@@ -159,7 +125,7 @@ def fill_informative(
     stats = FillStats()
 
     def add(index: int, round_: Round) -> None:
-        informative = informative_groups(round_.rewards, num_generations)
+        informative = informative_groups(round_.rollout.rewards, num_generations)
         stats.frac_reward_zero_std_drawn.append(float((~informative).float().mean()))
         kept.extend((index, int(g)) for g in torch.nonzero(informative).flatten())
 
@@ -178,8 +144,8 @@ def fill_informative(
         chosen += spare[: num_prompts - len(chosen)]
     stats.kept_groups = min(len(kept), num_prompts)
     chosen = chosen[: min_across_ranks(len(chosen))]
-    parts = [take_groups(r, sorted(g for i, g in chosen if i == index), num_generations) for index, r in enumerate(rounds)]
-    batch = concat_rounds([p for p in parts if p.prompts], pad_token_id)
+    parts = [r.take_groups(sorted(g for i, g in chosen if i == index), num_generations) for index, r in enumerate(rounds)]
+    batch = Round.concat([p for p in parts if p.prompts], pad_token_id)
     stats.groups = len(batch.prompts)
-    stats.frac_reward_zero_std = float((~informative_groups(batch.rewards, num_generations)).float().mean())
+    stats.frac_reward_zero_std = float((~informative_groups(batch.rollout.rewards, num_generations)).float().mean())
     return batch, stats

