@@ -2,7 +2,7 @@
 
     make demo                                  # = .venv/bin/mmgrpo demo --output_dir runs/demo
     mmgrpo demo --seed 1                       # another GRPO seed from the same shipped start
-    mmgrpo demo --from_scratch --seed 1        # rebuild the start for seed 1 first (about 20 minutes)
+    mmgrpo demo --from_scratch --seed 1        # rebuild the start for seed 1 first (about 30 minutes)
 
 1. check the shipped SFT start (mmgrpo/demo/start/: `tiny:qwen2-vl?vision_init_gain=3&rope_theta=10`,
    ~1M parameters, trained on colour, counting and boxes; mmgrpo/demo/start.py says how), so every
@@ -44,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--output_dir", default="runs/demo", help="Where every stage writes its folder.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the GRPO stage (and of the start's stages with --from_scratch).")
     p.add_argument("--from_scratch", action="store_true",
-                   help="Build the SFT start for --seed (output_dir/start/, about 20 minutes on 2 cores) instead of "
+                   help="Build the SFT start for --seed (output_dir/start/, about 30 minutes on 2 cores) instead of "
                         "using the shipped one.")
     p.add_argument("--start", default=None, help="Start GRPO from this checkpoint folder instead of the shipped start.")
     p.add_argument("--grpo_config", default=str(GRPO_CONFIG), help="The GRPO stage's config.")

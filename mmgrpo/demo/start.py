@@ -1,6 +1,6 @@
 """The demo's SFT start: shipped in the package, checked before use, rebuilt by its stages on request.
 
-    python -m mmgrpo.demo.start --seed 0 --output_dir runs/demo-start         # build it (about 20 min on 2 cores)
+    python -m mmgrpo.demo.start --seed 0 --output_dir runs/demo-start         # build it (about 30 min on 2 cores)
     python -m mmgrpo.demo.start --seed 0 --output_dir runs/demo-start --ship  # ... and replace the shipped one
 
 Every machine starts the demo's GRPO stage from the same weights: mmgrpo/demo/start/ holds the
@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 REGISTRY = HERE / "datasets.yaml"
 STAGES = [HERE / "configs" / name for name in ("start_count.yaml", "start_boxes.yaml", "start_colour.yaml")]
 STAGE_NAMES = ["count", "boxes", "colour"]
-BUILD_MINUTES = 20  # measured on 2 cores with one torch thread (docs/benchmarks.md, "Demo")
+BUILD_MINUTES = 30  # 25 CPU minutes with one torch thread, 2,500 of them the boxes stage (docs/benchmarks.md, "Demo")
 REBUILD = "mmgrpo demo --from_scratch"
 
 
@@ -132,8 +132,14 @@ def main(argv: list[str] | None = None) -> Path:
     started = time.perf_counter()
     model = build_start(Path(args.output_dir), seed=args.seed, torch_threads=args.torch_threads)
     if args.ship:
-        record = {"built_by": f"python -m mmgrpo.demo.start --seed {args.seed} --ship",
-                  "seed": args.seed, "build_minutes": round((time.perf_counter() - started) / 60, 1)}
+        from mmgrpo.demo import TASKS, evaluate_all
+
+        minutes = round((time.perf_counter() - started) / 60, 1)
+        scores = evaluate_all(str(model), Path(args.output_dir) / "eval_test", None)
+        record = {"built_by": f"python -m mmgrpo.demo.start --seed {args.seed} --ship", "seed": args.seed,
+                  "build_minutes": minutes,
+                  "test_accuracy": {name: {metric: round(scores[name]["metrics"][metric], 4)}
+                                    for name, metric, _ in TASKS}}
         console.print(f"shipped: {ship(model, **record)}")
     return model
 
