@@ -80,8 +80,10 @@ def prepare_sft(work: Path, args, task: str) -> Path:
     """The SFT checkpoint every run of a task starts from: --sft_model, or `mmgrpo sft` with each
     of the task's configs in turn (`sft_configs`), each stage from the model the one before wrote.
     A stage already in --work_dir (the same configs, in the same order) is reused."""
-    if args.sft_model:
-        return Path(args.sft_model)
+    if args.sft_model:  # a folder, or a tiny:/random: spec built into one (TRL loads folders)
+        from mmgrpo.models.tiny import resolve_model_path
+
+        return Path(resolve_model_path(args.sft_model))
     final, chain = None, []
     for config in sft_configs(args, task):
         chain.append(Path(config).stem)

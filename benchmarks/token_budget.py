@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     out = tempfile.mkdtemp(prefix="mmgrpo-token-budget-")
     cfg = TrainConfig.from_args([
         "--model", str(model), "--model_type", "qwen2-vl", "--reward_funcs", "answer_format", "--num_generations", str(G),
-        "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", str(B * G // 16),
+        "--per_device_train_batch_size", str(min(16, B * G)), "--gradient_accumulation_steps", str(max(1, B * G // 16)),
         "--max_completion_length", str(T), "--beta", "0.04", "--learning_rate", "0", "--dataloader_num_workers", "0",
         "--output_dir", out,
     ])

@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py --preset small          # about 1.5 minutes on 2 shared cores
     python benchmarks/vs_trl.py --preset image-heavy    # about 2 minutes
     python benchmarks/vs_trl.py --preset memory         # about 5 minutes (2 runs each)
+    python benchmarks/vs_trl.py --preset real-size      # Qwen2.5-VL-3B's width, LoRA: about 40 minutes
     python benchmarks/vs_trl.py --preset small --repeats 5 --steps 8 --work_dir /tmp/vs_trl
     .venv-vllm/bin/python benchmarks/vs_trl.py --preset image-heavy --use_vllm   # both with vLLM colocated
 
@@ -14,8 +15,12 @@ no flags for them) and EOS kept out by a logit bias in both, so completions stay
 Results and how to read them: docs/benchmarks.md, "mmgrpo vs TRL".
 
 What is the same in both systems (one fresh subprocess per run, so peak RSS is per system):
-  - one tiny random Qwen2-VL folder, built once with `build_tiny` and copied with the image
-    processor's pixel limit raised so that both processors resize images the same way;
+  - one model folder: a tiny random Qwen2-VL (`build_tiny`), or for `real-size` Qwen2.5-VL-3B's
+    published configuration at 2 decoder layers and 2 vision blocks with random weights
+    (`random:qwen2.5-vl-3b?num_hidden_layers=2&vision_depth=2`: hidden 2048, 16 query heads over 2
+    KV heads, the 1280-wide vision tower with 112-pixel windows and a full-attention last block,
+    the tied 151,936-row head), with the image processor's pixel limit raised where needed so that
+    both processors resize images the same way;
   - one JSONL + PNG data set (synthetic `shapes-color` questions) at the preset's image size;
   - rewards: mmgrpo's `vqa_accuracy` and `answer_format` (TRL calls them through a wrapper
     that takes the text out of its conversational completions);
@@ -23,16 +28,24 @@ What is the same in both systems (one fresh subprocess per run, so peak RSS is p
     loss dapo, beta 0.04 (so both run a reference model), epsilon 0.2 / 0.28, lr 1e-6 constant,
     fused AdamW (0.9, 0.99; `adamw_torch_fused`, both systems' default), no weight decay, clip 1.0,
     temperature 1, fp32, one torch thread;
-  - a FIXED completion length: the EOS ids are added to the suppressed ids in both samplers
-    (`suppress_tokens` in TRL's generation_kwargs; the rollout backend's `suppress_token_ids`
-    in mmgrpo), so every completion is exactly --max_completion_length tokens;
+  - a FIXED completion length: EOS is never sampled, in TRL through `suppress_tokens` in its
+    generation_kwargs (with the placeholder ids), in mmgrpo through its `--suppress_eos` flag, so
+    every completion is exactly --max_completion_length tokens;
+  - `real-size` only: LoRA rank 8 (alpha 32, no dropout) on every linear layer of the language model
+    (mmgrpo `--train_type lora --target_modules llm`; TRL a peft LoraConfig on the same modules),
+    the reference being the base model with the adapters off in both. Full training at this width
+    would hold 8.7 GB of fp32 weights, gradients and AdamW moments, more than a benchmark may take
+    on the shared 24 GB machine; LoRA keeps everything the comparison is about (a 2048-wide decoder
+    over 448 x 448 images, the 151,936-token head in the rollout and in every log-prob pass);
   - gradient checkpointing OFF in both (TRL turns it on by default; that would cost it ~20%);
   - data loading in the training process (dataloader_num_workers 0 in both);
-  - no TensorBoard or other tracker (report_to "none" in both; mmgrpo still writes metrics.jsonl).
+  - no TensorBoard or other tracker (report_to "none" in both; mmgrpo still writes metrics.jsonl);
+  - no checkpoint (save_strategy "no" in both).
 
-Measured per run after the warm-up steps: seconds per step (the interval between the ends of
-consecutive optimizer steps, so data loading and logging count), CPU seconds per step,
-completions per second, peak RSS (VmHWM at the end of the last step) and a split by phase:
+Measured per run after the warm-up steps, mmgrpo from the metrics.jsonl of a plain `train()` run
+(nothing in it is replaced: time/step, cpu/step_s, the phases' time/* timers, memory/peak_gb),
+TRL from a callback at each step end: seconds per step (data loading and logging count), CPU
+seconds per step, completions per second, peak RSS and a split by phase:
   rollout    generation (mmgrpo: time/rollout; TRL: `_generate`, its tokenisation included)
   reward     reward functions (mmgrpo: time/reward; TRL: `_calculate_rewards`)
   reference  reference-model log-probs (mmgrpo: time/ref + time/old; TRL: the no-grad calls of
@@ -42,18 +55,18 @@ completions per second, peak RSS (VmHWM at the end of the last step) and a split
   other      everything else (data loading, collation, advantages, logging)
 TRL's phases come from wrapping those methods on the trainer instance from outside the library.
 
-FLOPs: the first run of each system counts the FLOPs of its warm-up step with
-torch.utils.flop_counter.FlopCounterMode ("executed"); "model FLOPs" is an analytic count of
-the work a step needs, the same number for both systems:
+FLOPs: a one-step run of each system before the timed runs, under
+torch.utils.flop_counter.FlopCounterMode ("executed"; mmgrpo's whole `train()`, TRL's first step);
+"model FLOPs" is an analytic count of the work a step needs, the same number for both systems:
   10 x (N_vision x patches + N_decoder x (prompt + completion tokens)) + 10 x N_lm_head x completion tokens
 (rollout forward 2 + reference forward 2 + policy forward and backward 6, each prompt once,
-attention ignored). MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
+attention ignored; `model_flops` has the variants: LoRA, frozen parts, no reference, checkpointing).
+MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -85,7 +98,23 @@ PRESETS = {
                    vision_embed_dim=128, vision_num_heads=4, vocab_size=151936),
         warmup=0, steps=1, repeats=2, target=("peak_rss_mb", 0.5),  # one step, no warm-up: RSS is the point
     ),
+    # What the test of this script runs (tests/test_benchmarks.py): the default tiny Qwen2-VL, seconds.
+    "smoke": dict(
+        image_size=56, num_generations=2, prompts_per_step=1, max_completion_length=4, model={},
+        warmup=1, steps=1, repeats=1, target=("samples_per_s", 0.0),
+    ),
+    # Qwen2.5-VL-3B's width at reduced depth (see the module docstring), image-heavy: 256 image tokens
+    # per prompt, G=8, 64 completion tokens; LoRA on the LLM in both.
+    "real-size": dict(
+        image_size=448, num_generations=8, prompts_per_step=1, max_completion_length=64,
+        model="random:qwen2.5-vl-3b?num_hidden_layers=2&vision_depth=2", lora=True,
+        warmup=1, steps=2, repeats=2, target=("samples_per_s", 1.5),
+    ),
 }
+LORA_RANK, LORA_ALPHA = 8, 32
+# What a worker's spec may change from this script's CPU comparison (benchmarks/gpu_suite.py does):
+RUN_DEFAULTS = {"device": "cpu", "bf16": False, "gradient_checkpointing": False, "beta": 0.04, "freeze_vit": False,
+                "shared_prefix": True, "lora": False}
 SYSTEMS = ("mmgrpo", "trl")
 VLLM_MAX_LEN, VLLM_KV_BYTES = 2048, 256 << 20  # --use_vllm: the same vLLM sizes in both systems
 REWARDS = ("vqa_accuracy", "answer_format")
@@ -97,20 +126,28 @@ PHASES = ("rollout", "reward", "reference", "training", "other")
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare_model(work: Path, preset: dict) -> Path:
-    """build_tiny once, then a copy whose image processor accepts the preset's image unresized."""
-    from mmgrpo.models.tiny import build_tiny
+def prepare_model(work: Path, preset: dict) -> tuple[Path, str]:
+    """(model folder, model type): the preset's model built once (a tiny Qwen2-VL of its dims, or a
+    `random:` real size), then a copy (weights linked) whose image processor accepts the preset's
+    image unresized."""
+    from mmgrpo.models.tiny import build_tiny, built_model_family, resolve_model_path
 
-    built = build_tiny("qwen2-vl", cache_dir=work / "cache", **preset["model"])
+    if isinstance(preset["model"], str):
+        built, model_type = Path(resolve_model_path(preset["model"])), built_model_family(preset["model"])
+    else:
+        built, model_type = build_tiny("qwen2-vl", cache_dir=work / "cache", **preset["model"]), "qwen2-vl"
     model = work / f"model-{built.name}-{preset['image_size']}px"
     if not (model / "config.json").exists():
-        shutil.copytree(built, model)
+        def link_weights(source, target):
+            return os.symlink(source, target) if source.endswith(".safetensors") else shutil.copy2(source, target)
+
+        shutil.copytree(built, model, copy_function=link_weights)
         processor_file = model / "processor_config.json"
         config = json.loads(processor_file.read_text())
         side = -(-preset["image_size"] // 28) * 28  # Qwen2-VL resizes sides to multiples of 28
         config["image_processor"]["size"]["longest_edge"] = max(side * side, config["image_processor"]["size"]["longest_edge"])
         processor_file.write_text(json.dumps(config, indent=2))
-    return model
+    return model, model_type
 
 
 def prepare_data(work: Path, image_size: int, num_rows: int) -> Path:
@@ -127,14 +164,14 @@ def prepare_data(work: Path, image_size: int, num_rows: int) -> Path:
     return folder / "prompts.jsonl"
 
 
-def suppressed_ids(model: Path) -> list[int]:
-    """Placeholder ids (never sampled) + every EOS id: completions run to the full length."""
+def suppressed_ids(model: Path, model_type: str) -> list[int]:
+    """TRL's suppressed ids: placeholder ids (never sampled) + every EOS id, so completions run to the full length."""
     from transformers import GenerationConfig
 
     from mmgrpo.models.loading import load_processor
     from mmgrpo.templates import get_template
 
-    template = get_template("qwen2-vl", load_processor(str(model)))
+    template = get_template(model_type, load_processor(str(model)))
     eos = GenerationConfig.from_pretrained(model).eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     ids = {*template.suppress_token_ids, *template.stop_token_ids, template.tokenizer.eos_token_id, *eos}
@@ -159,6 +196,15 @@ def matmul_flops_per_s(size: int = 1024, repeats: int = 8) -> float:
 # ---------------------------------------------------------------------------------------------
 # Measuring inside a worker
 # ---------------------------------------------------------------------------------------------
+
+
+def peak_memory_mb() -> float:
+    """The GPU's max allocated MB where the run used one, else the process's peak resident set."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mb()
 
 
 def peak_rss_mb(field: str = "VmHWM") -> float:
@@ -186,7 +232,7 @@ class StepClock:
     def step_end(self, phases: dict[str, float]) -> None:
         self.ends.append((time.perf_counter(), time.process_time()))
         self.phases.append(phases)
-        self.peak_mb = peak_rss_mb()
+        self.peak_mb = peak_memory_mb()
 
     def summary(self) -> dict:
         walls = [b[0] - a[0] for a, b in zip(self.ends, self.ends[1:])][self.warmup:]
@@ -229,13 +275,16 @@ def flop_counter():
     return FlopCounterMode(display=False, custom_mapping=extra)
 
 
-def model_shape(model) -> dict:
-    """Parameter counts of the parts the analytic FLOP count needs."""
-    lm_head = model.get_output_embeddings().weight.numel()
-    embed = model.get_input_embeddings().weight.numel()
+def model_shape(model_folder: str) -> dict:
+    """Parameter counts of the parts the analytic FLOP count needs, from the weightless model."""
+    from mmgrpo.models.loading import model_skeleton
+
+    model = model_skeleton(model_folder)
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     vision = sum(p.numel() for p in model.model.visual.parameters())
-    total = sum(p.numel() for p in model.parameters())
-    return {"n_lm_head": lm_head, "n_vision": vision, "n_decoder": total - vision - lm_head - embed, "n_total": total}
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    embed = 0 if embedding is head else embedding.numel()  # a lookup: no FLOPs
+    return {"n_lm_head": head.numel(), "n_vision": vision, "n_decoder": total - vision - head.numel() - embed, "n_total": total}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,88 +292,70 @@ def model_shape(model) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_mmgrpo(spec: dict) -> dict:
-    import torch
-
-    import mmgrpo.engine as engine
-    from mmgrpo.config import TrainConfig
-
-    torch.set_num_threads(1)
+def mmgrpo_flags(spec: dict, steps: int) -> list[str]:
+    """`mmgrpo train` as a user would run it for this comparison (module docstring)."""
+    spec = {**RUN_DEFAULTS, **spec}
     batch = spec["prompts_per_step"] * spec["num_generations"]
-    cfg = TrainConfig.from_args([
-        "--model", spec["model"], "--model_type", "qwen2-vl", "--dataset", spec["data"],
+    cpu = spec["device"] == "cpu"
+    return [
+        "--model", spec["model"], "--model_type", spec["model_type"], "--dataset", spec["data"],
         "--reward_funcs", *REWARDS, "--num_generations", str(spec["num_generations"]),
-        "--max_completion_length", str(spec["max_completion_length"]),
+        "--max_completion_length", str(spec["max_completion_length"]), "--suppress_eos",
         "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", "1",
-        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", "0.04", "--loss_type", "dapo",
-        "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(spec["warmup"] + spec["steps"]),
-        "--output_dir", spec["out"], "--dataloader_num_workers", "0", "--torch_threads", "1",
-        "--gradient_checkpointing", "false", "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
-        "--seed", "0",
+        "--learning_rate", "1e-6", "--lr_scheduler_type", "constant", "--optim", "adamw_torch_fused", "--beta", str(spec["beta"]),
+        "--loss_type", "dapo", "--epsilon", "0.2", "--epsilon_high", "0.28", "--max_steps", str(steps),
+        "--output_dir", spec["out"], "--dataloader_num_workers", "0", *(["--torch_threads", "1"] if cpu else []),
+        "--gradient_checkpointing", str(spec["gradient_checkpointing"]), "--bf16", str(spec["bf16"]),
+        "--shared_prefix", str(spec["shared_prefix"]), "--freeze_vit", str(spec["freeze_vit"]),
+        "--log_completions", "0", "--report_to", "none", "--max_prompt_length", "4096",
+        "--seed", "0", "--save_strategy", "no",  # as TRL's save_strategy="no" here
+        *(["--train_type", "lora", "--lora_rank", str(LORA_RANK), "--lora_alpha", str(LORA_ALPHA), "--lora_dropout", "0",
+           "--target_modules", "llm"] if spec["lora"] else []),
         *(["--use_vllm", "--vllm_max_model_len", str(VLLM_MAX_LEN), "--vllm_kv_cache_memory_bytes", str(VLLM_KV_BYTES)]
           if spec["use_vllm"] else []),
-    ])
-    clock = StepClock(spec["warmup"])
-    facts: dict = {}
-    build_run, grpo_step = engine.build_run, engine.grpo_step
+    ]  # fmt: skip
 
-    def build_run_fixed_length(cfg):
-        run = build_run(cfg)
-        # the same engine, with EOS never sampled: every completion is exactly max_completion_length
-        suppress = sorted(set(run.template.suppress_token_ids) | set(spec["suppress_ids"]))
-        if spec["use_vllm"]:  # vLLM's sampling sees a template whose EOS is suppressed and never stops
-            run.rollout.template = _FixedLength(run.template, suppress)
-            generate = run.rollout.generate
 
-            def timed_generate(*a, **k):  # the rollout runs before grpo_step (the rollout pipeline)
-                start = time.perf_counter()
-                try:
-                    return generate(*a, **k)
-                finally:
-                    facts["generate_s"] = facts.get("generate_s", 0.0) + time.perf_counter() - start
+def run_mmgrpo(spec: dict) -> dict:
+    """A plain `train()` run, read back from its metrics.jsonl; the FLOP-count run counts all of it."""
+    import contextlib
 
-            run.rollout.generate = timed_generate
-        else:
-            run = dataclasses.replace(run, rollout=type(run.rollout)(run.model, run.template, suppress_token_ids=suppress))
-        facts.update(model_shape(run.model))
-        clock.restart()  # as TRL's clock, which starts at trainer.train(): models loaded, optimizer not yet made
-        return run
+    import torch
 
-    def timed_step(run, prompts, step, rollout=None):
-        facts["prompt_tokens"] = [enc.prompt_ids.shape[-1] for _, enc in prompts]
-        counter = flop_counter() if spec["count_flops"] and step == 1 else None
-        if counter is not None:
-            with counter:
-                metrics, records = grpo_step(run, prompts, step, rollout)
-            facts["executed_flops"] = counter.get_total_flops()
-        else:
-            metrics, records = grpo_step(run, prompts, step, rollout)
-        facts["completion_length"] = metrics["completion_length"]
-        clock.step_end({
-            "rollout": metrics.get("time/rollout", 0.0) + facts.pop("generate_s", 0.0), "reward": metrics.get("time/reward", 0.0),
-            "reference": metrics.get("time/ref", 0.0) + metrics.get("time/old", 0.0),
-            "training": metrics.get("time/update", 0.0),
-        })
-        return metrics, records
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import train
 
-    engine.build_run, engine.grpo_step = build_run_fixed_length, timed_step
-    engine.train(cfg)
-    return {**clock.summary(), **facts}
+    if {**RUN_DEFAULTS, **spec}["device"] == "cpu":
+        torch.set_num_threads(1)
+    steps = 1 if spec["count_flops"] else spec["warmup"] + spec["steps"]
+    cfg = TrainConfig.from_args(mmgrpo_flags(spec, steps))
+    counter = flop_counter() if spec["count_flops"] else contextlib.nullcontext()
+    with counter:
+        out = train(cfg)
+    if spec["count_flops"]:
+        return {"executed_flops": counter.get_total_flops()}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return mmgrpo_summary(rows, spec["warmup"])
+
+
+def mmgrpo_summary(rows: list[dict], warmup: int) -> dict:
+    """The figures StepClock gives for TRL, from mmgrpo's per-step metrics: time/step, cpu/step_s,
+    the phases' time/*, and the peak RSS (memory/peak_gb is the process's peak so far)."""
+    timed = rows[warmup:]
+    walls = [r["time/step"] for r in timed]
+    cpus = [r["cpu/step_s"] for r in timed]
+    named = {"rollout": ("time/rollout",), "reward": ("time/reward",), "reference": ("time/ref", "time/old"),
+             "training": ("time/update",)}  # fmt: skip
+    split = {phase: statistics.mean(sum(r.get(key, 0.0) for key in keys) for r in timed) for phase, keys in named.items()}
+    split["other"] = statistics.mean(walls) - sum(split.values())
+    peak_gb = max(r["memory/peak_gb"] for r in rows)
+    return {"s_per_step": statistics.mean(walls), "cpu_s_per_step": statistics.mean(cpus), "phases": split,
+            "peak_rss_mb": peak_gb * 1024, "step_walls": walls, "completion_length": timed[-1]["completion_length"]}
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker: TRL
 # ---------------------------------------------------------------------------------------------
-
-
-class _FixedLength:
-    """A template as the vLLM engine's sampling reads it: no stop ids, EOS among the suppressed ids."""
-
-    def __init__(self, template, suppress: list[int]):
-        self._template, self.eos_token_ids, self.suppress_token_ids = template, [], suppress
-
-    def __getattr__(self, name):
-        return getattr(self._template, name)
 
 
 def vllm_for_trl() -> None:
@@ -390,7 +421,10 @@ def run_trl(spec: dict) -> dict:
 
     from mmgrpo.rewards import get_reward
 
-    torch.set_num_threads(1)
+    spec = {**RUN_DEFAULTS, **spec}
+    cpu = spec["device"] == "cpu"
+    if cpu:
+        torch.set_num_threads(1)
     folder = Path(spec["data"]).parent
     rows = []
     with open(spec["data"]) as lines:
@@ -401,30 +435,47 @@ def run_trl(spec: dict) -> dict:
                          "solution": row["solution"]})
     dataset = datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
     batch = spec["prompts_per_step"] * spec["num_generations"]
+    steps = 1 if spec["count_flops"] else spec["warmup"] + spec["steps"]
     args = GRPOConfig(
-        output_dir=spec["out"], use_cpu=True, bf16=False, fp16=False, seed=0,
+        output_dir=spec["out"], use_cpu=cpu, bf16=spec["bf16"], fp16=False, seed=0,
         per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, beta=0.04, loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
+        weight_decay=0.0, max_grad_norm=1.0, beta=spec["beta"], loss_type="dapo", epsilon=0.2, epsilon_high=0.28,
         scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
-        gradient_checkpointing=False,  # TRL's default is True
-        max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to="none", save_strategy="no",
+        gradient_checkpointing=spec["gradient_checkpointing"],  # TRL's default is True; off here unless the spec says
+        **({"gradient_checkpointing_kwargs": {"use_reentrant": False}} if spec["gradient_checkpointing"] else {}),
+        max_steps=steps, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
         generation_kwargs=({"logit_bias": {i: -100.0 for i in spec["suppress_ids"]}} if spec["use_vllm"]
                            else {"suppress_tokens": spec["suppress_ids"]}),
-        model_init_kwargs={"dtype": "float32"},
+        model_init_kwargs=None if spec["freeze_vit"] else {"dtype": "float32"},  # fp32 weights (--bf16: autocast) as in mmgrpo
         **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=VLLM_MAX_LEN,
                 vllm_importance_sampling_correction=True) if spec["use_vllm"] else {}),
     )
     if spec["use_vllm"]:
         vllm_for_trl()
+    peft_config = None
+    if spec["lora"]:  # the modules of mmgrpo's `--target_modules llm`: every linear layer of the language model
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                 target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
+    model = spec["model"]
+    if spec["freeze_vit"]:  # TRL has no flag for it: the model with mmgrpo's --freeze_vit applied (the merger trains)
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        model = AutoModelForImageTextToText.from_pretrained(spec["model"], dtype=torch.float32)
+        for name, param in model.named_parameters():
+            if name.startswith("model.visual.") and not name.startswith("model.visual.merger."):
+                param.requires_grad_(False)
     trainer = GRPOTrainer(
-        model=spec["model"], reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
-        train_dataset=dataset,
+        model=model, reward_funcs=[trl_reward(get_reward(name)) for name in REWARDS], args=args,
+        train_dataset=dataset, peft_config=peft_config,
+        **({"processing_class": AutoProcessor.from_pretrained(spec["model"])} if spec["freeze_vit"] else {}),
     )
     clock = StepClock(spec["warmup"])
-    facts = model_shape(trainer.model)
+    facts: dict = {}
     seconds: dict[str, float] = {}
 
     def timed(name, method, pick=None):
@@ -442,12 +493,6 @@ def run_trl(spec: dict) -> dict:
             return "reference"
         return "train_logps" if torch.is_grad_enabled() else "old"
 
-    def tokenize(prompts, _original=trainer._tokenize_prompts):
-        out = _original(prompts)
-        facts["prompt_tokens"] = [len(ids) for ids in out[0]]
-        return out
-
-    trainer._tokenize_prompts = tokenize
     trainer._generate = timed("rollout", trainer._generate)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed("", trainer._get_per_token_logps_and_entropies, logps_kind)
@@ -458,7 +503,7 @@ def run_trl(spec: dict) -> dict:
         counter = None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1 or not cpu
             if spec["count_flops"] and state.global_step == 0:
                 self.counter = flop_counter()
                 self.counter.__enter__()
@@ -480,6 +525,8 @@ def run_trl(spec: dict) -> dict:
     trainer.add_callback(Clock())
     clock.restart()
     trainer.train()
+    if spec["count_flops"]:
+        return facts
     facts["completion_length"] = float(spec["max_completion_length"])
     return {**clock.summary(), **facts}
 
@@ -489,11 +536,12 @@ def run_trl(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_worker(system: str, spec: dict, work: Path, index: int) -> dict:
+def run_worker(system: str, spec: dict, work: Path, index) -> dict:
     spec_file = work / f"spec-{system}-{index}.json"
     result_file = work / f"result-{system}-{index}.json"
     log_file = work / f"log-{system}-{index}.txt"
     spec = {**spec, "out": str(work / f"out-{system}-{index}")}
+    shutil.rmtree(spec["out"], ignore_errors=True)  # a stopped earlier run's
     spec_file.write_text(json.dumps(spec))
     result_file.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -513,20 +561,43 @@ def run_worker(system: str, spec: dict, work: Path, index: int) -> dict:
     return result
 
 
+def mean_prompt_tokens(model: Path, model_type: str, data: Path, count: int = 8) -> float:
+    """The mean prompt length (image tokens included) of the data's first prompts, as the template encodes them."""
+    from mmgrpo.data.registry import mix_datasets
+    from mmgrpo.models.loading import load_processor
+    from mmgrpo.templates import get_template
+
+    template = get_template(model_type, load_processor(str(model)))
+    dataset = mix_datasets([str(data)], split="train", seed=0)
+    lengths = [template.encode_prompt(dataset[i].load_media()).prompt_ids.shape[-1] for i in range(min(count, len(dataset)))]
+    return statistics.mean(lengths)
+
+
 def ratio_line(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})"
 
 
-def model_flops(result: dict, spec: dict) -> float:
-    """The analytic FLOPs of one step (module docstring); the same for both systems."""
+def model_flops(spec: dict) -> float:
+    """The analytic FLOPs of one step (module docstring); the same for both systems: 2 per parameter
+    and token for each forward (rollout, reference when beta > 0, policy), 4 for a backward that
+    computes weight and input gradients, 2 for one that computes input gradients only (LoRA's
+    frozen weights), none where no gradient is needed (a frozen vision tower), 2 more for a
+    recomputed forward under gradient checkpointing."""
+    spec = {**RUN_DEFAULTS, **spec}
+    shape = spec["shape"]
+    forwards = 2 + (2 if spec["beta"] > 0 else 0) + 2
+    recompute = 2 if spec["gradient_checkpointing"] else 0
+    llm = forwards + (2 if spec["lora"] else 4) + recompute
+    vision = forwards + (4 + recompute if not (spec["lora"] or spec["freeze_vit"]) else 0)
+    head = forwards + (2 if spec["lora"] else 4)
     completion_tokens = spec["prompts_per_step"] * spec["num_generations"] * spec["max_completion_length"]
-    prompt_tokens = sum(result["prompt_tokens"])
+    prompt_tokens = spec["prompts_per_step"] * spec["prompt_tokens"]
     patches = spec["prompts_per_step"] * spec["patches_per_image"]
-    return 10 * (result["n_vision"] * patches + result["n_decoder"] * (prompt_tokens + completion_tokens)
-                 + result["n_lm_head"] * completion_tokens)
+    return (vision * shape["n_vision"] * patches + llm * shape["n_decoder"] * (prompt_tokens + completion_tokens)
+            + head * shape["n_lm_head"] * completion_tokens)
 
 
-def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops: float) -> None:
+def report(results: dict[str, list[dict]], flops: dict[str, float], spec: dict, preset: dict, peak_flops: float) -> None:
     completions = spec["prompts_per_step"] * spec["num_generations"]
 
     def med(system, key):
@@ -535,10 +606,9 @@ def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops:
     print(f"\nCPU: one thread fp32 torch.mm 1024^3 peak {peak_flops / 1e9:.1f} GFLOP/s")
     if not spec["warmup"]:
         print("no warm-up step: the times include first-call overheads (allocations, lazy AdamW state)")
-    for system in SYSTEMS:
-        r = results[system][0]
-        print(f"{system}: prompt tokens {r['prompt_tokens']}, completion length {r['completion_length']:.0f}, "
-              f"parameters {r['n_total'] / 1e6:.2f}M")
+    print(f"prompt tokens {spec['prompt_tokens']:.0f} (mean), parameters {spec['shape']['n_total'] / 1e6:.2f}M"
+          f"{', LoRA' if spec['lora'] else ''}; completion length "
+          + ", ".join(f"{system} {results[system][0]['completion_length']:.0f}" for system in SYSTEMS))
     header = f"{'':<22}" + "".join(f"{s:>12}" for s in SYSTEMS) + f"{'mmgrpo/TRL':>13}"
     print("\n" + header)
     rows = [("s/step", "s_per_step"), ("CPU s/step", "cpu_s_per_step"), ("samples/s", "samples_per_s"),
@@ -546,7 +616,7 @@ def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops:
     for system in SYSTEMS:
         for r in results[system]:
             r["samples_per_s"] = completions / r["s_per_step"]
-            r["mfu"] = model_flops(r, spec) / r["s_per_step"] / peak_flops
+            r["mfu"] = model_flops(spec) / r["s_per_step"] / peak_flops
     for label, key in rows:
         values = [med(s, key) for s in SYSTEMS]
         print(f"{label:<22}" + "".join(f"{v:>12.3f}" if v < 100 else f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}")
@@ -554,17 +624,14 @@ def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops:
         values = [statistics.median(r["phases"][phase] for r in results[s]) for s in SYSTEMS]
         ratio = values[0] / values[1] if values[1] > 1e-9 else float("nan")
         print(f"{'  s/step ' + phase:<22}" + "".join(f"{v:>12.3f}" for v in values) + f"{ratio:>13.3f}")
-    values = [med(s, "peak_rss_mb") - med(s, "start_rss_mb") for s in SYSTEMS]
-    print(f"{'  growth in training':<22}" + "".join(f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}"
-          "   (peak - RSS when step 1 starts: gradients, AdamW moments, activations, logits)")
-    # Policy and reference weights, gradients and two AdamW moments: fp32, the same in both systems.
-    state_mb = 5 * 4 * results["mmgrpo"][0]["n_total"] / 2**20
+    # fp32 weights; full training adds the reference, gradients and two AdamW moments (the same in both systems)
+    copies = 1 if spec["lora"] else 5
+    state_mb = copies * 4 * spec["shape"]["n_total"] / 2**20
     values = [med(s, "peak_rss_mb") - state_mb for s in SYSTEMS]
     print(f"{'  RSS - fixed state':<22}" + "".join(f"{v:>12.0f}" for v in values) + f"{values[0] / values[1]:>13.3f}"
-          f"   (fixed state: 5 x params x 4 B = {state_mb:.0f} MB)")
-    flops = model_flops(results["mmgrpo"][0], spec)
-    print(f"{'model GFLOP/step':<22}" + "".join(f"{flops / 1e9:>12.2f}" for _ in SYSTEMS))
-    executed = [results[s][0].get("executed_flops") for s in SYSTEMS]
+          f"   (fixed state: {copies} x params x 4 B = {state_mb:.0f} MB)")
+    print(f"{'model GFLOP/step':<22}" + "".join(f"{model_flops(spec) / 1e9:>12.2f}" for _ in SYSTEMS))
+    executed = [flops.get(s) for s in SYSTEMS]
     if all(executed):
         print(f"{'executed GFLOP/step':<22}" + "".join(f"{e / 1e9:>12.2f}" for e in executed)
               + f"{executed[0] / executed[1]:>13.3f}")
@@ -578,6 +645,8 @@ def report(results: dict[str, list[dict]], spec: dict, preset: dict, peak_flops:
     print(f"mmgrpo/TRL samples/s ratio: {ratio_line([a['samples_per_s'] / b['samples_per_s'] for a, b in pairs])}")
     print(f"mmgrpo/TRL CPU s/step ratio: {ratio_line([a['cpu_s_per_step'] / b['cpu_s_per_step'] for a, b in pairs])}")
     print(f"mmgrpo/TRL peak RSS ratio: {ratio_line([a['peak_rss_mb'] / b['peak_rss_mb'] for a, b in pairs])}")
+    if all(executed):
+        print(f"mmgrpo/TRL executed FLOPs ratio: {executed[0] / executed[1]:.2f}")
     key, target = preset["target"]
     values = [a[key] / b[key] for a, b in pairs]
     ok = statistics.median(values) >= target if key == "samples_per_s" else statistics.median(values) <= target
@@ -594,6 +663,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs per system, alternating mmgrpo, TRL, mmgrpo, ... (default 3; 2 for memory, whose RSS barely varies)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the preset's)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: the preset's)")
+    parser.add_argument("--skip_flops", action="store_true", help="no FLOP-count runs (one 1-step run per system otherwise)")
     parser.add_argument("--work_dir", default=None, help="model, data and logs (default: a temporary folder)")
     parser.add_argument("--use_vllm", action="store_true",
                         help="both systems generate with vLLM colocated (run in .venv-vllm)")
@@ -616,31 +686,35 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model = prepare_model(work, preset)
+    model, model_type = prepare_model(work, preset)
     data = prepare_data(work, preset["image_size"], max(64, preset["prompts_per_step"] * (warmup + steps) * 2))
     side = -(-preset["image_size"] // 28) * 28
     spec = {
-        "model": str(model), "data": str(data), "num_generations": preset["num_generations"],
+        "model": str(model), "model_type": model_type, "data": str(data), "num_generations": preset["num_generations"],
         "prompts_per_step": preset["prompts_per_step"], "max_completion_length": preset["max_completion_length"],
-        "warmup": warmup, "steps": steps, "suppress_ids": suppressed_ids(model),
-        "patches_per_image": (side // 14) ** 2, "use_vllm": args.use_vllm,
-    }
+        "warmup": warmup, "steps": steps, "suppress_ids": suppressed_ids(model, model_type),
+        "patches_per_image": (side // 14) ** 2, "use_vllm": args.use_vllm, "lora": preset.get("lora", False),
+        "shape": model_shape(str(model)), "prompt_tokens": mean_prompt_tokens(model, model_type, data),
+    }  # fmt: skip
     peak_flops = matmul_flops_per_s()  # measured again after the runs; the higher one is the peak
     print(f"preset {args.preset}: {preset['image_size']}px images, G={spec['num_generations']}, "
           f"{spec['prompts_per_step']} prompt(s)/step, {spec['max_completion_length']} completion tokens, "
           f"{warmup} warm-up + {steps} timed steps, {repeats} runs each"
           f"{', rollouts by vLLM colocated in both' if args.use_vllm else ''}; work dir {work}", flush=True)
+    flops: dict[str, float] = {}
+    for system in () if args.skip_flops else SYSTEMS:  # one step under the FLOP counter, untimed
+        flops[system] = run_worker(system, {**spec, "count_flops": True}, work, "flops")["executed_flops"]
+        print(f"  FLOP count {system:<6} {flops[system] / 1e9:.1f} GFLOP in its first step", flush=True)
     results: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     for index in range(repeats):
         for system in SYSTEMS:
-            run_spec = {**spec, "count_flops": index == 0 and warmup > 0}
-            result = run_worker(system, run_spec, work, index)
+            result = run_worker(system, {**spec, "count_flops": False}, work, index)
             results[system].append(result)
             print(f"  run {index + 1}/{repeats} {system:<6} {result['s_per_step']:.3f} s/step, "
                   f"{result['cpu_s_per_step']:.3f} CPU s/step, peak RSS {result['peak_rss_mb']:.0f} MB "
                   f"({result['run_s']:.0f} s with start-up)", flush=True)
     peak_flops = max(peak_flops, matmul_flops_per_s())
-    report(results, spec, preset, peak_flops)
+    report(results, flops, spec, preset, peak_flops)
     print(f"\ntotal {time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, 1 torch thread per run")
     if not args.work_dir:

@@ -8,14 +8,17 @@
     mmgrpo export   --merge_lora --model runs/x/checkpoint-50 --output_dir runs/x/merged
     mmgrpo viz      attention --model runs/x/checkpoint-50 --model_type qwen2-vl --dataset shapes-color:test --index 0
     mmgrpo rollout-server --model tiny:qwen2-vl --port 8000     # vLLM rollouts for --vllm_mode server
+    mmgrpo estimate --model random:qwen2.5-vl-7b --parallel fsdp2 --world_size 8 --bf16   # memory per GPU
     mmgrpo datasets
     mmgrpo demo
 
-`mmgrpo <command> --help` explains each. Errors about input print one line and exit 2.
+`mmgrpo <command> --help` explains each. Errors about input print one line and exit 2; a run stopped by
+SIGTERM / SIGUSR1 saves a checkpoint, prints how to resume and exits 75.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -28,6 +31,7 @@ COMMANDS = {
     "viz": "pictures of a model: `viz attention` draws the answer's attention over the image",
     "export": "write a LoRA checkpoint as a plain HF folder (--merge_lora)",
     "rollout-server": "serve vLLM rollouts to `train --use_vllm --vllm_mode server` (docs/vllm.md)",
+    "estimate": "memory per device of a run's flags, by part; does it fit (docs/distributed.md)",
     "datasets": "list the dataset registry with splits and sizes",
     "demo": "the embedded demo: build a tiny Qwen2-VL, SFT, GRPO, evaluate before/after",
 }
@@ -109,6 +113,12 @@ def cmd_viz(argv):
     viz_main(argv)
 
 
+def cmd_estimate(argv):
+    from mmgrpo.parallel.estimate import main as estimate_main
+
+    estimate_main(argv)
+
+
 def cmd_rollout_server(argv):
     from mmgrpo.rollout.vllm_server import main as server_main
 
@@ -137,7 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         globals()[f"cmd_{command.replace('-', '_')}"](rest)
     except MMGRPOError as exc:
-        print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2)  # 75: stopped on a signal after a checkpoint (mmgrpo/training/preemption.py)
+        if code == 2:
+            print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
+        elif os.environ.get("RANK", "0") == "0":  # one line for the whole run
+            print(f"mmgrpo {command}: {exc}", file=sys.stderr)
+    except OSError as exc:  # a log or file a run writes when the disk fills up (a checkpoint's save says more)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"mmgrpo {command}: error: no space left writing {exc.filename or 'a file'}: free space on its disk, "
+              "then run again (a training run: with --resume_from_checkpoint latest)", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         print(f"mmgrpo {command}: interrupted", file=sys.stderr)

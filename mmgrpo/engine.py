@@ -43,6 +43,7 @@ from mmgrpo.rollout.rounds import score
 from mmgrpo.training.checkpoint import wait_for_saves
 from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
+from mmgrpo.training.preemption import StopSignals
 from mmgrpo.training.resume import resume_run, save_run
 from mmgrpo.training.run import Run, build_run
 from mmgrpo.training.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
@@ -329,7 +330,9 @@ def train(cfg: TrainConfig) -> Path:
     if run.strategy.is_main:
         plan.apply()  # resume: the step logs cut at the checkpoint; overwrite: the earlier run's files gone
     resumed_after = state.step if plan.resume_from is not None else None  # TensorBoard hides the killed run's later steps
-    logger = RunLogger(out, cfg, resume_step=resumed_after) if run.strategy.is_main else NullLogger()  # rank 0 writes the reduced metrics
+    logger = (RunLogger(out, cfg, resume_step=resumed_after, resumed=state.resumed)  # rank 0 writes the reduced metrics
+              if run.strategy.is_main else NullLogger())
+    stop = StopSignals(cfg.save_on_signal)  # SIGTERM / SIGUSR1: this step finishes and is saved (training/preemption.py)
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
             for step in range(state.step + 1, run.total_steps + 1):
@@ -347,9 +350,11 @@ def train(cfg: TrainConfig) -> Path:
                 with loop("eval"):
                     metrics.update(run.evaluator.maybe_evaluate(run, step, state, final=final))  # eval/<metric>
                 with loop("save"):
-                    if final or (cfg.save_steps and step % cfg.save_steps == 0):  # the final save is awaited
+                    stopping = not final and stop.agreed(run.strategy, step)  # a signal on any rank: all save now
+                    due = final or (cfg.save_steps and step % cfg.save_steps == 0)  # the final save is awaited
+                    if stopping or (due and cfg.save_strategy != "no"):
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
-                                 background=cfg.save_in_background and not final,
+                                 background=cfg.save_in_background and not (final or stopping),
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
                 for phase in ("data", "weight_sync", "rollout", "reward", "eval", "save"):  # the same columns every step
                     loop.seconds.setdefault(f"time/{phase}", 0.0)
@@ -362,12 +367,17 @@ def train(cfg: TrainConfig) -> Path:
                         f"{state.nonfinite_steps} steps had a NaN/inf loss or gradient norm: stopping. Lower --learning_rate, "
                         "use fp32, or raise --max_nonfinite_steps."
                     )
+                if stopping:
+                    break
     finally:
+        stop.restore()
         wait_for_saves()  # a background save is complete (or its error raised) before the run ends
         pipeline.close()
         run.rollout.close()  # a vLLM engine goes before the process group it uses
+        plan.release()  # the run's lock on --output_dir (mmgrpo/training/run_lock.py)
     logger.close()
     run.strategy.close()
+    stop.raise_if_stopped(out)  # stopped on a signal: the CLI says how to resume and exits 75
     return out
 
 

@@ -170,7 +170,8 @@ def test_a_rollout_staler_than_k_is_dropped_and_generated_again(tmp_path):
     for k, name in ((3, "same"), (1, "smaller")):
         out = tmp_path / "resumed" / name
         copy_checkpoint(checkpoint, out)
-        logged = metrics_of(train(config(tmp_path / name, "--max_staleness", str(k), "--max_steps", "5",
+        # the same --reward_funcs file: another path is another reward, refused on resume (training/resume_flags.py)
+        logged = metrics_of(train(config(tmp_path / "whole", "--max_staleness", str(k), "--max_steps", "5",
                                          "--save_steps", "2", "--output_dir", str(out),
                                          "--resume_from_checkpoint", "latest")))
         if k == 3:
@@ -283,7 +284,7 @@ def test_a_checkpoint_of_the_earlier_one_rollout_layout_resumes_exactly(tmp_path
     manifest = json.loads((checkpoint / MARKER).read_text())  # the sizes the checkpoint is checked against
     manifest["files"] = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.is_file() and p.name != MARKER}
     (checkpoint / MARKER).write_text(json.dumps(manifest))
-    logged = metrics_of(train(config(tmp_path / "resumed", "--async_generate", "--max_steps", "4", "--save_steps", "2",
+    logged = metrics_of(train(config(tmp_path / "whole", "--async_generate", "--max_steps", "4", "--save_steps", "2",
                                      "--output_dir", str(out), "--resume_from_checkpoint", "latest")))
     assert strip(logged) == strip(whole)
 

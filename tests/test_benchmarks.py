@@ -3,7 +3,8 @@ change to what a script calls breaks a test here, not the user's run. Figures ar
 (benchmarks print them); the exit code and the script's own final output are.
 
 The vLLM ones run in .venv-vllm: tests/test_vllm_benchmarks.py. benchmarks/cuda_check.py needs a
-GPU and is exercised by its own --dry_run_on_cpu where it has one.
+GPU and is exercised by its own --dry_run_on_cpu where it has one; benchmarks/gpu_suite.py's
+--dry_run_on_cpu runs in tests/test_benchmark_gpu_suite.py, which also reads its report.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# script -> (arguments at tiny settings, a text its output must contain). {tmp} is a fresh folder.
+# script -> (arguments at tiny settings, a text or texts its output must contain). {tmp} is a fresh folder.
 SMOKE = {
     "answer_distribution.py": (["--model", "tiny:qwen2-vl", "--limit", "4"], ""),
     "async_rollout.py": (["--repeats", "1", "--steps", "1", "--warmup", "0", "--num_generations", "2", "--prompts", "1",
@@ -31,11 +32,15 @@ SMOKE = {
                   "--batch_size", "2", "--repeats", "1"], ""),
     "mixed_lengths.py": (["--prompts", "4", "--num_generations", "2", "--long_every", "2", "--short", "2", "--long", "4",
                           "--repeats", "1"], ""),
-    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "64", "--layers", "1",
+    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "128", "--layers", "1",
                     "--output", "{tmp}/scaling.md"], ""),
     "shared_prefix.py": (["--num_prompts", "1", "--num_generations", "2", "--max_new_tokens", "4", "--repeats", "1",
                           "--image_size", "56"], ""),
-    "vs_trl.py": (["--preset", "small", "--repeats", "1", "--steps", "2", "--work_dir", "{tmp}/work"], ""),
+    # its `smoke` preset: one warm-up and one timed step per system, the FLOP-count runs included;
+    # fixed-length completions in both (mmgrpo's --suppress_eos, TRL's suppress_tokens)
+    "vs_trl.py": (["--preset", "smoke", "--work_dir", "{tmp}/work"],
+                  ("completion length mmgrpo 4, trl 4", "samples/s", "CPU s/step", "peak RSS (MB)", "  s/step rollout",
+                   "executed GFLOP/step", "mmgrpo/TRL samples/s ratio", "mmgrpo/TRL executed FLOPs ratio")),
     "token_budget.py": (["--prompts", "2", "--num_generations", "2", "--repeats", "1"], ""),
     "zoom_tool.py": (["--models", "tiny:qwen2-vl", "--model_type", "qwen2-vl", "--limit", "2",
                       "--max_completion_length", "16", "--batch_size", "2"], ""),
@@ -43,8 +48,14 @@ SMOKE = {
                             "--eval_limit", "4", "--num_generations", "2", "--prompts_per_step", "2",
                             "--max_completion_length", "8", "--sft_model", "tiny:qwen2-vl",
                             "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
+    "fusion_probe_cost.py": (["--steps", "2", "--rows", "2"], ""),
+    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--seeds", "0", "--steps", "1", "--probe_steps", "1",
+                           "--eval_limit", "2", "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
 }
-ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "cuda_check.py": "a GPU (its own --dry_run_on_cpu)"}
+ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "weight_sync.py": "tests/test_vllm_weight_sync_benchmark.py",
+             "cuda_check.py": "a GPU (its own --dry_run_on_cpu)",
+             "gpu_suite.py": "tests/test_benchmark_gpu_suite.py (its --dry_run_on_cpu; the report's figures checked)",
+             "soak.py": "tests/test_soak.py (its --smoke, with the samples and the slope checked)"}
 
 
 def run_script(script: str, args: list[str], tmp_path: Path, python: str = sys.executable) -> str:
@@ -66,4 +77,5 @@ def test_every_benchmark_has_a_smoke_run():
 def test_benchmark_runs_at_tiny_settings(script, tmp_path):
     args, expected = SMOKE[script]
     output = run_script(script, args, tmp_path)
-    assert expected in output
+    for text in (expected,) if isinstance(expected, str) else expected:
+        assert text in output, f"{script}: no {text!r} in its output\n{output[-3000:]}"

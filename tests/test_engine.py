@@ -220,3 +220,38 @@ def test_sft_help_lists_only_what_sft_uses(capsys):
     assert "--learning_rate" in text and "--per_device_train_batch_size" in text and "--max_pixels" in text
     for grpo_only in ("--beta", "--num_generations", "--reward_funcs", "--parallel"):
         assert grpo_only not in text, grpo_only
+
+
+def test_fixed_length_rollouts_without_checkpoints(tmp_path, capsys):
+    """--suppress_eos: every completion runs to --max_completion_length (benchmarks); --save_strategy
+    no: no checkpoint; cpu/step_s is logged beside time/step."""
+    plugin = tmp_path / "digits.py"
+    plugin.write_text(DIGITS_REWARD)
+    out = train(TrainConfig.from_args([*FAST, "--reward_funcs", f"{plugin}:digits", "--max_steps", "2", "--suppress_eos",
+                                       "--save_strategy", "no", "--output_dir", str(tmp_path / "run")]))
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["completion_length"] == 8 and m["clipped_ratio"] == 1.0 for m in metrics)
+    assert all(0 < m["cpu/step_s"] for m in metrics)
+    assert not list(out.glob("checkpoint-*"))
+    err = run_cli(["train", *FAST, "--save_strategy", "no", "--save_steps", "5", "--output_dir", str(tmp_path / "x")], capsys)
+    assert "--save_steps 5 with --save_strategy no" in err
+    err = run_cli(["train", *FAST, "--save_strategy", "epoch", "--output_dir", str(tmp_path / "x")], capsys)
+    assert "--save_strategy 'epoch'" in err
+
+
+def test_suppress_eos_reaches_every_engine(tiny_qwen2_vl_path):
+    """--suppress_eos in each engine's terms: the in-process samplers suppress EOS with the
+    placeholders; vLLM requests get EOS in their logit bias (never drawn, so never a stop)."""
+    from mmgrpo.models.loading import load_processor
+    from mmgrpo.rollout.base import SamplingParams
+    from mmgrpo.rollout.vllm_requests import sampling_options
+    from mmgrpo.templates import get_template
+
+    template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
+    fixed = SamplingParams(num_generations=2, max_new_tokens=4, suppress_eos=True)
+    assert fixed.suppressed(template.suppress_token_ids, template.eos_token_ids) == [
+        *template.suppress_token_ids, *template.eos_token_ids]
+    assert SamplingParams(2, 4).suppressed([1], [2]) == [1]
+    bias = sampling_options(fixed, template)["logit_bias"]
+    assert set(template.eos_token_ids) | set(template.suppress_token_ids) <= set(bias)
+    assert not set(template.eos_token_ids) & set(sampling_options(SamplingParams(2, 4), template)["logit_bias"])

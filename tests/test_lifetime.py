@@ -120,3 +120,55 @@ def test_workers_die_with_a_sigkilled_mmgrpo_train(tmp_path):
     finally:
         trainer.kill()
         kill_all(workers)
+
+
+QUICK_TRAINER = '''
+import sys
+from mmgrpo.data.pipeline import cycle, make_prompt_loader
+from mmgrpo.data.schema import Sample
+
+class Quick:
+    name = "quick"
+    def __len__(self):
+        return 64
+    def __getitem__(self, index):
+        return Sample(id=f"quick/train/{index}", messages=[{"role": "user", "content": "hi"}])
+
+loader = make_prompt_loader(Quick(), batch_size=1, num_workers=2, seed=0, shuffle=False)
+batches = cycle(loader)
+next(batches)
+print(" ".join(str(w.pid) for w in loader._iterator._workers), flush=True)
+sys.stdin.readline()
+next(batches)  # the workers still serve
+print("served", flush=True)
+'''  # then the interpreter exits without closing the loader: multiprocessing terminates its workers
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_ignore_a_schedulers_stop_signals_and_still_end_with_their_trainer(tmp_path):
+    """A SIGTERM / SIGUSR1 to every process of a job (as Slurm sends it) is the trainer's to handle
+    (it saves first: mmgrpo/training/preemption.py): its workers ignore one from anyone else, and
+    still end when the trainer's own shutdown terminates them (its exit does not wait forever)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(QUICK_TRAINER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    workers = []
+    try:
+        workers = [int(pid) for pid in trainer.stdout.readline().split()]
+        for pid in workers:
+            os.kill(pid, signal.SIGTERM)  # from this process: not their trainer
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        assert all(alive(pid) for pid in workers)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "served"
+        assert trainer.wait(30) == 0
+        deadline = time.monotonic() + 3.0
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers)
+    finally:
+        trainer.kill()
+        kill_all(workers)

@@ -14,6 +14,7 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_reward import build_tiny_reward_model
 from mmgrpo.rewards.judge import JudgeReward, parse_reply
 from mmgrpo.rewards.reward_model import RewardModelReward
+from mmgrpo.rewards.reward_set import build_rewards
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "2",
         "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--dataloader_num_workers", "0",
@@ -119,5 +120,6 @@ def test_a_training_step_with_a_reward_model_and_a_judge(tmp_path):
 def test_reward_weights_must_cover_the_reward_models_too():
     cfg = TrainConfig.from_args([*FAST, "--reward_funcs", "format", "--reward_model", "tiny:reward-qwen2",
                                  "--reward_weights", "1.0"])
-    with pytest.raises(ConfigError, match=r"1 values for 2 rewards \(1 --reward_funcs, 1 --reward_model\)"):
-        cfg.validate()
+    cfg.validate()  # the count is checked where the rewards are built, once, before any reward model loads
+    with pytest.raises(ConfigError, match=r"1 values for 2 rewards \(1 functions: format; 1 --reward_model\)"):
+        build_rewards(cfg, dataset=None)

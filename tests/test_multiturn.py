@@ -130,8 +130,11 @@ def test_a_short_multi_turn_run_uses_the_zoom_tool_and_changes_the_weights(tool_
     assert metrics["tools/calls_per_completion"] > 0.5 and metrics["tools/turns"] > 1.5, metrics
     for key in ("tools/errors", "tools/max_turns_reached", "tools/model_tokens", "tools/tool_tokens"):
         assert key in metrics
-    record = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
-    assert "<tool_response>" in record["trajectories"][0] or record["trajectories"][0].count("<tool_call>") == 1
+    # the log keeps whole episodes: the tool's replies sit inside the recorded trajectories (a row sampled
+    # at temperature 1.5 may garble its call, so look across the step's rows)
+    records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    trajectories = [t for record in records for t in record["trajectories"]]
+    assert sum("<tool_response>" in t for t in trajectories) >= len(trajectories) / 4
     before, after = load_file(f"{tool_caller}/model.safetensors"), load_file(str(out / "checkpoint-1" / "model.safetensors"))
     changed = [name for name in before if not torch.equal(before[name], after[name])]
     assert changed and any("visual" in name for name in changed)  # the crops went through the vision tower

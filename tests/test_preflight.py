@@ -68,6 +68,8 @@ def test_overwrite_deletes_the_earlier_runs_files_only(tmp_path):
     plan = preflight(config(tmp_path, "--overwrite_output_dir"))
     assert (tmp_path / "metrics.jsonl").exists()  # nothing deleted before the run starts writing
     plan.apply()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".mmgrpo-run.lock", "notes.txt"]  # this run's lock
+    plan.release()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
@@ -128,6 +130,9 @@ def test_output_folders_that_cannot_be_written(tmp_path):
     (["--reward_timeout", "-1"], r"--reward_timeout -1.0: give seconds >= 0 \(0: no limit\)."),
     (["--save_total_limit", "0"], "--save_total_limit 0: keep at least 1 checkpoint"),
     (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be at least 1."),
+    (["--top_p", "2"], r"--top_p 2.0: give a probability in \(0, 1\]"),
+    (["--top_p", "0"], r"--top_p 0.0: give a probability in \(0, 1\]"),
+    (["--top_k", "-5"], r"--top_k -5: give a number of tokens >= 0 \(0: no top-k filter\)."),
 ])
 def test_flags_that_cannot_work_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):

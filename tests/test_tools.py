@@ -147,8 +147,6 @@ def test_a_tool_plugin_loads_from_its_file_and_bad_specs_name_the_choices(tmp_pa
         (["--max_turns", "0"], "--max_turns 0"),
         (["--max_turns", "2", "--tools", ZOOM, "--tool_timeout", "0"], "--tool_timeout 0"),
         (["--max_turns", "2", "--tools", "zoom_typo"], "unknown tool 'zoom_typo'"),
-        (["--max_turns", "2", "--tools", ZOOM, "--dynamic_sample"], "does not combine with --dynamic_sample"),
-        (["--max_turns", "2", "--tools", ZOOM, "--first_stage_generations", "2"], "does not combine"),
     ],
 )
 def test_tool_flags_are_checked_at_start_up(flags, message):

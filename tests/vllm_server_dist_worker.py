@@ -99,8 +99,8 @@ def main() -> None:
     # 3. a checkpoint, then server C killed mid-sync
     state = TrainState(model=cfg.model.model)
     state.step = 3
-    pipeline = RolloutPipeline(engine, weights)
-    save_run(run, out / "run" / "checkpoint-3", state, run.prompt_batches(), pipeline).wait()
+    batches = run.prompt_batches()
+    save_run(run, out / "run" / "checkpoint-3", state, batches, RolloutPipeline(run, batches)).wait()
     doomed = VLLMServerRollout([("127.0.0.1", port_a), ("127.0.0.1", port_c)], model_path, run.template,
                                rank=rank, world_size=2, timeout=20, bucket_bytes=1 << 20,
                                checkpoint_dir=str(out / "run"))

@@ -90,7 +90,9 @@ def validate_train(cfg) -> None:
     from mmgrpo.grpo import get_advantage
     from mmgrpo.grpo.importance import IS_MODES
     from mmgrpo.parallel import validate_parallel
+    from mmgrpo.training.resume_flags import check_resume_flags
 
+    check_resume_flags(cfg)  # resuming: a changed flag the run must keep is named first (mmgrpo/training/resume_flags.py)
     validate_common(cfg)
     validate_parallel(cfg)  # --parallel, --deepspeed JSON, world size, LoRA options
     g = cfg.rollout.num_generations
@@ -106,10 +108,14 @@ def validate_train(cfg) -> None:
     check_choices({
         "scale_rewards": (cfg.algo.scale_rewards, ("group", "batch", "none")),
         "reward_errors": (cfg.algo.reward_errors, ("raise", "none")),
+        "missing_solution": (cfg.algo.missing_solution, ("error", "skip")),
         "vllm_importance_sampling_mode": (cfg.algo.vllm_importance_sampling_mode, IS_MODES),
         "vllm_mode": (cfg.rollout.vllm_mode, ("colocate", "server")),
         "dynamic_weights_by": (cfg.algo.dynamic_weights_by, ("modality", "dataset")),
+        "save_strategy": (cfg.save_strategy, ("steps", "no")),
     })
+    if cfg.save_strategy == "no" and cfg.save_steps:
+        raise ConfigError(f"--save_steps {cfg.save_steps} with --save_strategy no: no checkpoint would be saved; drop one of them.")
     if not cfg.algo.vllm_importance_sampling_cap > 0:
         raise ConfigError(f"--vllm_importance_sampling_cap {cfg.algo.vllm_importance_sampling_cap}: give a ratio > 0.")
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
@@ -168,9 +174,22 @@ def validate_train(cfg) -> None:
         )
     if cfg.rollout.temperature <= 0:
         raise ConfigError("--temperature must be > 0 (log-probs are divided by it).")
+    validate_sampling(cfg.rollout.top_p, cfg.rollout.top_k)
     validate_tools(cfg)
     validate_eval(cfg.eval)
     validate_run_limits(cfg)
+    from mmgrpo.training.preemption import signal_numbers
+
+    signal_numbers(cfg.save_on_signal)  # a signal name that does not exist fails now
+
+
+def validate_sampling(top_p, top_k) -> None:
+    """--top_p in (0, 1] and --top_k a count >= 0: a value outside would be clamped or ignored
+    differently by each rollout engine, so a typo would silently change what is sampled."""
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ConfigError(f"--top_p {top_p}: give a probability in (0, 1] (1: no nucleus filter).")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ConfigError(f"--top_k {top_k}: give a number of tokens >= 0 (0: no top-k filter).")
 
 
 def validate_eval(options) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models.tiny import TINY_PREFIX, tiny_family
+from mmgrpo.models.tiny import built_model_family
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -111,6 +111,8 @@ def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
     sections = {f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "rollout", "algo", "optim", "eval", "dist")}
     out = {}
     for key, value in (data or {}).items():
+        if key == "resumed":  # a run's config.yaml: its history of resumes, not an option
+            continue
         if key in sections and isinstance(value, dict):
             for sub, sub_value in value.items():
                 if sub not in by_name:
@@ -145,6 +147,6 @@ def config_from_namespace(cls, ns: argparse.Namespace):
     for dotted, value in vars(ns).items():
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)
-    if cfg.model.model_type is None and cfg.model.model.startswith(TINY_PREFIX):
-        cfg.model.model_type = tiny_family(cfg.model.model)
+    if cfg.model.model_type is None:
+        cfg.model.model_type = built_model_family(cfg.model.model)  # tiny: and random: names say their family
     return cfg

@@ -102,6 +102,10 @@ class RolloutConfig:
     """Top-k sampling (0 = off)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length from the loss (DAPO)."""
+    suppress_eos: bool = False
+    """For benchmarks and memory checks, not for learning: EOS ids are never sampled (suppressed like the
+    placeholder ids), so every completion is --max_completion_length tokens (TRL users pass
+    `generation_kwargs={"suppress_tokens": [...]}` for the same)."""
     max_turns: int = 1
     """Model turns per episode (ms-swift's name). 1: single-turn rollouts. More: a turn that calls a tool
     (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) gets the tool's answer and another turn, up to
@@ -204,6 +208,11 @@ class AlgoConfig:
     (docs/rewards.md lists each reward's options)."""
     reward_errors: str = "raise"
     """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
+    missing_solution: str = "error"
+    """Rows with no `solution` (None or absent) where a reward needs one to grade (vqa_accuracy, exact_match, iou,
+    giou, iou@0.5, math_accuracy, number_closeness, cosine, a plugin with a required `solution` argument): `error` stops
+    at start-up naming the dataset and rows; `skip` scores those samples None for such rewards (skipped, as a reward's
+    own None), counted each step as reward/missing_solution."""
     reward_timeout: float = 300.0
     """Seconds one reward call (a batch) may take before it is stopped and counts as an error (--reward_errors). 0: no limit."""
     loss_type: str = "dapo"
@@ -395,6 +404,14 @@ class TrainConfig(RunOptions):
     """Prompts per step written to completions.jsonl (all G completions of each)."""
     max_nonfinite_steps: int = 5
     """Stop after this many steps with a NaN/inf loss or gradient norm (each one is skipped with a warning)."""
+    save_strategy: str = "steps"
+    """`steps`: a checkpoint every --save_steps and after the last step; `no`: no checkpoint-N at all (HF's name;
+    for benchmarks and throwaway runs: --eval_dataset's checkpoint-best is still kept, and a --save_on_signal
+    signal still saves the step it stops at)."""
+    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that stop the run cleanly (what Slurm and cloud schedulers send before they kill): the step in progress
+    finishes, a checkpoint of it is saved, and the run exits with status 75 and a line saying how to resume; a second
+    signal exits at once (status 128 + its number), earlier checkpoints intact. `none`: their default effect (docs/training.md)."""
 
     def validate(self) -> None:
         """Contradictions that would fail later are errors now, before any model loads. Checks only."""

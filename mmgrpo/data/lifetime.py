@@ -12,6 +12,9 @@ platforms and for the case below).
 The kernel's signal fires when the *thread* that created the child ends, not the process: it is
 only asked for when the child was started from the trainer's main thread (a DataLoader first
 iterated in a helper thread relies on the watcher alone).
+
+A DataLoader worker also ignores SIGTERM / SIGUSR1 from anyone but its trainer: a scheduler signals
+every process of a job, and the trainer saves a checkpoint on it (mmgrpo/training/preemption.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")  # what --save_on_signal may name (SIGINT aside)
 WATCH_INTERVAL_S = 0.5
 
 
@@ -41,6 +45,25 @@ def end_with_parent(parent_pid: int | None = None, *, kernel_signal: bool = True
         os._exit(1)
     watcher = threading.Thread(target=_watch, args=(parent_pid,), name="end-with-parent", daemon=True)
     watcher.start()
+
+
+def ignore_stop_signals_from_others(*owners: int) -> None:
+    """In a child: SIGTERM, SIGUSR1 ... (STOP_SIGNALS) end it only when its parent or trainer (`owners`)
+    sends them, as DataLoader's `terminate()` and its shutdown at exit do; from anyone else they are
+    ignored. A scheduler signals every process of a job, and a worker killed under the trainer would
+    fail its next batch before the trainer could save (mmgrpo/training/preemption.py). The signals
+    are blocked in every thread and taken by one thread with `sigwaitinfo`, which tells the sender."""
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: the signals keep their default effect
+        return
+    numbers = {getattr(signal, name) for name in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
+
+    def take() -> None:
+        while True:
+            if signal.sigwaitinfo(numbers).si_pid in owners:
+                os._exit(0)
+
+    threading.Thread(target=take, name="stop-signals", daemon=True).start()
 
 
 def _watch(parent_pid: int) -> None:
@@ -74,6 +97,7 @@ class WorkerInit:
         if parent == 1 or not _alive(self.trainer_pid):  # the trainer died before this worker started
             os._exit(1)
         direct_child = parent == self.trainer_pid  # not started by a forkserver process
+        ignore_stop_signals_from_others(parent, self.trainer_pid)  # before any thread starts: they inherit the mask
         end_with_parent(parent, kernel_signal=self.from_main_thread and direct_child)
 
 

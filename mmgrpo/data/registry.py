@@ -426,8 +426,28 @@ def mix_datasets(
         return resolve_dataset(specs[0], split, registry=registry, extra_files=extra_files)
     registry = load_registry(extra_files) if registry is None else registry
     sources = [resolve_dataset(spec, split, registry=registry) for spec in specs]
+    check_distinct(sources, specs)
     weights = [1.0 if weight is None else weight for _, _, weight in parsed]
     return MixedDataset(sources, weights, size=size, seed=seed)
+
+
+def check_distinct(sources: list[DatasetView], specs: list[str]) -> None:
+    """ConfigError when two specs of a mixture give the same dataset and split: drawn as two
+    datasets, its share of the mixture would silently double, and sample ids (which name the
+    dataset) could not tell the two apart.
+
+    >>> check_distinct([DatasetView("a", "train", []), DatasetView("a", "test", [])], ["a", "a:test"])
+    """
+    seen: dict[tuple[str, str], str] = {}
+    for source, spec in zip(sources, specs):
+        key = (source.name, source.split)
+        if key in seen:
+            raise ConfigError(
+                f"--dataset gives {source.name} (split {source.split}) twice: {seen[key]!r} and {spec!r}; a mixture "
+                f"draws each dataset once: give it once, with a weight to draw it more often (e.g. {source.name}:2), "
+                "or rename one of two files that share a name"
+            )
+        seen[key] = spec
 
 
 def describe_registry(extra_files=(), *, registry: dict[str, DatasetEntry] | None = None) -> list[dict]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -94,7 +95,14 @@ class TrainingEval:
         if not self.due(step, final):
             return {}
         out = self.output_dir / "eval" / f"step-{step}"
-        shutil.rmtree(out, ignore_errors=True)  # left by an earlier run into this output_dir
+        scratch = None
+        if getattr(run, "strategy", None) is not None and not run.strategy.is_main:
+            # Every rank runs the same generations (sharded weights gather in collectives); rank 0 alone writes
+            # the results: two ranks writing one folder deleted each other's samples and left an eval empty.
+            scratch = tempfile.TemporaryDirectory(prefix=f"mmgrpo-eval-rank{run.strategy.rank}-")
+            out = Path(scratch.name)
+        else:
+            shutil.rmtree(out, ignore_errors=True)  # left by an earlier run into this output_dir
         start = time.perf_counter()
         was_training = run.model.training
         run.model.eval()
@@ -121,6 +129,8 @@ class TrainingEval:
                 counts.append(str(result["counts"].get("all", "?")))
         finally:
             run.model.train(was_training)
+            if scratch is not None:
+                scratch.cleanup()
         logged = {f"eval/{name}": value for name, value in scores.items()}
         # time/eval is the loop's timer around this call (logging it here too counted it twice)
         shown = "  ".join(f"{k}={v:.4g}" for k, v in logged.items() if isinstance(v, int | float))

@@ -143,11 +143,22 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_counts(args) -> None:
+    """ConfigError for a count that would evaluate nothing (an eval of 0 samples is no result)."""
+    from mmgrpo.errors import ConfigError
+
+    for flag in ("limit", "num_samples", "batch_size", "max_completion_length"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} {value}: must be at least 1" + (" (leave it out to evaluate every sample)." if flag == "limit" else "."))
+
+
 def main(argv: list[str]) -> dict:
     from mmgrpo.data.pipeline import media_options
     from mmgrpo.data.registry import resolve_dataset
 
     args = eval_parser().parse_args(argv)
+    check_counts(args)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
     metrics = args.metrics or dataset.reward_funcs
     video = {"video_fps": args.video_fps, "video_nframes": args.video_nframes}

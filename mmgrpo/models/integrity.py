@@ -10,7 +10,8 @@ What is checked (reading headers only, a few milliseconds even for large models)
   index) is non-empty valid JSON;
 - every `.safetensors` file's header parses and its tensors end exactly at the end of the file;
   every shard a `*.safetensors.index.json` names is there;
-- with `weights=True`: a folder with `config.json` holds some weights file.
+- with `weights=True`: a folder with `config.json` holds a weights file from_pretrained reads
+  (model.safetensors, pytorch_model.bin, their indexes, or a LoRA adapter).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from pathlib import Path
 from mmgrpo.errors import CheckpointError
 from mmgrpo.training.checkpoint import MARKER, STAGING_SUFFIX, checkpoint_problem
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# what from_pretrained loads weights from (a LoRA checkpoint: the adapter)
+MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
 WHAT_TO_DO = "re-save or copy the folder again, or load an earlier checkpoint"
 
 
@@ -59,9 +62,8 @@ def check_model_folder(path: str | os.PathLike, *, weights: bool = False) -> Non
     for file in sorted(folder.glob("*.bin")):
         if file.stat().st_size == 0 or not zipfile.is_zipfile(file):
             raise CheckpointError(f"{where}: {file.name} is not a readable torch file (empty or truncated); {WHAT_TO_DO}")
-    if weights and (folder / "config.json").is_file() and not any(
-        f.suffix in WEIGHT_SUFFIXES for f in folder.iterdir() if f.is_file()
-    ):
+    if weights and (folder / "config.json").is_file() and not any((folder / name).is_file() for name in MODEL_WEIGHT_FILES):
+        # another .pt / .bin (a checkpoint's optimizer.pt) is no model: from_pretrained would raise an OSError
         raise CheckpointError(f"{where}: config.json but no weights file (model.safetensors); {WHAT_TO_DO}")
 
 

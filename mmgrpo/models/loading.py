@@ -15,9 +15,9 @@ import os
 
 import torch
 
-from mmgrpo.errors import ConfigError
+from mmgrpo.errors import CheckpointError, ConfigError
 from mmgrpo.models.integrity import check_model_folder
-from mmgrpo.models.tiny import TINY_PREFIX, resolve_model_path, tiny_family
+from mmgrpo.models.tiny import built_model_family, resolve_model_path
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
@@ -25,7 +25,7 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokeniz
 def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)) -> str:
     """A local folder holding one of `needs`, or a hub id (online only); else a ConfigError.
 
-    `tiny:<family>` names are built first (see mmgrpo.models.tiny).
+    `tiny:<family>` and `random:<size>` names are built first (mmgrpo/models/tiny.py, real_configs.py).
     """
     path = resolve_model_path(name_or_path)
     local = os.path.expanduser(path)
@@ -57,7 +57,10 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     model_class, config, extra = (template or Template).model_class(saved)
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
         extra = {**extra, "config": config}
-    model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    try:
+        model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
+    except OSError as err:  # a file transformers looks for and cannot read: one line naming the folder
+        raise CheckpointError(f"model {name_or_path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
     attach_saved_fusion(model, path, template)
     return model
 
@@ -67,9 +70,14 @@ def model_skeleton(path: str, template=None) -> torch.nn.Module:
     checks before the weights load."""
     from transformers import AutoConfig
 
+    return skeleton_from_config(AutoConfig.from_pretrained(checkpoint_path(path)), template)
+
+
+def skeleton_from_config(config, template=None) -> torch.nn.Module:
+    """`model_skeleton` of a config object (`mmgrpo estimate` reads `random:` sizes without building them)."""
     from mmgrpo.templates import Template
 
-    model_class, config, _ = (template or Template).model_class(AutoConfig.from_pretrained(checkpoint_path(path)))
+    model_class, config, _ = (template or Template).model_class(config)
     with torch.device("meta"):  # Auto classes build from a config with from_config, model classes with _from_config
         return model_class.from_config(config) if hasattr(model_class, "from_config") else model_class._from_config(config)
 
@@ -101,16 +109,16 @@ def saved_model_type(path: str) -> str | None:
 
 
 def infer_model_type(model: str) -> str:
-    """The template name of a checkpoint when --model_type is not given: `tiny:<family>` names its
-    own, a training checkpoint's `mmgrpo.json` records it, else the `model_type` of its config.json
+    """The template name of a checkpoint when --model_type is not given: `tiny:<family>` and
+    `random:<size>` name their own, a training checkpoint's `mmgrpo.json` records it, else the `model_type` of its config.json
     picks the one template that declares it (`Template.hf_model_types`). None or several: a
     ConfigError listing the choices."""
     import json
 
     from mmgrpo.templates import Template, known_templates, templates_for_hf_type
 
-    if model.startswith(TINY_PREFIX):
-        return tiny_family(model)
+    if built_model_family(model):
+        return built_model_family(model)
     recorded = saved_model_type(model)
     if recorded:
         return recorded

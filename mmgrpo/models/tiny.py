@@ -22,13 +22,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.models import tiny_recipes as _recipes_module
 from mmgrpo.models import tiny_tokenizer as _tokenizer_module
+from mmgrpo.models.model_cache import (  # noqa: F401  (re-exported: the reward model's builder imports them from here)
+    default_cache_dir,
+    publish_checkpoint,
+)
+from mmgrpo.models.real_configs import RANDOM_PREFIX  # real sizes with random weights
 from mmgrpo.models.tiny_recipes import (
     QWEN2_5_VL_SPECIAL_TOKENS,  # noqa: F401  (re-exported: tests import it from here)
     RECIPES,
@@ -136,12 +139,6 @@ def recipe_hash(family: str, **overrides) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    """`$MMGRPO_CACHE/models` if set, else `~/.cache/mmgrpo/models`."""
-    root = os.environ.get("MMGRPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mmgrpo")
-    return Path(root) / "models"
-
-
 def build_tiny(family: str, cache_dir: str | os.PathLike | None = None, **overrides) -> Path:
     """Build (or find in the cache) the tiny random checkpoint of `family`; returns its folder.
 
@@ -156,24 +153,6 @@ def build_tiny(family: str, cache_dir: str | os.PathLike | None = None, **overri
     if (target / "config.json").exists():
         return target
     return publish_checkpoint(target, lambda tmp: _write_checkpoint(recipe, dims, tmp))
-
-
-def publish_checkpoint(target: Path, write) -> Path:
-    """`write(folder)` into a private temp folder beside `target`, then rename it into place: the
-    first of concurrent builders wins and the others discard their copy."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _write_checkpoint(recipe: TinyRecipe, dims: dict, out: Path) -> None:
@@ -246,17 +225,38 @@ def tiny_family(name: str) -> str:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """`tiny:<family>` (with `?dim=N&...` overrides, see `DEFAULT_DIMS`) -> the built checkpoint's
-    folder; anything else is returned unchanged.
+    """`tiny:<family>` (with `?dim=N&...` overrides, see `DEFAULT_DIMS`) or `random:<size>` (a real
+    size with random weights, mmgrpo/models/real_configs.py) -> the built checkpoint's folder;
+    anything else is returned unchanged.
 
     >>> resolve_model_path("Qwen/Qwen2-VL-2B-Instruct")
     'Qwen/Qwen2-VL-2B-Instruct'
     """
     name_or_path = str(name_or_path)
+    if name_or_path.startswith(RANDOM_PREFIX):
+        from mmgrpo.models.real_configs import build_random, parse_random_name
+
+        size, overrides = parse_random_name(name_or_path)
+        return str(build_random(size, **overrides))
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     family, overrides = parse_tiny_name(name_or_path)
     return str(build_tiny(family, **overrides))
+
+
+def built_model_family(name: str) -> str | None:
+    """The template name a `tiny:` or `random:` model name implies, else None.
+
+    >>> built_model_family("tiny:qwen2-vl?seed=1"), built_model_family("random:qwen2.5-vl-7b"), built_model_family("runs/x")
+    ('qwen2-vl', 'qwen2.5-vl', None)
+    """
+    if name.startswith(TINY_PREFIX):
+        return tiny_family(name)
+    if name.startswith(RANDOM_PREFIX):
+        from mmgrpo.models.real_configs import random_family
+
+        return random_family(name)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -361,12 +361,10 @@ def _qwen_patches(dims: dict) -> dict:
     }
 
 
-def _qwen_image_processor(dims: dict):
+def _qwen_image_processor(dims: dict, pixels: tuple[int, int] = (IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)):
     from transformers import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(
-        min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS, **_qwen_patches(dims)
-    )
+    return Qwen2VLImageProcessor(min_pixels=pixels[0], max_pixels=pixels[1], **_qwen_patches(dims))
 
 
 def _qwen_video_processor(dims: dict, cls_name: str = "Qwen2VLVideoProcessor", frames: int = 1):
@@ -394,7 +392,9 @@ def _whisper_features(chunk_seconds: int = AUDIO_CHUNK_SECONDS):
     )
 
 
-def _qwen_vl_processor(processor_class: str, dims: dict):
+def qwen_vl_processor(processor_class: str, dims: dict, pixels: tuple[int, int] = (IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)):
+    """(tokenizer) -> a Qwen VL processor with `dims`' patch sizes; `pixels`: the image budget (min, max)."""
+
     def make(tokenizer):
         import transformers
 
@@ -404,7 +404,7 @@ def _qwen_vl_processor(processor_class: str, dims: dict):
             frames=8 if processor_class == "Qwen3VLProcessor" else 1,
         )
         return getattr(transformers, processor_class)(
-            image_processor=_qwen_image_processor(dims),
+            image_processor=_qwen_image_processor(dims, pixels),
             tokenizer=tokenizer,
             video_processor=video_processor,
             chat_template=tokenizer.chat_template,
@@ -485,7 +485,7 @@ RECIPES: dict[str, TinyRecipe] = {
         chat_template=QWEN_VL_CHAT_TEMPLATE,
         make_config=_qwen2_vl_config,
         model_class="Qwen2VLForConditionalGeneration",
-        make_processor=lambda dims: _qwen_vl_processor("Qwen2VLProcessor", dims),
+        make_processor=lambda dims: qwen_vl_processor("Qwen2VLProcessor", dims),
     ),
     "qwen2.5-vl": TinyRecipe(
         family="qwen2.5-vl",
@@ -493,7 +493,7 @@ RECIPES: dict[str, TinyRecipe] = {
         chat_template=QWEN_VL_CHAT_TEMPLATE,
         make_config=_qwen2_5_vl_config,
         model_class="Qwen2_5_VLForConditionalGeneration",
-        make_processor=lambda dims: _qwen_vl_processor("Qwen2_5_VLProcessor", dims),
+        make_processor=lambda dims: qwen_vl_processor("Qwen2_5_VLProcessor", dims),
     ),
     "qwen3-vl": TinyRecipe(
         family="qwen3-vl",
@@ -501,7 +501,7 @@ RECIPES: dict[str, TinyRecipe] = {
         chat_template=chatml_jinja(None, QWEN_VL_PARTS),
         make_config=_qwen3_vl_config,
         model_class="Qwen3VLForConditionalGeneration",
-        make_processor=lambda dims: _qwen_vl_processor("Qwen3VLProcessor", dims),
+        make_processor=lambda dims: qwen_vl_processor("Qwen3VLProcessor", dims),
     ),
     "qwen2-audio": TinyRecipe(
         family="qwen2-audio",

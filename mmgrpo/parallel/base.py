@@ -107,6 +107,13 @@ class Strategy:
         """Weights are gathered inside forwards (FSDP2, ZeRO-3): ranks must make the same calls."""
         return self.name != "none"
 
+    @property
+    def saves_optimizer_itself(self) -> bool:
+        """The optimizer state is written by `save_sharded_optimizer` (every rank its part), not as one
+        optimizer.pt: under several ranks, and under ZeRO-3 always (DeepSpeed's optimizer holds the
+        fp32 partitions, and the torch optimizer it wraps no longer matches its own state)."""
+        return self.world_size > 1 or self.name == "zero3"
+
     def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer) -> Prepared:
         """Prepare the model (and reference model) for training; `make_optimizer(params)` builds the
         optimizer on the parameters that train (after sharding: on the shards)."""

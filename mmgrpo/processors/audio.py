@@ -78,13 +78,13 @@ def _finish(samples: np.ndarray, source_rate, sampling_rate: int, name: str) -> 
             f"{name} says its sampling rate is {source_rate} Hz, outside {MIN_RATE}-{MAX_RATE} Hz; the header "
             "is wrong: re-encode the file (e.g. ffmpeg -i in.wav -ar 16000 out.wav) or give (array, sampling_rate)"
         )
+    if samples.size == 0:  # before the channel mean, which would turn [0 frames, 1 channel] into one NaN
+        raise DataError(f"{name} has no samples (0 s of audio); replace the file or drop the row")
     if samples.ndim == 2:  # soundfile gives [frames, channels]; arrays may come as [channels, frames]
         channel_axis = 1 if samples.shape[1] <= samples.shape[0] else 0
         samples = samples.mean(axis=channel_axis)
     if samples.ndim != 1:
         raise DataError(f"{name} must be 1-D (mono) or 2-D (channels), got shape {list(samples.shape)}")
-    if samples.size == 0:
-        raise DataError(f"{name} has no samples; replace the file or drop the row")
     if source_rate != sampling_rate:
         samples = soxr.resample(samples, source_rate, sampling_rate, quality="HQ")
     return np.ascontiguousarray(samples, dtype=np.float32)

@@ -81,6 +81,9 @@ def cosine(
     return rewards
 
 
+cosine.needs_solution = True  # it grades through an accuracy reward (--missing_solution)
+
+
 @register_reward("soft_overlong")
 def soft_overlong(
     completions: list[str],

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from mmgrpo.data.schema import dataset_of
-from mmgrpo.errors import ConfigError
+from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.model_rewards import build_model_rewards
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
 from mmgrpo.rewards.registry import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.solutions import check_solutions, needs_solution
 
 
 @dataclass
@@ -36,14 +37,29 @@ class RewardSet:
     routes: dict[str, list[str]] | None = None  # dataset name -> reward specs
     specs: list[str] | None = None  # as named in --reward_funcs / the registry
     timeout: float | None = None  # --reward_timeout: seconds per reward call
+    missing_solution: str = "error"  # --missing_solution (mmgrpo/rewards/solutions.py)
+    missing_count: int = 0  # completions of the last call without a solution, where a reward needed one
 
     def __call__(self, completions: list[str], columns: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.routes:
+        n = len(completions)
+        specs = self.specs or self.names
+        datasets = [dataset_of(sample_id) for sample_id in columns["sample_id"]] if self.routes else None
+        # applies[f][i]: reward f scores completion i (a mixture's routes), and has what it needs to
+        applies = [[datasets is None or spec in self.routes.get(datasets[i], specs) for i in range(n)] for spec in specs]
+        needs = [needs_solution(func) for func in self.funcs]
+        solutions = columns.get("solution", [None] * n)
+        missing = [solutions[i] is None and any(need and rows[i] for need, rows in zip(needs, applies)) for i in range(n)]
+        self.missing_count = sum(missing)
+        if self.missing_count and self.missing_solution != "skip":  # the start-up check names a dataset's rows
+            first = missing.index(True)
+            raise DataError(f"sample {columns.get('sample_id', ['?'] * n)[first]} has no solution, which "
+                            f"{', '.join(name for name, need in zip(self.names, needs) if need)} need to grade it; "
+                            "add it, or pass --missing_solution skip")
+        if not self.routes and not self.missing_count:
             return compute_rewards(self.funcs, self.weights, completions, columns, on_error=self.on_error, timeout=self.timeout)
-        datasets = [dataset_of(sample_id) for sample_id in columns["sample_id"]]
-        per_func = torch.full((len(self.funcs), len(completions)), float("nan"))
-        for f, (spec, func) in enumerate(zip(self.specs, self.funcs)):
-            rows = [i for i, d in enumerate(datasets) if spec in self.routes.get(d, self.specs)]
+        per_func = torch.full((len(self.funcs), n), float("nan"))  # [F, N]: NaN where a reward does not score
+        for f, func in enumerate(self.funcs):
+            rows = [i for i in range(n) if applies[f][i] and not (needs[f] and missing[i])]
             if rows:
                 sub_columns = {key: [values[i] for i in rows] for key, values in columns.items()}
                 values, _ = compute_rewards([func], [1.0], [completions[i] for i in rows], sub_columns, on_error=self.on_error,
@@ -53,8 +69,12 @@ class RewardSet:
         return per_func, total
 
     def stats(self) -> dict[str, float]:
-        """Counters of the last call from rewards that keep them (the judge's judge/unparsed)."""
-        return {key: value for func in self.funcs if hasattr(func, "stats") for key, value in func.stats().items()}
+        """Counters of the last call: from rewards that keep them (the judge's judge/unparsed), and with
+        --missing_solution skip the completions no solution-needing reward could grade."""
+        counters = {key: value for func in self.funcs if hasattr(func, "stats") for key, value in func.stats().items()}
+        if self.missing_solution == "skip":
+            counters["reward/missing_solution"] = self.missing_count
+        return counters
 
 
 def build_rewards(cfg, dataset) -> RewardSet:
@@ -89,8 +109,10 @@ def build_rewards(cfg, dataset) -> RewardSet:
         specs.append(model_reward.reward_name)
         for route in (routes or {}).values():
             route.append(model_reward.reward_name)
-    return RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
-                     cfg.algo.reward_timeout)
+    rewards = RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
+                        cfg.algo.reward_timeout, cfg.algo.missing_solution)
+    check_solutions(dataset, rewards, cfg.algo.missing_solution)  # rows without a reference answer: named now
+    return rewards
 
 
 def bound_rewards(cfg, names: list[str]) -> list:

@@ -52,6 +52,12 @@ class SamplingParams:
     # Each prompt's own budget, each <= max_new_tokens (datasets of a mixture with their own
     # `max_completion_length`); None: max_new_tokens for every prompt.
     max_new_tokens_per_prompt: list[int] | None = None
+    # --suppress_eos: EOS is never drawn, every completion runs to its budget (fixed-length benchmarks)
+    suppress_eos: bool = False
+
+    def suppressed(self, suppress_token_ids: list[int], eos_token_ids: list[int]) -> list[int]:
+        """The ids an engine never samples: its placeholders, and EOS under --suppress_eos."""
+        return list(suppress_token_ids) + (list(eos_token_ids) if self.suppress_eos else [])
 
     def budget(self, prompt_index: int) -> int:
         """The most tokens prompt `prompt_index`'s completions may have."""
@@ -304,4 +310,5 @@ def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
         top_k=cfg.rollout.top_k,
         seed=seed,
         max_new_tokens_per_prompt=per_prompt,
+        suppress_eos=cfg.rollout.suppress_eos,
     )

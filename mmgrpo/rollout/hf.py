@@ -94,7 +94,7 @@ class HFRollout(RolloutEngine):
                 max_new_tokens=params.max_new_tokens,
                 eos_token_id=self.eos_token_ids,
                 pad_token_id=self.pad_token_id,
-                suppress_tokens=self.suppress_token_ids or None,
+                suppress_tokens=params.suppressed(self.suppress_token_ids, self.eos_token_ids) or None,
                 use_cache=True,
                 synced_gpus=self.synced,
             )

@@ -123,7 +123,7 @@ class MultiTurnRollout(RolloutEngine):
                 num_generations=1, max_new_tokens=max(left), temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, greedy=sampling.greedy,
                 seed=None if sampling.seed is None else sampling.seed + 7919 * turn,
-                max_new_tokens_per_prompt=None if min(left) == max(left) else left,
+                max_new_tokens_per_prompt=None if min(left) == max(left) else left, suppress_eos=sampling.suppress_eos,
             )
             self._add_model_turns(waiting, self.inner.generate([episode.prompt for episode in waiting], params))
         for episode in episodes:  # a call in the last allowed turn is not run

@@ -81,14 +81,14 @@ class RolloutPipeline:
         """run: the Run (engine, weights, rewards, options); batches: its prompt stream."""
         self.run, self.batches, self.engine = run, batches, run.rollout
         self.max_staleness = run.cfg.rollout.staleness_bound  # 0: synchronous
-        if self.max_staleness and not getattr(self.engine, "separate_weights", False):
+        if self.max_staleness and not self.engine.separate_weights:
             raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
         self.weights = lambda: rollout_weights(run.model, run.peft_model, run.strategy)
         self.version = 0  # optimizer steps the policy's weights have taken
         self.ahead: dict[int, Ahead] = {}  # by step
         self.worker = RolloutWorker(self.engine, lambda: autocast(run.bf16, run.device)) if self.max_staleness else None
         # the version the engine holds once everything asked of it has run
-        self._asked_version = getattr(self.engine, "weight_version", 0)
+        self._asked_version = self.engine.weight_version
         self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of
 
     def policy_updated(self, version: int) -> None:

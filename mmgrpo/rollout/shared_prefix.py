@@ -196,7 +196,7 @@ class SharedPrefixRollout(RolloutEngine):
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
         eos = torch.tensor(self.eos_token_ids, device=device)
-        suppress = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
+        suppress = torch.tensor(params.suppressed(self.suppress_token_ids, self.eos_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)  # [N, T]
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
         rows = torch.arange(num_rows, device=device)  # [n] the decoding rows' indices in [0, N)

@@ -68,6 +68,10 @@ def llm_options(model_path: str, *, max_model_len: int, dtype: str, seed: int, c
         model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
         logprobs_mode="processed_logprobs",  # the distribution sampled from (temperature, top-k/p, suppressed ids)
         enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size,
+        # vLLM keeps every image's processed inputs in an LRU of up to 4 GiB (twice, mirrored, in one process):
+        # in training each image comes back once an epoch, so the cache only grew, about 58 kB a step for the
+        # tiny model's 2 images (docs/benchmarks.md, "Soak"); the images are processed anew instead.
+        mm_processor_cache_gb=0,
     )
     if cuda:
         options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode)

@@ -247,8 +247,9 @@ def sampling_options(sampling: SamplingParams, template, prompt_index: int = 0, 
         detokenize=False,
         repetition_penalty=1.0,
     )
-    if suppress and template.suppress_token_ids:
-        options["logit_bias"] = {int(i): -1e9 for i in template.suppress_token_ids}
+    never = sampling.suppressed(template.suppress_token_ids if suppress else [], template.eos_token_ids)
+    if never:
+        options["logit_bias"] = {int(i): -1e9 for i in never}
     if sampling.seed is not None:
         options["seed"] = int(sampling.seed) + prompt_index * sampling.num_generations
     return options

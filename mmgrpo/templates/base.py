@@ -281,7 +281,10 @@ class Template:
             items = getattr(sample, modality + "s")
             if not items:
                 continue
-            tensors, expansions[modality] = hook.process(items)
+            try:
+                tensors, expansions[modality] = hook.process(items)
+            except DataError as err:  # the hook knows the medium, not the sample
+                raise DataError(f"sample {sample.id}: {err}") from None
             mm.update(tensors)
             if modality == "image":
                 input_sizes = hook.input_sizes(tensors)

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from mmgrpo.errors import DataError
+
 # `Template.vllm_weight_names` of a SigLIP vision tower (LLaVA-OneVision, Gemma3): the original
 # checkpoints name it `vision_tower.vision_model.*`; transformers 5 drops the `vision_model` level,
 # in memory (`model.vision_tower.encoder...`) and in the folders it saves (`vision_tower.encoder...`).
@@ -163,6 +165,9 @@ class QwenVideos:
         return batch["video_grid_thw"].prod(dim=1).tolist()
 
 
+MIN_WHISPER_FRAMES = 3  # the fewest mel frames that give one LLM token (whisper_audio_tokens(3) == 1)
+
+
 def whisper_audio_tokens(num_frames: int) -> int:
     """LLM tokens of a clip of `num_frames` mel frames: a stride-2 conv, then stride-2 pooling."""
     return ((num_frames - 1) // 2 + 1 - 2) // 2 + 1
@@ -195,7 +200,16 @@ class WhisperAudio:
             return_tensors="pt",
         )
         tensors = {"input_features": out["input_features"], "feature_attention_mask": out["attention_mask"]}
-        return tensors, [[self.token_id] * n for n in self.tokens_per_item(tensors)]
+        counts = self.tokens_per_item(tensors)
+        for position, (audio, count) in enumerate(zip(audios, counts)):
+            if count < 1:  # no placeholder token for the encoder's output: the forward would fail deep in transformers
+                hop = getattr(self.feature_extractor, "hop_length", 160)
+                raise DataError(
+                    f"audio clip {position + 1} is {1000 * len(audio) / self.sampling_rate:.0f} ms long, shorter than the "
+                    f"{1000 * MIN_WHISPER_FRAMES * hop / self.sampling_rate:.0f} ms the audio encoder needs for one token; "
+                    "drop the row or pad the clip"
+                )
+        return tensors, [[self.token_id] * n for n in counts]
 
     def tokens_per_item(self, batch: dict) -> list[int]:
         return [whisper_audio_tokens(int(n)) for n in batch["feature_attention_mask"].sum(dim=1)]

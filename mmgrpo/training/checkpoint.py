@@ -19,7 +19,9 @@ A save, in order:
   5. the output folder is fsynced and `keep_last` (--save_total_limit) removes the oldest
      complete numbered checkpoints beyond the newest N; `checkpoint-best` is its own folder and stays.
 
-A kill at any instant leaves every earlier checkpoint loadable, and `latest_checkpoint`, the
+A save that fails (a full disk: one line naming the folder, the bytes needed and the checkpoints
+kept, mmgrpo/training/disk_space.py) removes its staging folder. A kill at any instant leaves every
+earlier checkpoint loadable, and `latest_checkpoint`, the
 loaders and rotation skip a folder without the marker (with a one-line warning). With
 `background=True` steps 2-5 run in a thread: the caller hands over data it will not modify
 (`mmgrpo.training.state` copies tensors first) and training goes on; the thread is not a daemon,
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmgrpo.errors import CheckpointError
+from mmgrpo.training.disk_space import disk_full_error
 
 MARKER = "checkpoint_complete.json"
 STAGING_SUFFIX = ".tmp"  # a save in progress (or killed)
@@ -79,13 +82,15 @@ class PendingSave:
 
 
 def save_atomically(
-    path: str | os.PathLike, write: Callable[[Path], None], *, background: bool = False, keep_last: int | None = None
+    path: str | os.PathLike, write: Callable[[Path], None], *, background: bool = False, keep_last: int | None = None,
+    needed_bytes: int | None = None,
 ) -> PendingSave:
     """Write a checkpoint folder through a staging folder, a completeness marker and a rename.
 
     write(folder): writes the checkpoint's files into `folder` (which exists and is empty).
     background: run write/sync/rename in a thread and return at once; `wait()` the result.
     keep_last: after the rename, delete the oldest complete `checkpoint-N` beyond the newest N.
+    needed_bytes: the checkpoint's expected size, named when the disk fills up (default: what was written).
 
     >>> import tempfile
     >>> out = Path(tempfile.mkdtemp())
@@ -106,8 +111,10 @@ def save_atomically(
             if keep_last:
                 rotate_checkpoints(path.parent, keep_last)
         except BaseException as err:  # noqa: B036 (a KeyboardInterrupt also leaves no staging folder)
+            written, free = staged_bytes(staging), shutil.disk_usage(path.parent).free  # before the partial save goes
             shutil.rmtree(staging, ignore_errors=True)
-            pending.error = err
+            kept = [p.name for p in list_checkpoints(path.parent, warn=False)]
+            pending.error = disk_full_error(err, path, needed_bytes or written, kept, written, free) or err
         finally:
             pending.seconds = time.perf_counter() - start
 
@@ -120,6 +127,11 @@ def save_atomically(
         _IN_FLIGHT[path.parent.resolve()] = pending
     pending.thread.start()
     return pending
+
+
+def staged_bytes(staging: Path) -> int:
+    """Bytes a save wrote into `staging` so far."""
+    return sum(f.stat().st_size for f in staging.rglob("*") if f.is_file()) if staging.is_dir() else 0
 
 
 def prepare_staging(path: Path) -> Path:
@@ -228,16 +240,31 @@ def repair_interrupted(folder: str | os.PathLike) -> None:
     folder = Path(folder)
     if not folder.is_dir():
         return
+    restorable = repairable(folder)
     for leftover in sorted(folder.iterdir()):
         if not leftover.is_dir() or not leftover.name.endswith((STAGING_SUFFIX, ASIDE_SUFFIX)):
             continue
         target = folder / leftover.name.rsplit(".", 1)[0]
-        if not target.exists() and is_complete(leftover):
+        if restorable.get(target) == leftover:
             os.rename(leftover, target)
             logger.warning(f"{target}: restored from {leftover.name}, left by a save that was interrupted")
         else:
             shutil.rmtree(leftover, ignore_errors=True)
     fsync_dir(folder)
+
+
+def repairable(folder: str | os.PathLike) -> dict[Path, Path]:
+    """{checkpoint: the leftover `repair_interrupted` would rename to it}: complete `.tmp` / `.old`
+    folders whose checkpoint is missing (a `.tmp` first: it is the newer). Reads only, so a rank
+    that must not write yet can know which checkpoints the repair will give."""
+    folder = Path(folder)
+    found: dict[Path, Path] = {}
+    for suffix in (STAGING_SUFFIX, ASIDE_SUFFIX):
+        for leftover in sorted(folder.glob(f"*{suffix}")):
+            target = folder / leftover.name.rsplit(".", 1)[0]
+            if leftover.is_dir() and target not in found and not target.exists() and is_complete(leftover):
+                found[target] = leftover
+    return found
 
 
 def rotate_checkpoints(folder: str | os.PathLike, keep_last: int) -> list[Path]:

@@ -12,6 +12,7 @@ A run writes into `--output_dir`; what is already there decides what may happen:
 | not empty | none | refused: a second run would mix its metrics and checkpoints with the first |
 | not empty | `--resume_from_checkpoint latest` or a path | the run continues: `metrics.jsonl` and `completions.jsonl` keep the steps up to the checkpoint's (later lines, from the run that crashed, are dropped; the checkpoint's own step, if a kill came between its save and its log lines, is restored from the checkpoint) |
 | not empty | `--overwrite_output_dir` | mmgrpo's files of the earlier run are deleted (config.yaml, metrics.jsonl, completions.jsonl, TensorBoard events, checkpoint-*, eval/, report.html, report/); any other file stays |
+| held by a live run | any | refused, naming its pid and host (mmgrpo/training/run_lock.py): nothing there is read, repaired or deleted |
 
 Also refused here: an output folder that is a file, lies under a file, or cannot be written.
 """
@@ -21,13 +22,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.training.checkpoint import check_checkpoint, checkpoint_step, list_checkpoints, repair_interrupted
+from mmgrpo.parallel.launch import env_rank
+from mmgrpo.training.checkpoint import (
+    check_checkpoint,
+    checkpoint_step,
+    list_checkpoints,
+    repair_interrupted,
+    repairable,
+)
 from mmgrpo.training.resume import STEP_LOG_FILE, read_training_state
+from mmgrpo.training.resume_flags import allowed_lines, check_changes, flag_changes
+from mmgrpo.training.run_lock import LOCK_FILE, RunLock
 from mmgrpo.training.state import TrainState
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
@@ -44,8 +55,14 @@ class OutputPlan:
     output_dir: Path
     mode: str  # "new" | "resume" | "overwrite"
     resume_from: Path | None = None
-    state: TrainState | None = None  # the checkpoint's training state (mode "resume")
+    state: TrainState | None = None  # the checkpoint's training state (mode "resume"; rank 0)
     remove: list[Path] = field(default_factory=list)  # mode "overwrite": the earlier run's files
+    lock: RunLock | None = None  # rank 0: this run's hold on the folder (mmgrpo/training/run_lock.py)
+
+    def release(self) -> None:
+        """Let go of the folder when the run ends (rank 0; the other ranks hold nothing)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def resume_step(self) -> int:
@@ -70,16 +87,33 @@ def preflight(cfg) -> OutputPlan:
     """Check --output_dir, --resume_from_checkpoint and --overwrite_output_dir together (after
     `cfg.validate()`, which checks every other flag).
 
-    Nothing is written yet except the output folder itself when it did not exist.
+    Rank 0 takes the folder's lock first (a live run there is refused; mmgrpo/training/run_lock.py)
+    and is the only rank that repairs what a killed save left; the other ranks only read, and
+    write nothing before the barrier after `build_run`. Nothing is written yet except the output
+    folder itself when it did not exist, and the lock.
     """
     out = Path(cfg.output_dir).expanduser()
     resume, overwrite = cfg.resume_from_checkpoint, cfg.overwrite_output_dir
     check_writable(out)
     if resume and overwrite:
         raise ConfigError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir deletes it: pass one of them.")
-    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_TEST))  # another rank's test file
+    main = env_rank() == 0
+    lock = RunLock.acquire(out) if main else None  # before anything is read, deleted or repaired there
+    try:
+        plan = _plan(cfg, out, resume, overwrite, main)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    plan.lock = lock
+    return plan
+
+
+def _plan(cfg, out: Path, resume: str | None, overwrite: bool, main: bool) -> OutputPlan:
+    # another rank's write test, and this run's own lock, are not an earlier run's files
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(WRITE_TEST) and p.name != LOCK_FILE)
     if resume:
-        return _resume_plan(out, resume)
+        return _resume_plan(out, resume, cfg) if main else _resume_path(out, resume)
     if not entries:
         return OutputPlan(out, "new")
     if overwrite:
@@ -91,7 +125,7 @@ def preflight(cfg) -> OutputPlan:
     )
 
 
-def _resume_plan(out: Path, resume: str) -> OutputPlan:
+def _resume_plan(out: Path, resume: str, cfg) -> OutputPlan:
     repair_interrupted(out)  # a killed save may have left a finished checkpoint just short of its rename
     if resume == "latest":
         complete = list_checkpoints(out)  # incomplete ones: a one-line warning each
@@ -111,7 +145,26 @@ def _resume_plan(out: Path, resume: str) -> OutputPlan:
             f"--resume_from_checkpoint {path}: {out} holds {', '.join(newer)}, saved later by the run being resumed; "
             "the resumed run would overwrite them. Resume from latest, or move them away first."
         )
+    if state.flags:  # the flags the run may not change, and one line for each it may (mmgrpo/training/resume_flags.py)
+        changes = flag_changes(state.flags, cfg.to_dict())
+        staleness = cfg.rollout.staleness_bound
+        check_changes(changes, path, state.step, in_flight=int(state.rollout_in_flight or 0), staleness=staleness)
+        for line in allowed_lines(changes, state.step, staleness):
+            print(f"mmgrpo: {line}", file=sys.stderr, flush=True)
+    else:
+        print(f"mmgrpo: resume: {path} records no flags (saved by an earlier mmgrpo): this run's are taken unchecked",
+              file=sys.stderr, flush=True)
     return OutputPlan(out, "resume", resume_from=path, state=state)
+
+
+def _resume_path(out: Path, resume: str) -> OutputPlan:
+    """A rank other than 0: the checkpoint rank 0 picks, read only. Rank 0 repairs an interrupted
+    save before it reaches the process group, which no rank passes alone, so by the time this rank
+    loads the checkpoint a repairable one is in place; rank 0 makes every check."""
+    if resume != "latest":
+        return OutputPlan(out, "resume", resume_from=Path(resume).expanduser())
+    steps = {checkpoint_step(p): p for p in [*list_checkpoints(out, warn=False), *repairable(out)]}
+    return OutputPlan(out, "resume", resume_from=steps[max(steps)] if steps else None)
 
 
 def check_writable(out: Path) -> None:

@@ -11,7 +11,7 @@
         mmgrpo.json                                       the model type (`mmgrpo eval` needs no --model_type)
         optimizer.pt, scheduler.pt                        torch state dicts (one process; sharded: each rank's files)
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
-        training_state.json                               the TrainState (mmgrpo/training/state.py)
+        training_state.json                               the TrainState (mmgrpo/training/state.py), the run's flags included
         step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
         rollouts_in_flight_<rank>.pt                      async: the completions asked for the next K steps
         checkpoint_complete.json                          written last (mmgrpo/training/checkpoint.py)
@@ -51,13 +51,16 @@ from mmgrpo.training.checkpoint import (
     PendingSave,
     check_checkpoint,
     commit,
+    list_checkpoints,
     prepare_staging,
     rotate_checkpoints,
     save_atomically,
+    staged_bytes,
 )
-from mmgrpo.training.state import TrainState, capture_rng, restore_rng
+from mmgrpo.training.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
+from mmgrpo.training.resume_flags import apply_resume_changes
+from mmgrpo.training.state import STATE_FILE, TrainState, capture_rng, restore_rng
 
-STATE_FILE = "training_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STEP_LOG_FILE = "step_log.json"  # {"metrics.jsonl": line, "completions.jsonl": lines}: output_dir.restore_step_log
@@ -81,8 +84,10 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     awaited by the caller). A NaN/inf weight is a CheckpointError and nothing is written.
     """
     cfg, strategy = run.cfg, run.strategy
+    own = strategy.saves_optimizer_itself  # the optimizer's state: written by the strategy, not as optimizer.pt
     in_flight = pipeline.in_flight()  # async: the rollouts asked for the next steps, finished
     state.model = cfg.model.model
+    state.flags = cfg.to_dict()  # what a resumed run is compared with (mmgrpo/training/resume_flags.py)
     state.rollout_in_flight = len(in_flight)
     state.data = batches.state_dict()
     extra_files: dict[str, object] = {}
@@ -96,10 +101,10 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     return save_training_checkpoint(
         path, model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
         state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
-        optimizer=run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
-        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background,
+        optimizer=None if own else run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
+        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background and not own,
         keep_last=cfg.save_total_limit, extra_files=extra_files, rank_files=rank_files,
-        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+        save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if own else None,
     )
 
 
@@ -110,13 +115,15 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
     strategy = run.strategy
     state = load_training_checkpoint(
         path, optimizer=run.optimizer, scheduler=run.scheduler, rank=strategy.rank, world_size=strategy.world_size,
-        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder)) if strategy.world_size > 1 else None,
+        load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder))
+        if strategy.saves_optimizer_itself else None,
     )
     if state.model is not None and state.model != run.cfg.model.model:
         raise CheckpointError(
             f"checkpoint {path} continues a run that started from --model {state.model} (its KL reference); "
             f"this run has --model {run.cfg.model.model}. Resume with --model {state.model}."
         )
+    apply_resume_changes(run, state)  # changed schedule flags take effect now; every change is recorded
     position = {**state.data, "rank": strategy.rank}  # ranks move in step: rank 0's position is each one's
     batches.load_state_dict(position)
     pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
@@ -254,8 +261,10 @@ def save_training_checkpoint(
             if missing:
                 raise CheckpointError(f"not saving {path}: ranks did not write {', '.join(missing)}")
 
+    weights = tensor_bytes(state_dict)  # rank 0's; a sharded optimizer: AdamW's two moments per weight
+    needed = weights + (tensor_bytes(optimizer_state) if optimizer_state is not None else 2 * weights) + SMALL_FILES
     if world_size == 1:
-        return save_atomically(path, write, background=background, keep_last=keep_last)
+        return save_atomically(path, write, background=background, keep_last=keep_last, needed_bytes=needed)
     # Ranks: rank 0 prepares the staging folder, every rank writes its RNG file into it, rank 0 the
     # rest and commits. Only rank 0 touches the folder's other entries; a failure anywhere is
     # raised on every rank (no rank waits in a collective for one that gave up).
@@ -265,8 +274,13 @@ def save_training_checkpoint(
         try:
             write(folder)
             commit(folder, path)
-        except BaseException:
+        except BaseException as err:
+            written, free = staged_bytes(folder), shutil.disk_usage(folder.parent).free  # before the partial save goes
             shutil.rmtree(folder, ignore_errors=True)
+            kept = [p.name for p in list_checkpoints(path.parent, warn=False)]
+            full = disk_full_error(err, path, needed, kept, written, free)  # one line: the folder, the bytes, what is kept
+            if full is not None:
+                raise full from None
             raise
         if keep_last:
             rotate_checkpoints(path.parent, keep_last)

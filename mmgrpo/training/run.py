@@ -35,6 +35,7 @@ from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams, sampling_params
+from mmgrpo.training.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
 from mmgrpo.training.optim import make_optimizer, make_scheduler
 from mmgrpo.training.resume import restore_weights
 from mmgrpo.training.runlog import console
@@ -212,6 +213,9 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         restore_weights(model, resume_from, peft_model=peft_model, template=template)
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
     steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.world_size)
+    if strategy.is_main:  # a disk too small for the checkpoints the run keeps: said now, not at the first save
+        warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None),
+                      checkpoints_kept(cfg, steps))
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
     policy = Policy(

@@ -1,7 +1,7 @@
 """What a run leaves behind, and the progress bar people watch.
 
 output_dir/
-    config.yaml         the resolved configuration
+    config.yaml         the resolved configuration; after a resume, what it changed from which step (`resumed:`)
     metrics.jsonl       one JSON object per step
     completions.jsonl   prompts, their G completions and every reward
     events.out.tfevents.*   TensorBoard scalars (same keys as metrics.jsonl)
@@ -41,15 +41,26 @@ def step_log_lines(metrics: dict, records=()) -> dict[str, str]:
     }
 
 
+def write_config(folder: Path, cfg, resumed: list | None = None) -> None:
+    """config.yaml: the flags the run trains with now and, after resumes, `resumed:`, what each one
+    changed from which step (TrainState.resumed): the run's flags step by step. `--config config.yaml`
+    reads the flags and skips `resumed`."""
+    config = cfg.to_dict()
+    if resumed:
+        config["resumed"] = [{"after_step": r["after_step"], "changed": {k: list(v) for k, v in r["changed"].items()}}
+                             for r in resumed]
+    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
 class RunLogger:
     """resume_step: a resumed run continues after this step; TensorBoard hides the crashed run's
     events of later steps (SummaryWriter purge_step). The step logs are trimmed by
     mmgrpo.training.output_dir.OutputPlan.apply()."""
 
-    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None, resumed: list | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        write_config(self.dir, cfg, resumed)
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
         from mmgrpo.training.trackers import make_trackers

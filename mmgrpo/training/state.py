@@ -5,6 +5,7 @@
     state.best_metric, state.best_step         # the in-training evaluation's best so far (checkpoint-best)
     state.modality_weights                     # --dynamic_modality_weights' moving averages
     state.data                                 # the prompt stream's position
+    state.flags, state.resumed                 # the run's flags, and what each resume changed
 
 Everything else a run is built from (`Run`, mmgrpo/training/run.py) is decided once and never
 replaced, so a checkpoint that holds the weights, optimizer, schedule, this object and every RNG
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
+
+STATE_FILE = "training_state.json"  # a checkpoint's TrainState (mmgrpo/training/resume.py writes it)
 
 
 @dataclass
@@ -46,6 +49,11 @@ class TrainState:
     """Asynchronous training: how many rollouts for the next steps are saved beside the state (mmgrpo/training/resume.py)."""
     world_size: int = 1
     """Ranks that wrote the checkpoint; a resume needs as many."""
+    flags: dict = field(default_factory=dict)
+    """The resolved TrainConfig of the run that wrote the checkpoint: a resumed run's flags are compared with it
+    (mmgrpo/training/resume_flags.py)."""
+    resumed: list = field(default_factory=list)
+    """Each resume so far: {"after_step": N, "changed": {flag: [old, new]}} (config.yaml shows them too)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainState:

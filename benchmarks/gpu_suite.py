@@ -1,0 +1,259 @@
+"""Real size on one GPU in one short visit: Qwen2.5-VL-3B at its published configuration (random
+weights, `random:qwen2.5-vl-3b`), mmgrpo against HF generate inside mmgrpo and TRL 1.16's GRPOTrainer.
+
+    python benchmarks/gpu_suite.py --out runs/gpu_suite                  # one H100: about 7 minutes
+    python benchmarks/gpu_suite.py --dry_run_on_cpu --out /tmp/gpu_dry   # the same code at reduced depth, CPU (a test)
+
+The run (docs/benchmarks.md, "Real size"): full training in bf16 autocast with fp32 master weights
+and AdamW, the vision tower frozen (--freeze_vit: its merger trains), gradient checkpointing, no
+KL term (beta 0, TRL's default: a reference would add TRL's fp32 copy of the model), 448 x 448
+images (256 image tokens), one prompt and G=8 completions of exactly 512 tokens a step (EOS never
+sampled), loss dapo, lr 1e-6. `mmgrpo estimate` put this at 57 GB of an 80 GB H100. Three systems,
+each in its own process, in the order mmgrpo, TRL, mmgrpo --shared_prefix false, then again while
+the time budget lasts (alternating):
+
+  mmgrpo      the shared prefix (each prompt and image once per group) and the lean decode step
+  mmgrpo-hf   mmgrpo with --shared_prefix false: HF generate for the rollout, prompts repeated G
+              times in the log-prob forwards
+  trl         TRL's GRPOTrainer with the same settings (the vision tower frozen on the model it is given)
+
+Per system: seconds per step by phase (rollout, reward, reference, training, other), rollout tokens/s
+(completion tokens / rollout seconds), training tokens/s (prompt + completion tokens of the G rows /
+the log-prob and update seconds), tokens/s of the whole step (EasyR1's per-GPU throughput figure),
+MFU (benchmarks/vs_trl.py's analytic model FLOPs over the step, against the bf16 matmul peak measured
+here on an 8192^3 product) and the peak GPU memory (max allocated), with `mmgrpo estimate`'s
+prediction beside mmgrpo's. --with_7b adds Qwen2.5-VL-7B with LoRA (mmgrpo only) if time is left.
+Everything goes to OUT/gpu_suite.json and the table to stdout.
+
+The GPU machine (Python 3.12, torch 2.11, transformers 5.17, peft, accelerate, pandas, pyarrow; no
+trl, datasets or network) needs these wheels (15 MB; at most 64 MiB travel with the tree), fetched
+here once into .whl/ (ignored by git, carried by the device tool):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \\
+        transformers==5.23.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+
+(datasets 5.2 wants pyarrow >= 24: if the first line below prints an older one, add pyarrow==24.0.0,
+42 MB). The command, run with carry [".whl"] and timeout_s 600:
+
+    python3 -c "import pyarrow, torch; print(pyarrow.__version__, torch.__version__)"; \\
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 || exit; \\
+    python3 benchmarks/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log.txt
+
+Set-up (wheels, building the 7.5 GB random checkpoint on the GPU, the matmul peak) takes about a
+minute; each system's process loads the model (about 20 s) and runs 1 warm-up + 1 timed step; the
+suite stops starting runs when --budget_s (default 420 s) would be passed, so the visit ends within 8
+minutes with what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_trl  # noqa: E402  (the workers, model and data preparation, model FLOPs)
+
+GPU = dict(
+    model="random:qwen2.5-vl-3b", image_size=448, num_generations=8, prompts_per_step=1, max_completion_length=512,
+    warmup=1, steps=1, device="cuda", bf16=True, gradient_checkpointing=True, freeze_vit=True, beta=0.0, lora=False,
+    rounds=2,  # mmgrpo, TRL, mmgrpo-hf, then again while the budget lasts
+)
+# The same code on the CPU: the 3B width at one decoder layer and vision blocks [window, full], tiny
+# batches, fp32; LoRA, since full training at this width holds 7 GB of fp32 AdamW state.
+DRY_RUN = dict(
+    GPU, model="random:qwen2.5-vl-3b?num_hidden_layers=1&vision_depth=2", image_size=112, num_generations=2,
+    max_completion_length=8, warmup=0, device="cpu", bf16=False, lora=True, rounds=1,
+)
+SEVEN_B = dict(model="random:qwen2.5-vl-7b", lora=True, freeze_vit=False)
+SYSTEMS = (("mmgrpo", "mmgrpo", {}), ("trl", "trl", {}), ("mmgrpo-hf", "mmgrpo", {"shared_prefix": False}))
+
+
+def matmul_peak(device: str) -> float:
+    """FLOP/s of the best of 5 bf16 8192^3 products on the GPU (fp32 1024^3 on one CPU thread)."""
+    import torch
+
+    if device == "cpu":
+        return vs_trl.matmul_flops_per_s()
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(8):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    del a, b
+    torch.cuda.empty_cache()  # the workers are other processes: leave them the memory
+    return 2 * 8192**3 / best
+
+
+def figures(result: dict, spec: dict, peak: float) -> dict:
+    """The per-system figures of the module docstring from a worker's result."""
+    rows = spec["prompts_per_step"] * spec["num_generations"]
+    completion = rows * spec["max_completion_length"]
+    tokens = rows * (spec["prompt_tokens"] + spec["max_completion_length"])
+    phases = result["phases"]
+    return {
+        "s_per_step": result["s_per_step"], "cpu_s_per_step": result["cpu_s_per_step"], "phases": phases,
+        "rollout_tokens_per_s": completion / max(phases["rollout"], 1e-9),
+        "training_tokens_per_s": tokens / max(phases["reference"] + phases["training"], 1e-9),
+        "tokens_per_s": tokens / result["s_per_step"],
+        "mfu": vs_trl.model_flops(spec) / result["s_per_step"] / peak,
+        "peak_memory_gb": result["peak_rss_mb"] * 2**20 / 1e9,
+    }  # fmt: skip
+
+
+def predicted_gb(spec: dict, device_gb: float) -> float:
+    """`mmgrpo estimate`'s peak for the mmgrpo run of `spec` (tensor bytes, as max allocated counts)."""
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.parallel.estimate import EstimateOptions, estimate
+
+    cfg = TrainConfig.from_args(vs_trl.mmgrpo_flags({**spec, "out": "unused"}, spec["warmup"] + spec["steps"]))
+    side = -(-spec["image_size"] // 28) * 28
+    image_tokens = side * side // 28**2
+    options = EstimateOptions(image_pixels=side * side, prompt_text_tokens=round(spec["prompt_tokens"]) - image_tokens,
+                              device_memory_gb=device_gb)  # fmt: skip
+    return estimate(cfg, options).peak_bytes / 1e9
+
+
+def run_suite(settings: dict, work: Path, budget_s: float, with_7b: bool, started: float) -> dict:
+    import torch
+
+    device = settings["device"]
+    peak = matmul_peak(device)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
+    device_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 24.0
+    print(f"{device_name}: matmul peak {peak / 1e9:.0f} GFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32, 1 thread'})",
+          flush=True)  # fmt: skip
+    spec = base_spec(settings, work)
+    print(f"set-up done at {time.perf_counter() - started:.0f} s: prompt {spec['prompt_tokens']:.0f} tokens, "
+          f"{spec['shape']['n_total'] / 1e9:.2f}B parameters", flush=True)
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in SYSTEMS}
+    failures: dict[str, str] = {}
+    durations: dict[str, float] = {}
+    index = 0
+    while True:  # the systems in turn, as long as the next run fits the budget
+        ran = False
+        for name, kind, options in SYSTEMS:
+            if name in failures:
+                continue
+            expected = durations.get(name, 60.0 if device == "cuda" else 20.0)
+            if time.perf_counter() - started + expected > budget_s:
+                continue
+            outcome = run_one(kind, {**spec, **options}, work, f"{name}-{index}")
+            durations[name] = outcome.pop("run_s", expected)
+            if "error" in outcome:
+                failures[name] = outcome["error"]
+                print(f"  {name}: failed ({outcome['error'].splitlines()[0]})", flush=True)
+                continue
+            results[name].append(figures(outcome, {**spec, **options}, peak))
+            ran = True
+            print(f"  {name} run {index + 1}: {outcome['s_per_step']:.2f} s/step, peak {results[name][-1]['peak_memory_gb']:.1f} GB",
+                  flush=True)  # fmt: skip
+        index += 1
+        if not ran or index >= settings["rounds"]:
+            break
+    report = {"device": device_name, "matmul_peak_flops": peak, "settings": settings, "spec": spec,
+              "results": results, "failures": failures}  # fmt: skip
+    if results["mmgrpo"]:
+        report["estimate_gb"] = predicted_gb(spec, device_gb)
+    if with_7b:
+        spec_7b = base_spec({**settings, **SEVEN_B}, work)
+        if time.perf_counter() - started + 2 * durations.get("mmgrpo", 60.0) < budget_s:
+            outcome = run_one("mmgrpo", spec_7b, work, "mmgrpo-7b")
+            if "error" not in outcome:
+                report["qwen2.5-vl-7b-lora"] = figures(outcome, spec_7b, peak)
+                report["qwen2.5-vl-7b-lora"]["estimate_gb"] = predicted_gb(spec_7b, device_gb)
+        else:
+            report["qwen2.5-vl-7b-lora"] = "skipped: not enough of the budget left"
+    return report
+
+
+def base_spec(settings: dict, work: Path) -> dict:
+    """vs_trl's worker spec for these settings: the model built, the data written, shapes and prompt length."""
+    model, model_type = vs_trl.prepare_model(work, settings)
+    data = vs_trl.prepare_data(work, settings["image_size"], 16)
+    side = -(-settings["image_size"] // 28) * 28
+    return {
+        **{key: settings.get(key, default) for key, default in vs_trl.RUN_DEFAULTS.items()}, "model": str(model), "model_type": model_type,
+        "data": str(data), "num_generations": settings["num_generations"], "prompts_per_step": settings["prompts_per_step"],
+        "max_completion_length": settings["max_completion_length"], "warmup": settings["warmup"], "steps": settings["steps"],
+        "suppress_ids": vs_trl.suppressed_ids(model, model_type), "patches_per_image": (side // 14) ** 2, "use_vllm": False,
+        "shape": vs_trl.model_shape(str(model)), "prompt_tokens": vs_trl.mean_prompt_tokens(model, model_type, data),
+        "count_flops": False, "image_size": settings["image_size"],
+    }  # fmt: skip
+
+
+def run_one(kind: str, spec: dict, work: Path, index: str) -> dict:
+    """One worker process (vs_trl.run_worker); its error as text instead of an exit."""
+    try:
+        return vs_trl.run_worker(kind, spec, work, index)
+    except SystemExit as exc:
+        return {"error": str(exc)}
+
+
+def print_table(report: dict) -> None:
+    names = [name for name, runs in report["results"].items() if runs]
+    if not names:
+        print("no system ran")
+        return
+
+    def median(name, key, phase=None):
+        runs = report["results"][name]
+        return statistics.median(r["phases"][phase] if phase else r[key] for r in runs)
+
+    print(f"\n{report['device']}; {len(report['results']['mmgrpo'])} mmgrpo run(s)")
+    print(f"{'':<24}" + "".join(f"{name:>12}" for name in names))
+    lines = [("s/step", "s_per_step", None, "{:.2f}")]
+    lines += [(f"  {phase}", None, phase, "{:.2f}") for phase in vs_trl.PHASES]
+    lines += [("rollout tokens/s", "rollout_tokens_per_s", None, "{:.0f}"),
+              ("training tokens/s", "training_tokens_per_s", None, "{:.0f}"),
+              ("step tokens/s", "tokens_per_s", None, "{:.0f}"), ("MFU", "mfu", None, "{:.1%}"),
+              ("peak memory (GB)", "peak_memory_gb", None, "{:.1f}")]  # fmt: skip
+    for label, key, phase, fmt in lines:
+        print(f"{label:<24}" + "".join(f"{fmt.format(median(name, key, phase)):>12}" for name in names))
+    if "estimate_gb" in report:
+        print(f"mmgrpo estimate: {report['estimate_gb']:.1f} GB predicted, {median('mmgrpo', 'peak_memory_gb'):.1f} GB measured")
+    for name in names[1:]:
+        print(f"mmgrpo/{name} step time: {median('mmgrpo', 's_per_step') / median(name, 's_per_step'):.2f}")
+    for name, error in report["failures"].items():
+        print(f"{name} failed: {error.splitlines()[0]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for gpu_suite.json")
+    parser.add_argument("--dry_run_on_cpu", action="store_true", help="the same code on the CPU at reduced depth (a test)")
+    parser.add_argument("--budget_s", type=float, default=420.0, help="start no run that would end after this (default 420)")
+    parser.add_argument("--with_7b", action="store_true", help="then Qwen2.5-VL-7B with LoRA (mmgrpo), if time is left")
+    parser.add_argument("--work_dir", default=None, help="model copies, data, logs (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    if not args.dry_run_on_cpu and not torch.cuda.is_available():
+        raise SystemExit("no GPU here: run with --dry_run_on_cpu, or on a GPU machine (see the module docstring)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-gpu-suite-"))
+    settings = DRY_RUN if args.dry_run_on_cpu else GPU
+    report = run_suite(settings, work, args.budget_s, args.with_7b, started)
+    report["total_s"] = time.perf_counter() - started
+    (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str))
+    print_table(report)
+    print(f"\ntotal {report['total_s']:.0f} s; {out / 'gpu_suite.json'}")
+
+
+if __name__ == "__main__":
+    main()

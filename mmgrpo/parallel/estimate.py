@@ -1,0 +1,514 @@
+"""`mmgrpo estimate`: the memory one device needs for a GRPO run, by part, before any weight loads.
+
+    mmgrpo estimate --model random:qwen2.5-vl-7b --parallel fsdp2 --world_size 8 --bf16 \\
+        --gradient_checkpointing --num_generations 8 --per_device_train_batch_size 8 \\
+        --max_completion_length 1024 --image_pixels 200704 --device_memory_gb 80
+
+It takes `mmgrpo train`'s flags (parsed and checked by the same code, so a nonsense flag gives
+train's error) and a few of its own: --world_size, --device_memory_gb, and the prompt's shape
+(--image_pixels per image after resizing, --images_per_prompt, --prompt_text_tokens). The model
+may be a folder, a `tiny:` or a `random:` name (read from its config on the meta device: a
+`random:qwen2.5-vl-7b` estimate builds nothing). It prints each part:
+
+  weights       fp32 master weights (sharded over --world_size under fsdp2 / zero3)
+  reference     the KL term's frozen copy (--beta > 0, full training; LoRA: the base itself)
+  gradients     fp32, of what trains
+  optimizer     AdamW's two fp32 moments (none on the device with --offload_optimizer)
+  gathered      fsdp2 / zero3: the unsharded weights a forward holds (all of them for a rollout
+                with --gather_for_generation)
+  activations   what the largest training micro-batch saves for backward: decoder layers
+                (prompt tokens once per prompt with the shared prefix, completion tokens per
+                row, the rows' attention K/V), the vision tower and merger where they train,
+                bf16 weight copies under --bf16
+  log-probs     the chunked LM head's [chunk, vocab] fp32 blocks (mmgrpo/grpo/logprobs.py)
+  rollout       the K/V cache (each prompt once with the shared prefix), the prefill's largest
+                intermediate, the decode step's logits
+  vLLM          --use_vllm colocated: --vllm_gpu_memory_utilization of the device
+
+and the peak (the larger of the training update and the rollout, each over what stays between
+steps), whether it fits --device_memory_gb with 1 GiB + 5% kept for the CUDA context and the
+allocator, and if not which parts dominate and the flags that would make it fit. It exits 0
+either way: not fitting is an answer.
+
+The activation coefficients (bytes saved per token per decoder layer, per patch per vision block)
+were measured with `TrackedMemory` (mmgrpo/parallel/tracked_memory.py) on the Qwen2/Qwen2.5-VL
+and Qwen3-VL layers in fp32 and under bf16 autocast, trainable and frozen; tests/test_estimate.py
+checks the whole estimate against the measured peak of real GRPO steps within 15%
+(`--measure` runs that check for any flags: two steps, the second's peak).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mmgrpo.errors import ConfigError
+
+GB = 1e9
+CUDA_RESERVE_BYTES, ALLOCATOR_SLACK = 2**30, 0.05  # context, cuBLAS workspace, NCCL; fragmentation
+
+# Bytes saved for backward per token per decoder layer: coefficients of (h, q, i, kv, 1), where h is
+# the hidden size, q = heads x head_dim, i the MLP width, kv = KV heads x head_dim. "train": the
+# layer's weights train (or carry LoRA adapters); "frozen": they do not, but a gradient flows
+# through to the vision tower. bf16: under autocast, plus the bf16 copies of the weights.
+# Keyed by the layer's structure (read from the model, not its name): with per-head q/k norms or not.
+DECODER_BYTES = {
+    False: {("fp32", "train"): (32, 0, 16, 8, 8), ("fp32", "frozen"): (16, 0, 12, 8, 8),  # measured where q = h
+            ("bf16", "train"): (30, 0, 8, 4, 8), ("bf16", "frozen"): (12, 0, 6, 4, 8)},
+    True: {("fp32", "train"): (24, 16, 16, 16, 8), ("fp32", "frozen"): (8, 12, 12, 12, 8),
+           ("bf16", "train"): (26, 10, 8, 10, 8), ("bf16", "frozen"): (8, 8, 6, 8, 8)},
+}
+# Bytes per patch per vision block, coefficients of (width, MLP width), by the block's MLP; and per
+# patch for the patch embedding and merger (coefficients of width, plus the output width).
+VISION_BYTES = {
+    "gated": {"fp32": (52, 16), "bf16": (32, 8)},  # RMSNorm, gate/up/down MLP (and windows)
+    "quick_gelu": {"fp32": (44, 12), "bf16": (22, 6)},  # LayerNorm, x * sigmoid(1.702 x) keeps both
+    "gelu": {"fp32": (44, 8), "bf16": (22, 4)},  # LayerNorm, tanh GELU
+}
+MERGER_BYTES_PER_WIDTH = 22
+
+
+@dataclass
+class EstimateOptions:
+    """What `mmgrpo estimate` takes beyond train's flags."""
+
+    world_size: int = 1
+    device_memory_gb: float = 80.0
+    image_pixels: int | None = None  # per image after resizing; None: --max_pixels, else 448 x 448
+    images_per_prompt: int = 1
+    prompt_text_tokens: int = 64
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs of a model: sizes, parameter counts by part, what trains."""
+
+    qk_norm: bool  # the decoder normalises queries and keys per head
+    vision_mlp_kind: str  # a key of VISION_BYTES
+    hidden: int
+    q_dim: int
+    intermediate: int
+    kv_dim: int
+    layers: int
+    vocab: int
+    vision_width: int = 0
+    vision_mlp: int = 0
+    vision_depth: int = 0
+    vision_out: int = 0
+    patch: int = 14
+    merge: int = 2
+    deepstack: int = 0
+    params: dict[str, int] = field(default_factory=dict)  # total, vision, aligner, llm_layers, root, block
+    trainable: int = 0  # parameters with a gradient (LoRA: the adapters)
+    trains: set[str] = field(default_factory=set)  # parts that train: vision, aligner, llm
+    lora_inputs: dict[str, int] = field(default_factory=dict)  # LoRA: in_features summed over each part's targets
+    linear: dict[str, int] = field(default_factory=dict)  # weights of the linear layers per part (bf16 copies)
+
+
+def model_config(model: str):
+    """The model's transformers config: `random:` from its published numbers, anything else from its folder."""
+    from mmgrpo.models.real_configs import RANDOM_PREFIX, parse_random_name, real_config
+
+    if model.startswith(RANDOM_PREFIX):
+        return real_config(*parse_random_name(model))
+    from transformers import AutoConfig
+
+    from mmgrpo.models.loading import checkpoint_path
+
+    return AutoConfig.from_pretrained(checkpoint_path(model))
+
+
+@functools.lru_cache(maxsize=4)
+def _skeleton(model: str, model_type: str | None):
+    """(config, template class, meta-device model): built once per model, as advice re-estimates."""
+    from mmgrpo.models.loading import infer_model_type, skeleton_from_config
+    from mmgrpo.templates.base import TEMPLATES
+
+    config = model_config(model)
+    template_class = TEMPLATES.get(model_type or infer_model_type(model))
+    return config, template_class, skeleton_from_config(config, template_class)
+
+
+def _submodule(model, name: str):
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def model_shape(cfg) -> ModelShape:
+    """Sizes and parameter counts from a weightless (meta device) model of `cfg.model.model`."""
+    from mmgrpo.models.train_type import lora_targets, part_of
+
+    config, template_class, skeleton = _skeleton(cfg.model.model, cfg.model.model_type)
+    skeleton.requires_grad_(True)  # `freeze` below marks what this configuration freezes
+    components = template_class.components
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    first_layer = _submodule(skeleton, f"{components.get('llm')}.layers.0")
+    shape = ModelShape(
+        qk_norm=hasattr(getattr(first_layer, "self_attn", None), "q_norm"), vision_mlp_kind="gated",
+        hidden=text.hidden_size, q_dim=heads * head_dim, intermediate=text.intermediate_size,
+        kv_dim=text.num_key_value_heads * head_dim, layers=text.num_hidden_layers, vocab=text.vocab_size,
+    )  # fmt: skip
+    vision = getattr(config, "vision_config", None)
+    if vision is not None and hasattr(vision, "depth"):  # a tower of blocks over merged patches
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size
+        shape.vision_width, shape.vision_depth = width, vision.depth
+        shape.vision_mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
+        shape.vision_out = getattr(vision, "out_hidden_size", None) or vision.hidden_size
+        shape.patch, shape.merge = vision.patch_size, vision.spatial_merge_size
+        shape.deepstack = len(getattr(vision, "deepstack_visual_indexes", []) or [])
+        mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
+        if not hasattr(mlp, "gate_proj"):
+            shape.vision_mlp_kind = "quick_gelu" if getattr(vision, "hidden_act", "") == "quick_gelu" else "gelu"
+    params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0}  # vision: the tower without its merger
+    for name, param in skeleton.named_parameters():
+        part = part_of(name, components)
+        params["total"] += param.numel()
+        if part in ("vision", "aligner"):
+            params[part] += param.numel()
+        if ".layers.0." in name and part == "llm":
+            params["block"] += param.numel()
+        if ".layers." in name and part == "llm":
+            params["llm_layers"] += param.numel()
+    # FSDP2's root unit: what is not a decoder layer or vision block (embeddings, head, final norm, merger)
+    params["root"] = params["total"] - params["llm_layers"] - params["vision"]
+    shape.params = params
+    linear: dict[str, int] = {}
+    for name, module in skeleton.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != components.get("lm_head"):
+            part = part_of(name, components)
+            linear[part] = linear.get(part, 0) + module.weight.numel()
+    shape.linear = linear
+    model_cfg = cfg.model
+    if model_cfg.train_type == "lora":
+        modules = dict(skeleton.named_modules())
+        targets = lora_targets(skeleton, components, model_cfg)
+        shape.trainable = sum(model_cfg.lora_rank * (modules[t].in_features + modules[t].out_features) for t in targets)
+        shape.trains = {part_of(t, components) for t in targets}
+        for target in targets:
+            part = part_of(target, components)
+            shape.lora_inputs[part] = shape.lora_inputs.get(part, 0) + modules[target].in_features
+    else:
+        from mmgrpo.models.train_type import freeze
+
+        shape.trainable = freeze(skeleton, components, model_cfg)
+        shape.trains = {part_of(n, components) for n, p in skeleton.named_parameters() if p.requires_grad} - {None}
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimate:
+    parts: dict[str, float]  # bytes on the device, by part (the larger phase's share for phase parts)
+    phases: dict[str, float]  # bytes at each phase's peak
+    notes: list[str]
+    device_bytes: float
+    reserve_bytes: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def needed_bytes(self) -> float:
+        return self.peak_bytes + self.reserve_bytes + self.parts.get("vLLM (colocated)", 0.0)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.device_bytes
+
+
+def prompt_tokens(cfg, options: EstimateOptions, shape: ModelShape) -> tuple[int, int]:
+    """(prompt tokens, vision patches) of one prompt."""
+    pixels = options.image_pixels or cfg.model.max_pixels or 448 * 448
+    patches = pixels // shape.patch**2 if shape.vision_depth else 0
+    tokens = options.prompt_text_tokens + options.images_per_prompt * patches // shape.merge**2
+    return tokens, options.images_per_prompt * patches
+
+
+def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> Estimate:
+    """Per-device memory of the run `cfg` describes (module docstring)."""
+    shape = shape or model_shape(cfg)
+    notes: list[str] = []
+    W = options.world_size
+    sharded = cfg.dist.strategy in ("fsdp2", "zero3")
+    shard = W if sharded else 1
+    bf16 = cfg.bf16
+    precision, act_bytes = ("bf16", 2) if bf16 else ("fp32", 4)
+    total, trainable = shape.params["total"], shape.trainable
+    lora = cfg.model.train_type == "lora"
+    param_offload = cfg.dist.offload_param
+    optim_offload = cfg.dist.offload_optimizer or (param_offload and cfg.dist.strategy == "fsdp2")
+
+    parts: dict[str, float] = {}
+    parts["weights"] = 0.0 if param_offload else 4 * (total + (trainable if lora else 0)) / shard
+    if cfg.algo.beta > 0 and not lora:
+        parts["reference"] = (2 if bf16 else 4) * total / shard if (sharded or bf16) else 4 * trainable
+    parts["gradients"] = 4 * trainable / shard
+    parts["optimizer"] = 0.0 if optim_offload else 8 * trainable / shard
+
+    # The batch: rows (completions) of the step on this device, in micro-batches.
+    G, T = cfg.rollout.num_generations, cfg.rollout.max_completion_length
+    L, patches = prompt_tokens(cfg, options, shape)
+    if L > cfg.data.max_prompt_length:
+        notes.append(f"a prompt of {L} tokens is over --max_prompt_length {cfg.data.max_prompt_length}: train would stop")
+    step_rows = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
+    step_prompts = max(1, step_rows // G)
+    shared = cfg.model.shared_prefix
+    if cfg.algo.max_tokens_per_microbatch:
+        group_tokens = (L + G * T) if shared else G * (L + T)
+        rows = min(step_prompts, max(1, cfg.algo.max_tokens_per_microbatch // group_tokens)) * G
+    else:
+        rows = cfg.optim.per_device_train_batch_size
+    micro_batches = math.ceil(step_rows / rows)
+    prompts = math.ceil(rows / G) if shared else rows
+
+    # Training forward + backward of one micro-batch.
+    h, q, i, kv, layers = shape.hidden, shape.q_dim, shape.intermediate, shape.kv_dim, shape.layers
+    mode = "train" if "llm" in shape.trains else "frozen"
+    coef = DECODER_BYTES[shape.qk_norm][(precision, mode)]
+    per_token = coef[0] * h + coef[1] * q + coef[2] * i + coef[3] * kv + coef[4]
+    tokens = prompts * L + rows * T
+    kv_rows = 2 * rows * (L + T) * kv * act_bytes if shared else 0  # each row's K/V: its prompt's, expanded, + its own
+    dropout = lora and cfg.model.lora_dropout > 0  # each adapter keeps its dropped-out input and mask
+    if dropout:
+        per_token += shape.lora_inputs.get("llm", 0) / layers * (act_bytes + 1)
+    checkpointing = cfg.model.gradient_checkpointing
+    layer = tokens * per_token + kv_rows  # one decoder layer's saved tensors
+    decoder = tokens * 3 * 4 * h  # embeddings, final norm
+    decoder += layers * tokens * 4 * h if checkpointing else layers * layer  # checkpointing: each layer's input only
+    vision_act = block = 0.0
+    mb_patches = prompts * patches
+    if shape.vision_depth and ("vision" in shape.trains or "aligner" in shape.trains):
+        merger = (1 + shape.deepstack) * mb_patches * (MERGER_BYTES_PER_WIDTH * shape.vision_width + shape.vision_out) * act_bytes / 4
+        vision_act = merger
+        if "vision" in shape.trains:
+            w_coef, mlp_coef = VISION_BYTES[shape.vision_mlp_kind][precision]
+            block = mb_patches * (w_coef * shape.vision_width + mlp_coef * shape.vision_mlp
+                                  + (shape.lora_inputs.get("vision", 0) / shape.vision_depth * (act_bytes + 1) if dropout else 0))
+            vision_act += shape.vision_depth * (mb_patches * 4 * shape.vision_width if checkpointing else block)
+    if checkpointing:  # backward recomputes one layer (or vision block) at a time
+        decoder += max(layer, block)
+    copies = 0.0
+    if bf16:  # autocast's bf16 copy of each linear weight on the gradient's path, kept for backward
+        on_path = shape.linear.get("llm", 0) * (1 / layers if checkpointing else 1)
+        on_path += shape.linear.get("aligner", 0) if shape.trains & {"vision", "aligner"} else 0
+        on_path += shape.linear.get("vision", 0) if "vision" in shape.trains else 0
+        copies = 2 * on_path / shard
+    parts["activations"] = decoder + vision_act + copies
+
+    from mmgrpo.grpo.logprobs import logits_chunk_rows
+
+    completion_tokens = rows * T
+    parts["log-probs"] = 3 * min(logits_chunk_rows(shape.vocab), completion_tokens) * shape.vocab * 4
+
+    # Rollout: the step's prompts at once, with grads freed.
+    kv_bytes = 2 if bf16 else 4
+    if cfg.rollout.use_vllm:
+        parts["rollout"] = 0.0
+        if cfg.rollout.vllm_mode == "colocate":
+            parts["vLLM (colocated)"] = cfg.rollout.vllm_gpu_memory_utilization * options.device_memory_gb * GB
+    else:
+        cached = (step_prompts * L + step_rows * T) if shared else step_rows * (L + T)
+        kv_cache = layers * 2 * kv * cached * kv_bytes
+        prefill_tokens = step_prompts * L if shared else step_rows * L
+        prefill = max(prefill_tokens * (3 * i + 4 * h), step_prompts * patches * (3 * shape.vision_mlp + 4 * shape.vision_width))
+        parts["rollout"] = kv_cache + prefill * act_bytes + 3 * step_rows * shape.vocab * 4
+    gathered_train = gathered_rollout = 0.0
+    if sharded:
+        param_bytes = 2 if bf16 else 4
+        gathered_train = (shape.params["root"] + shape.params["block"]) * param_bytes
+        gathered_rollout = total * param_bytes if cfg.dist.gather_for_generation else gathered_train
+        parts["gathered"] = max(gathered_train, gathered_rollout)
+
+    static = parts["weights"] + parts.get("reference", 0.0) + parts["optimizer"]
+    work = parts["activations"] + parts["log-probs"]
+    if micro_batches > 1:  # gradients of the first micro-batches are kept while the next ones run
+        update = static + parts["gradients"] + work
+    else:  # the LM head's gradient comes first in backward; the layers' as their activations free
+        head = 4 * shape.vocab * h if "llm" in shape.trains and not lora else 0.0
+        update = static + max(work + head / shard, parts["gradients"] + parts["log-probs"])
+    phases = {"update": update + gathered_train, "rollout": static + parts["rollout"] + gathered_rollout}
+    notes.append(f"{step_rows} completions per device a step in {micro_batches} micro-batch(es) of {rows}; prompt {L} tokens, "
+                 f"completions {T}")
+    device = options.device_memory_gb * GB
+    return Estimate(parts, phases, notes, device, CUDA_RESERVE_BYTES + ALLOCATOR_SLACK * max(phases.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Advice, the command
+# ---------------------------------------------------------------------------------------------
+
+ADVICE = (  # flags tried in this order, each where it applies
+    ("--gradient_checkpointing", lambda c, o: not c.model.gradient_checkpointing),
+    ("--beta 0", lambda c, o: c.algo.beta > 0 and c.model.train_type == "full"),
+    ("--bf16", lambda c, o: not c.bf16),
+    ("--freeze_vit", lambda c, o: c.model.train_type == "full" and not c.model.freeze_vit),
+    ("--offload_optimizer", lambda c, o: c.dist.strategy == "zero3" and not c.dist.offload_optimizer),
+    ("--train_type lora", lambda c, o: c.model.train_type == "full"),
+)
+
+
+def advice(argv: list[str], cfg, options: EstimateOptions) -> list[str]:
+    """Flags that make the run fit: each one alone that does, else the fewest in ADVICE's order."""
+    tried, fitting = [], []
+    for flag, applies in ADVICE:
+        if not applies(cfg, options):
+            continue
+        tried.append(flag)
+        if _fits(argv + flag.split(), options):
+            fitting.append(flag)
+    if fitting:
+        return fitting
+    for count in range(2, len(tried) + 1):
+        chosen = tried[:count]
+        if _fits(argv + " ".join(chosen).split(), options):
+            for flag in list(chosen):  # then drop those the others make unnecessary
+                rest = [f for f in chosen if f != flag]
+                if _fits(argv + " ".join(rest).split(), options):
+                    chosen = rest
+            return [" ".join(chosen)]
+    return []
+
+
+def _fits(argv: list[str], options: EstimateOptions) -> bool:
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.config.flags import config_from_namespace
+
+    try:
+        return estimate(config_from_namespace(TrainConfig, build_estimate_parser().parse_args(argv)), options).fits
+    except ConfigError:
+        return False
+
+
+def build_estimate_parser():
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.config.flags import build_parser
+
+    parser = build_parser(TrainConfig, prog="mmgrpo estimate", description="The memory a GRPO run needs per device, by part.")
+    group = parser.add_argument_group("estimate")
+    defaults = EstimateOptions()
+    group.add_argument("--world_size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                       help="Processes (GPUs) of the run (default: $WORLD_SIZE or 1).")
+    group.add_argument("--device_memory_gb", type=float, default=defaults.device_memory_gb,
+                       help="Memory of one device in GB (default 80: an A100/H100 80GB).")
+    group.add_argument("--image_pixels", type=int, default=None,
+                       help="Pixels of each image after resizing (default: --max_pixels, else 448 x 448).")
+    group.add_argument("--images_per_prompt", type=int, default=defaults.images_per_prompt, help="Images per prompt (default 1).")
+    group.add_argument("--prompt_text_tokens", type=int, default=defaults.prompt_text_tokens,
+                       help="Text tokens of a prompt, chat template included (default 64).")
+    group.add_argument("--measure", action="store_true",
+                       help="Also run two real steps of this configuration (one process) and print the second's measured peak.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.config.flags import config_from_namespace
+
+    argv = list(argv or [])
+    ns = build_estimate_parser().parse_args(argv)
+    options = EstimateOptions(world_size=ns.world_size, device_memory_gb=ns.device_memory_gb, image_pixels=ns.image_pixels,
+                              images_per_prompt=ns.images_per_prompt, prompt_text_tokens=ns.prompt_text_tokens)  # fmt: skip
+    if options.world_size < 1 or options.device_memory_gb <= 0 or options.images_per_prompt < 0:
+        raise ConfigError("--world_size, --device_memory_gb and --images_per_prompt must be positive.")
+    cfg = config_from_namespace(TrainConfig, ns)
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(options.world_size)  # train's checks, as under torchrun with this many ranks
+    try:
+        cfg.validate()
+    finally:
+        os.environ.pop("WORLD_SIZE") if saved is None else os.environ.__setitem__("WORLD_SIZE", saved)
+    result = estimate(cfg, options)
+    print(report(cfg, options, result, [a for a in argv if a != "--measure"]))
+    if ns.measure:
+        measured = measure_step_memory(cfg)
+        phases = ", ".join(f"{name} {value / GB:.3f} GB (estimate {result.phases[name] / GB:.3f})"
+                           for name, value in measured["phases"].items())
+        print(f"measured peak of step 2 ({measured['device']}): {measured['peak_bytes'] / GB:.3f} GB "
+              f"(estimate {result.peak_bytes / GB:.3f} GB, {result.peak_bytes / measured['peak_bytes'] - 1:+.0%}); {phases}")
+
+
+def report(cfg, options: EstimateOptions, result: Estimate, argv: list[str]) -> str:
+    lines = [f"mmgrpo estimate: {cfg.model.model}, {cfg.model.train_type} training, {cfg.dist.strategy} over {options.world_size} "
+             f"device(s){', bf16' if cfg.bf16 else ', fp32'}{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"]
+    lines += [f"  {note}" for note in result.notes]
+    lines.append(f"{'part':<18}{'GB per device':>14}")
+    for name, value in result.parts.items():
+        lines.append(f"{name:<18}{value / GB:>14.2f}")
+    for phase, value in result.phases.items():
+        lines.append(f"{'peak: ' + phase:<18}{value / GB:>14.2f}")
+    lines.append(f"{'+ CUDA reserve':<18}{result.reserve_bytes / GB:>14.2f}   (context, workspaces, allocator slack)")
+    lines.append(f"{'needed':<18}{result.needed_bytes / GB:>14.2f}   of {options.device_memory_gb:g} GB")
+    if result.fits:
+        lines.append(f"fits: {result.needed_bytes / result.device_bytes:.0%} of the device")
+        return "\n".join(lines)
+    phase = max(result.phases, key=result.phases.get)
+    big = sorted((p for p in result.parts if p not in ("rollout",) or phase == "rollout"), key=result.parts.get, reverse=True)[:3]
+    lines.append(f"does NOT fit: {result.needed_bytes / GB:.1f} GB needed at the {phase} peak; the largest parts: "
+                 + ", ".join(f"{p} {result.parts[p] / GB:.1f} GB" for p in big))
+    fixes = advice(argv, cfg, options)
+    lines.append("fits with: " + (" | ".join(fixes) if fixes else "none of " + ", ".join(f for f, _ in ADVICE)
+                                  + " (more devices, a smaller batch or shorter completions)"))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_step_memory(cfg) -> dict:
+    """Two real GRPO steps of `cfg` in this process; the peak memory of the second (the first makes
+    the optimizer state), of its rollout and of the rest of it (log-probs, update): the GPU's max
+    allocated bytes, or on the CPU the `TrackedMemory` peak."""
+    from mmgrpo.engine import grpo_step
+    from mmgrpo.forward.policy import autocast
+    from mmgrpo.parallel.tracked_memory import TrackedMemory
+    from mmgrpo.training.run import build_run
+    from mmgrpo.training.state import seed_everything
+
+    cfg.validate()  # as engine.train does before build_run
+    run = build_run(cfg)
+    seed_everything(cfg.seed)
+    batches = run.prompt_batches()
+    grpo_step(run, next(batches), step=1)
+    prompts = next(batches)
+    peaks = {}
+    if run.device.type == "cuda":
+        def phase(name, work):
+            torch.cuda.synchronize(run.device)
+            torch.cuda.reset_peak_memory_stats(run.device)
+            out = work()
+            peaks[name] = torch.cuda.max_memory_allocated(run.device)
+            return out
+
+        device = torch.cuda.get_device_name(run.device)
+    else:
+        tracked = TrackedMemory(run.model, run.policy.ref_model, run.optimizer)
+
+        def phase(name, work):
+            tracked.reset_peak()
+            with tracked:
+                out = work()
+            peaks[name] = tracked.peak_bytes
+            return out
+
+        device = "CPU, tracked tensors"
+    encoded = [enc for _, enc in prompts]
+    with autocast(run.bf16, run.device):
+        rollout = phase("rollout", lambda: run.rollout.generate(encoded, run.sampling(prompts)))
+    phase("update", lambda given=rollout: grpo_step(run, prompts, step=2, rollout=given))
+    lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
+    return {"peak_bytes": max(peaks.values()), "phases": peaks, "device": device, "prompt_tokens": lengths}
