@@ -1,7 +1,7 @@
 """Which answers can GRPO separate? A checkpoint's answer distribution, class by class.
 
-    python benchmarks/answer_distribution.py --model runs/demo/sft-2/final --dataset shapes-color
-    python benchmarks/answer_distribution.py --model runs/demo/sft-2/final --dataset shapes-count --limit 400
+    python benchmarks/answer_distribution.py --model mmgrpo/demo/start --dataset shapes-color
+    python benchmarks/answer_distribution.py --model mmgrpo/demo/start --dataset shapes-count --limit 400
 
 For each of the first --limit rows of the --split (test unless told), the model scores every candidate answer of the dataset
 (each class, written as --answer_format) after the row's prompt, teacher-forced, and the scores

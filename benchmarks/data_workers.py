@@ -1,9 +1,9 @@
 """Data-loading workers against none (`--dataloader_num_workers 2` vs `0`) on the demo's GRPO stage.
 
     python benchmarks/data_workers.py                       # about three minutes on 2 cores
-    python benchmarks/data_workers.py --model runs/demo/sft-2/final --steps 40 --pairs 3
+    python benchmarks/data_workers.py --model mmgrpo/demo/start --steps 40 --pairs 3
 
-Runs `mmgrpo train --config configs/demo_grpo.yaml` for a few steps with each setting, alternately
+Runs `mmgrpo train --config mmgrpo/demo/configs/grpo.yaml` for a few steps with each setting, alternately
 (0, 2, 0, 2, ...), each in its own process with one torch thread, and prints per setting the median
 over runs of time/data (the loop waiting for prompts) and time/step, the ratio, and whether the
 two runs drew the same rewards (the batches do not depend on the workers, docs/data.md).
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(model: str, workers: int, steps: int, out: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "mmgrpo", "train", "--config", str(ROOT / "configs" / "demo_grpo.yaml"),
+    cmd = [sys.executable, "-m", "mmgrpo", "train", "--config", str(ROOT / "mmgrpo" / "demo" / "configs" / "grpo.yaml"),
            "--model", model, "--max_steps", str(steps), "--eval_steps", "0", "--torch_threads", "1",
            "--dataloader_num_workers", str(workers), "--output_dir", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,7 +1,7 @@
 """Is the answer in the image features? A linear probe on a model's visual tokens.
 
     python benchmarks/feature_probe.py --model tiny:qwen2-vl --dataset shapes-count
-    python benchmarks/feature_probe.py --model runs/demo/sft-2/final --dataset shapes-count
+    python benchmarks/feature_probe.py --model mmgrpo/demo/start --dataset shapes-count
 
 For each image of the dataset's train split (the first --train_rows) and test split (the first
 --test_rows), the model's vision tower and merger turn the image into visual tokens, as the

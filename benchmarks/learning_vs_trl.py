@@ -2,7 +2,7 @@
 
     python benchmarks/learning_vs_trl.py                        # colour and count, 3 seeds (about 80 minutes on 2 cores)
     python benchmarks/learning_vs_trl.py --tasks shapes-color --seeds 0 --steps 10 --eval_limit 40   # a smoke run
-    python benchmarks/learning_vs_trl.py --sft_model runs/demo/sft-2/final --work_dir /tmp/lvt
+    python benchmarks/learning_vs_trl.py --sft_model mmgrpo/demo/start --work_dir /tmp/lvt
 
 Results and how to read them: docs/benchmarks.md, "Time to accuracy against TRL".
 
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft_config", nargs="+", default=None,
                         help="SFT configs, run in turn, when no --sft_model; the start of every task (default: per task, "
                         "configs/learning_vs_trl_sft.yaml for colour, configs/learning_vs_trl_count_sft.yaml for count; "
-                        "the demo's is `configs/demo_sft.yaml configs/demo_sft_colour.yaml`)")
+                        "the demo's start is shipped: --sft_model mmgrpo/demo/start)")
     parser.add_argument("--work_dir", default=None, help="checkpoints, logs and results (default: a temporary folder)")
     parser.add_argument("--output_dir", default="runs/learning_vs_trl", help="summary.json and the PNG plots")
     parser.add_argument("--summarize", action="store_true",

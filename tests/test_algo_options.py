@@ -69,6 +69,14 @@ def test_schedules_have_hfs_behaviour():
     assert cosine == pytest.approx([0.5 * (1 + math.cos(math.pi * s / 10)) for s in range(10)])
     floor = _rates("cosine_with_min_lr", kwargs='{"min_lr_rate": 0.2}')
     assert floor == pytest.approx([0.2 + 0.8 * c for c in cosine])
+    stable_then_decay = _rates("warmup_stable_decay", kwargs='{"num_decay_steps": 4, "min_lr_ratio": 0.1}')
+    assert stable_then_decay[:7] == [1.0] * 7
+    assert stable_then_decay[7:] == pytest.approx([0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in (1, 2, 3)])
+
+
+def test_warmup_stable_decay_asks_for_its_decay_length():
+    with pytest.raises(ConfigError, match="num_decay_steps"):
+        _rates("warmup_stable_decay")
 
 
 def test_the_default_schedule_keeps_the_old_cosine_to_ten_percent():

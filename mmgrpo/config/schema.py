@@ -282,7 +282,8 @@ class OptimConfig:
     """Fraction of max_steps with a linear warm-up from 0 (ceil(ratio x steps) steps, as in HF)."""
     lr_scheduler_type: str = "cosine_with_min_lr"
     """HF's schedules by name: linear | cosine (to 0) | cosine_with_min_lr (to --lr_scheduler_kwargs min_lr_rate of the
-    peak, default 0.1) | constant (no warm-up) | constant_with_warmup."""
+    peak, default 0.1) | constant (no warm-up) | constant_with_warmup | warmup_stable_decay (the peak, then a cosine
+    over the last --lr_scheduler_kwargs num_decay_steps to min_lr_ratio of it)."""
     lr_scheduler_kwargs: str | None = None
     """The schedule's options as JSON, e.g. `{"min_lr_rate": 0.05}` (cosine_with_min_lr), `{"num_cycles": 1.0}` (cosine)."""
     max_grad_norm: float = 1.0

@@ -27,7 +27,7 @@ import torch
 from mmgrpo.errors import ConfigError
 
 # The HF schedule names mmgrpo accepts (transformers.SchedulerType values).
-LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup")
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup", "warmup_stable_decay")
 # cosine_with_min_lr without options decays to 10% of the peak (mmgrpo's `cosine` before HF's names).
 DEFAULT_SCHEDULER_KWARGS = {"cosine_with_min_lr": {"min_lr_rate": 0.1}}
 
@@ -126,6 +126,11 @@ def scheduler_kwargs(optim_cfg) -> dict:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--lr_scheduler_kwargs is not valid JSON ({exc.msg}); give e.g. '{{\"min_lr_rate\": 0.1}}'.") from None
+    if name == "warmup_stable_decay" and not (isinstance(value, dict) and "num_decay_steps" in value):
+        raise ConfigError(
+            "--lr_scheduler_type warmup_stable_decay needs the length of its decay: "
+            "--lr_scheduler_kwargs '{\"num_decay_steps\": 60, \"min_lr_ratio\": 0.1}'."
+        )
     if value in (None, "", {}):
         return dict(DEFAULT_SCHEDULER_KWARGS.get(name, {}))
     if not isinstance(value, dict):
