@@ -113,17 +113,24 @@ def main() -> None:
     parser.add_argument("--hidden_size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--output", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--configs", nargs="*", default=[f"{p}:{n}" for p, n in CONFIGS],
+                        help="parallel:processes to run (default: all; none:1 is the baseline and always runs)")
     args = parser.parse_args()
+    known = {f"{p}:{n}" for p, n in CONFIGS}
+    unknown = sorted(set(args.configs) - known)
+    if unknown:
+        raise SystemExit(f"--configs {' '.join(unknown)}: choose among {' '.join(sorted(known))}")
+    configs = [config for config in CONFIGS if config == ("none", 1) or f"{config[0]}:{config[1]}" in args.configs]
 
     from mmgrpo.models.tiny import build_tiny
 
     heads = max(4, args.hidden_size // 32)
     model = str(build_tiny("qwen2-vl", hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                            num_attention_heads=heads, num_key_value_heads=heads // 2, intermediate_size=4 * args.hidden_size))
-    results = {config: {"samples_per_s": [], "peak_gb": [], "cpu_s": []} for config in CONFIGS}
+    results = {config: {"samples_per_s": [], "peak_gb": [], "cpu_s": []} for config in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for parallel, processes in CONFIGS:
+            for parallel, processes in configs:
                 out = Path(tmp) / f"{parallel}-{processes}-{repeat}"
                 rows, wall, cpu = launch(parallel, processes, model, out, args.steps)
                 measured = rows[1:] or rows

@@ -30,7 +30,7 @@ SMOKE = {
                   "--batch_size", "2", "--repeats", "1"], ""),
     "mixed_lengths.py": (["--prompts", "4", "--num_generations", "2", "--long_every", "2", "--short", "2", "--long", "4",
                           "--repeats", "1"], ""),
-    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "128", "--layers", "1",
+    "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "128", "--layers", "1", "--configs", "zero3:1", "fsdp2:2",
                     "--output", "{tmp}/scaling.md"], ""),
     "shared_prefix.py": (["--num_prompts", "1", "--num_generations", "2", "--max_new_tokens", "4", "--repeats", "1",
                           "--image_size", "56"], ""),

@@ -90,8 +90,9 @@ def test_a_signal_mid_step_saves_that_step_and_the_resumed_run_is_the_uninterrup
     assert f"mmgrpo: {name} received: finishing the step in progress, then saving a checkpoint" in stderr
     assert stderr.strip().splitlines()[-1] == resume_line(out, step, name)
     assert [p.name for p in list_checkpoints(out)] == [f"checkpoint-{step}"]  # a complete one, nothing else saved
-    finish(start(tmp_path, out, "--resume_from_checkpoint", "latest"))
-    assert metrics(out) == uninterrupted
+    if name == "SIGTERM":  # the resume is the same code after either signal: checked once
+        finish(start(tmp_path, out, "--resume_from_checkpoint", "latest"))
+        assert metrics(out) == uninterrupted
 
 
 def test_a_signal_during_a_save_lets_it_finish_and_saves_the_next_step(tmp_path, uninterrupted):
