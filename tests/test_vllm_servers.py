@@ -125,7 +125,7 @@ def test_two_nodes_on_one_host_train_zero3_without_vllm_against_one_server(serve
     """Two torchrun "nodes" of one rank each, ZeRO-3 in the main venv (DeepSpeed, no vLLM, torch 2.14)
     against a server in .venv-vllm (torch 2.13): a trainer needs no vLLM, and the gloo group spans both."""
     main_python = ROOT / ".venv" / "bin" / "python"
-    if subprocess.run([str(main_python), "-c", "import deepspeed"], capture_output=True).returncode:
+    if not main_python.exists() or subprocess.run([str(main_python), "-c", "import deepspeed"], capture_output=True).returncode:
         pytest.skip("the main venv (.venv, with DeepSpeed) is not built: `make venv`")
     (port_a, _, _), _ = servers
     model = health(port_a)["model"]  # the server's tiny checkpoint (each venv builds its own copy)
