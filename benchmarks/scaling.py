@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/scaling.py                  # about 6 minutes on 2 CPU cores
     .venv/bin/python benchmarks/scaling.py --steps 8 --repeats 3 --hidden_size 1024
+    .venv/bin/python benchmarks/scaling.py --configs zero3:1 fsdp2:2  # some configurations (none:1 always runs)
 
 Each configuration is one real `mmgrpo train` launch (`torchrun --standalone` for 2 processes)
 on a tiny random Qwen2-VL (17M parameters by default, so that weights and AdamW states are a
