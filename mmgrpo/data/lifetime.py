@@ -19,6 +19,7 @@ every process of a job, and the trainer saves a checkpoint on it (mmgrpo/trainin
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -64,6 +65,22 @@ def ignore_stop_signals_from_others(*owners: int) -> None:
                 os._exit(0)
 
     threading.Thread(target=take, name="stop-signals", daemon=True).start()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """Hold STOP_SIGNALS back in this thread while it starts child processes: a child inherits the
+    mask, so a scheduler's signal that reaches a worker before its `worker_init_fn` has set up
+    `ignore_stop_signals_from_others` waits for it instead of killing the worker. The trainer's
+    own signals wait too, and arrive (to its handlers) when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in STOP_SIGNALS})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _watch(parent_pid: int) -> None:

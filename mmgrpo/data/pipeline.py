@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from mmgrpo.data.lifetime import WorkerInit
+from mmgrpo.data.lifetime import WorkerInit, stop_signals_blocked
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
 
 
@@ -76,7 +76,9 @@ class PromptLoader(DataLoader):
     """A torch DataLoader that re-raises a worker's `DataError` cleanly; yields lists of (Sample, encoded)."""
 
     def __iter__(self):
-        for batch in super().__iter__():
+        with stop_signals_blocked():  # workers start here: a scheduler's signal waits for their own handling
+            batches = super().__iter__()
+        for batch in batches:
             if isinstance(batch, PackedBatch):
                 batch = batch.unpack()
             errors = [item.error for item in batch if isinstance(item, _Failure)]
