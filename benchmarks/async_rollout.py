@@ -37,9 +37,11 @@ for each side: on 2 shared CPU cores both slow down when they run together.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     args.model = args.model or str(build_tiny("qwen2-vl", hidden_size=256, intermediate_size=512, num_attention_heads=8))
     work = Path(tempfile.mkdtemp(prefix="mmgrpo-async-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # runs, checkpoints: hundreds of MB
     args.data_flags = workload_flags(args, work)
     args.engine_flags, servers = [], []
     if args.engine == "vllm-colocate":

@@ -14,6 +14,8 @@ share of training time at interval N is probe / (N x step without the probe); pr
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
     engine.probe_step = timed_probe
     out = tempfile.mkdtemp(prefix="probe_cost_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     cfg = TrainConfig.from_args([
         "--model", args.model, "--model_type", "qwen2-vl", "--dataset", "shapes-color:3", "shapes-count:1", "shapes-ground-hits:1",
         "--min_pixels", "12544", "--max_pixels", "12544", "--num_generations", "4", "--max_completion_length", "40",

@@ -51,8 +51,10 @@ minutes with what it measured.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-gpu-suite-"))
+    if not args.work_dir:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)  # model copies: GBs on a GPU machine
     settings = DRY_RUN if args.dry_run_on_cpu else GPU
     report = run_suite(settings, work, args.budget_s, args.with_7b, started)
     report["total_s"] = time.perf_counter() - started

@@ -32,6 +32,7 @@ Results and how to read them: docs/benchmarks.md, "Time to accuracy against TRL"
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -533,6 +534,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-learning-vs-trl-"))
+    if not args.work_dir:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,11 @@ CPU seconds. (That both give the same loss and gradients is tests/test_batching.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import dataclasses
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = long_tail_lengths(B, G)
     model = build_tiny("qwen2-vl", hidden_size=256, intermediate_size=512, num_attention_heads=8)
     out = tempfile.mkdtemp(prefix="mmgrpo-token-budget-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     cfg = TrainConfig.from_args([
         "--model", str(model), "--model_type", "qwen2-vl", "--reward_funcs", "answer_format", "--num_generations", str(G),
         "--per_device_train_batch_size", str(min(16, B * G)), "--gradient_accumulation_steps", str(max(1, B * G // 16)),

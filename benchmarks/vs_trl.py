@@ -67,6 +67,7 @@ MFU = model FLOPs / (seconds per step x one core's fp32 torch.mm FLOP/s).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -684,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = preset["steps"] if args.steps is None else args.steps
     repeats = preset.get("repeats", 3) if args.repeats is None else args.repeats
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-vs-trl-"))
+    if not args.work_dir:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model, model_type = prepare_model(work, preset)
@@ -717,8 +720,6 @@ def main(argv: list[str] | None = None) -> None:
     report(results, flops, spec, preset, peak_flops)
     print(f"\ntotal {time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, 1 torch thread per run")
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

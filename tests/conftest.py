@@ -16,6 +16,30 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# What a full run writes from an empty cache: pytest's temp folders (about 2 GB at the peak),
+# the real-width random models (3.5 GB) and the cache of what vLLM compiles (1.6 GB).
+NEEDS_FREE_GB = 6
+
+
+def pytest_sessionstart(session):
+    """Stop at once, saying where, when the disk cannot hold the run: a full disk otherwise shows
+    up minutes later as scattered errors from inside pytest, torch and safetensors."""
+    import shutil
+    import tempfile
+
+    from mmgrpo.models.model_cache import default_cache_dir
+
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller checked
+    cache = default_cache_dir()
+    while not cache.exists():
+        cache = cache.parent
+    for folder, what in ((tempfile.gettempdir(), "temp folder (TMPDIR)"), (cache, "model cache (MMGRPO_CACHE)")):
+        free = shutil.disk_usage(folder).free / 2**30
+        if free < NEEDS_FREE_GB:
+            pytest.exit(f"only {free:.1f} GB free for the {what} {folder}; the suite needs about {NEEDS_FREE_GB} GB "
+                        f"there: free some space, or point the variable at a folder on a larger disk", returncode=3)
+
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_vl_path() -> str:
