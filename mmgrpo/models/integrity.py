@@ -35,7 +35,7 @@ def check_model_folder(path: str | os.PathLike, *, weights: bool = False) -> Non
     or corrupt (see the module docstring); return None when everything checked is whole.
 
     >>> import tempfile
-    >>> folder = Path(tempfile.mkdtemp())
+    >>> scratch = tempfile.TemporaryDirectory(); folder = Path(scratch.name)  # removed with `scratch`
     >>> _ = (folder / "config.json").write_text("")
     >>> check_model_folder(folder)  # doctest: +ELLIPSIS
     Traceback (most recent call last):

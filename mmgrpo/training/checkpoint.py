@@ -93,7 +93,7 @@ def save_atomically(
     needed_bytes: the checkpoint's expected size, named when the disk fills up (default: what was written).
 
     >>> import tempfile
-    >>> out = Path(tempfile.mkdtemp())
+    >>> scratch = tempfile.TemporaryDirectory(); out = Path(scratch.name)  # removed with `scratch`
     >>> _ = save_atomically(out / "checkpoint-1", lambda d: (d / "w.txt").write_text("one")).wait()
     >>> _ = save_atomically(out / "checkpoint-2", lambda d: (d / "w.txt").write_text("two"), keep_last=1).wait()
     >>> sorted(p.name for p in out.iterdir()), latest_checkpoint(out).name

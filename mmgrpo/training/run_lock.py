@@ -19,7 +19,7 @@ All ranks of a torchrun job are one run: rank 0 takes the lock before any rank w
 A second `acquire` of a folder in the process holding it returns the same lock.
 
 >>> import tempfile
->>> folder = Path(tempfile.mkdtemp())
+>>> scratch = tempfile.TemporaryDirectory(); folder = Path(scratch.name)  # removed with `scratch`
 >>> lock = RunLock.acquire(folder)
 >>> read_holder(folder)["pid"] == os.getpid(), RunLock.acquire(folder) is lock
 (True, True)
