@@ -97,6 +97,9 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before W&B's service has written the history to the run file (seen on a
+        # loaded machine: the file held its header only); teardown waits for the service to close it.
+        self.wandb.teardown()
 
 
 _MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. ]")
