@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.forward.policy import Policy
 from mmgrpo.models.loading import load_model, load_template
+from mmgrpo.runstate.runlog import console, progress_bar
 from mmgrpo.sft import encode_targets
-from mmgrpo.training.runlog import console, progress_bar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from feature_probe import label_of  # noqa: E402  (a row's class: its solution, or the annotators' majority)

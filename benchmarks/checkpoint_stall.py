@@ -1,5 +1,5 @@
 """How long a checkpoint save stalls training: written in the foreground, or copied and written by a
-background thread (mmgrpo/training/state.py, `background=True`).
+background thread (mmgrpo/runstate/state.py, `background=True`).
 
     python benchmarks/checkpoint_stall.py                      # tiny and ~100M-parameter Qwen2-VL, ~3 minutes
     python benchmarks/checkpoint_stall.py --sizes tiny --repeats 5
@@ -28,8 +28,8 @@ import torch
 
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
+from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.resume import save_training_checkpoint
-from mmgrpo.training.state import TrainState
 
 SIZES = {  # build_tiny overrides
     "tiny": {},

@@ -128,12 +128,12 @@ def check_training(out: Path, *extra: str) -> dict:
 def check_engines(device_name: str = "cuda") -> dict:
     import torch
 
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.forward.policy import autocast
     from mmgrpo.models.loading import load_model, load_template
     from mmgrpo.rollout.base import SamplingParams
     from mmgrpo.rollout.hf import HFRollout
-    from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+    from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
 
     device = torch.device(device_name)
     path, _, template = load_template("tiny:qwen2-vl", "qwen2-vl")

@@ -20,9 +20,9 @@ from collections import Counter
 
 import torch
 
-from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.models.loading import load_model, load_template
-from mmgrpo.training.runlog import console, progress_bar
+from mmgrpo.runstate.runlog import console, progress_bar
 
 
 def label_of(solution) -> str:

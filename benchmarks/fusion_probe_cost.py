@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import mmgrpo.engine as engine
     from mmgrpo.config import TrainConfig
-    from mmgrpo.training.run import build_run
+    from mmgrpo.training.build import build_run
 
     torch.set_num_threads(1)
     cpu_seconds: list[float] = []

@@ -118,7 +118,7 @@ def figures(result: dict, spec: dict, peak: float) -> dict:
 def predicted_gb(spec: dict, device_gb: float) -> float:
     """`mmgrpo estimate`'s peak for the mmgrpo run of `spec` (tensor bytes, as max allocated counts)."""
     from mmgrpo.config import TrainConfig
-    from mmgrpo.parallel.estimate import EstimateOptions, estimate
+    from mmgrpo.estimate import EstimateOptions, estimate
 
     cfg = TrainConfig.from_args(vs_trl.mmgrpo_flags({**spec, "out": "unused"}, spec["warmup"] + spec["steps"]))
     side = -(-spec["image_size"] // 28) * 28

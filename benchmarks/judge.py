@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model, load_template
     from mmgrpo.rewards.judge import JudgeReward

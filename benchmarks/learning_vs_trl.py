@@ -103,7 +103,7 @@ def trl_rows(task: str) -> list[dict]:
     """The task's training split as TRL rows: the same chat messages mmgrpo renders (the registry's
     system turn included), text without the <image> tag (TRL puts the image first, as mmgrpo's
     `<image>Question` does), the image path and the reward columns."""
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
 
     dataset = resolve_dataset(task, "train")
     rows = []
@@ -277,7 +277,7 @@ def check_same_prompts(model: Path, task: str) -> int:
     from transformers import AutoProcessor
     from trl.data_utils import prepare_multimodal_messages
 
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.models.loading import load_processor
     from mmgrpo.templates import get_template
 
@@ -300,8 +300,8 @@ def check_same_prompts(model: Path, task: str) -> int:
 def evaluate_checkpoints(paths: dict[int, str], task: str, limit: int, cache: dict, out: Path) -> dict[int, float]:
     """Held-out accuracy of each checkpoint (greedy, the first `limit` test samples); the eval
     files go under `out`, one folder per evaluation."""
-    from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.eval.run import evaluate, load_for_eval
+    from mmgrpo.data.catalog import resolve_dataset
+    from mmgrpo.eval.evaluate import evaluate, load_for_eval
 
     dataset = resolve_dataset(task, "test")
     scores = {}
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args._result).write_text(json.dumps(result))
         return
 
-    from mmgrpo.training.runlog import console, progress_bar
+    from mmgrpo.runstate.runlog import console, progress_bar
 
     if args.summarize:
         summarize_work_dir(args)

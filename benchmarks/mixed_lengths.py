@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 
 def prompts_and_budgets(template, count: int, long_every: int, short: int, long: int):
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
 
     datasets = {name: resolve_dataset(name) for name in ("shapes-color", "shapes-count", "shapes-ground")}
     prompts, budgets = [], []

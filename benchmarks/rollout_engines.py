@@ -50,7 +50,7 @@ def engines(path: str, template, model, max_new_tokens: int) -> dict:
 
 
 def run(model_name: str, preset: str, repeats: int, max_new_tokens: int) -> dict:
-    from mmgrpo.data.schema import LoadedSample
+    from mmgrpo.data.sample import LoadedSample
     from mmgrpo.models import load_model, load_processor
     from mmgrpo.models.tiny import build_tiny
     from mmgrpo.rollout import SamplingParams

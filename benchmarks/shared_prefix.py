@@ -3,7 +3,7 @@
     python benchmarks/shared_prefix.py [--family qwen2-vl] [--image_size 448] [--num_prompts 1] \
         [--num_generations 8] [--max_new_tokens 32] [--repeats 5] [--threads 1]
 
-Times HF generate against the shared-prefix rollout (mmgrpo/rollout/shared_prefix.py: each prompt
+Times HF generate against the shared-prefix rollout (mmgrpo/rollout/shared_prefix_engine.py: each prompt
 prefilled once for its G samples, lean decode steps), and the naive log-prob forward + backward
 (the prompt repeated per completion) against the shared one (mmgrpo/forward/shared_prefix.py);
 prints the median ratio of each.
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden
 from mmgrpo.grpo.logprobs import completion_logprobs
 from mmgrpo.models import load_model, load_processor

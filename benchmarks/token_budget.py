@@ -30,12 +30,12 @@ import PIL.Image
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.pipeline import PromptEncoder
-from mmgrpo.data.schema import normalize_row
+from mmgrpo.data.prompt_batches import PromptEncoder
+from mmgrpo.data.sample import normalize_row
 from mmgrpo.engine import grpo_step
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import Rollout, RolloutEngine
-from mmgrpo.training.run import build_run
+from mmgrpo.training.build import build_run
 
 
 def long_tail_lengths(num_prompts: int, group: int, seed: int = 0) -> list[int]:

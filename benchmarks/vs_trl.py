@@ -564,7 +564,7 @@ def run_worker(system: str, spec: dict, work: Path, index) -> dict:
 
 def mean_prompt_tokens(model: Path, model_type: str, data: Path, count: int = 8) -> float:
     """The mean prompt length (image tokens included) of the data's first prompts, as the template encodes them."""
-    from mmgrpo.data.registry import mix_datasets
+    from mmgrpo.data.catalog import mix_datasets
     from mmgrpo.models.loading import load_processor
     from mmgrpo.templates import get_template
 

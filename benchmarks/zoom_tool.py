@@ -21,14 +21,14 @@ import json
 
 import torch
 
-from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.eval.stats import paired_bootstrap_ci, sign_flip_test
 from mmgrpo.forward.policy import Policy
 from mmgrpo.models.loading import load_model, load_template
 from mmgrpo.rewards import get_reward
 from mmgrpo.rollout import build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.training.runlog import progress_bar
+from mmgrpo.runstate.runlog import progress_bar
 
 
 def scores_of(scores):

@@ -76,7 +76,7 @@ def cmd_datasets(argv):
 
     from rich.console import Console
 
-    from mmgrpo.data.registry import print_registry
+    from mmgrpo.data.catalog import print_registry
 
     parser = argparse.ArgumentParser(prog="mmgrpo datasets", description="List the dataset registry (built-in and user files).")
     parser.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
@@ -85,13 +85,13 @@ def cmd_datasets(argv):
 
 
 def cmd_eval(argv):
-    from mmgrpo.eval.run import main as eval_main
+    from mmgrpo.eval.evaluate import main as eval_main
 
     eval_main(argv)
 
 
 def cmd_compare(argv):
-    from mmgrpo.eval.run import compare_main
+    from mmgrpo.eval.evaluate import compare_main
 
     compare_main(argv)
 
@@ -114,7 +114,7 @@ def cmd_viz(argv):
 
 
 def cmd_estimate(argv):
-    from mmgrpo.parallel.estimate import main as estimate_main
+    from mmgrpo.estimate import main as estimate_main
 
     estimate_main(argv)
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         globals()[f"cmd_{command.replace('-', '_')}"](rest)
     except MMGRPOError as exc:
-        code = getattr(exc, "exit_code", 2)  # 75: stopped on a signal after a checkpoint (mmgrpo/training/preemption.py)
+        code = getattr(exc, "exit_code", 2)  # 75: stopped on a signal after a checkpoint (mmgrpo/runstate/preemption.py)
         if code == 2:
             print(f"mmgrpo {command}: error: {exc}", file=sys.stderr)
         elif os.environ.get("RANK", "0") == "0":  # one line for the whole run

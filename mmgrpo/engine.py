@@ -11,7 +11,7 @@ One step, each phase under a named timer logged as time/<phase> (each phase time
     plan      the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
     old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
     adv       advantages by --advantage_estimator, modality weights
-    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/fusion/probe.py)
+    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/eval/reliance.py)
     update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
     eval, save                                                                    (the loop)
 time/other is the rest of the step's wall time, so the time/* values add up to time/step.
@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.schema import dataset_of
+from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError
+from mmgrpo.eval.reliance import probe_step
 from mmgrpo.forward.policy import autocast
-from mmgrpo.fusion.probe import probe_step
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
@@ -40,14 +40,14 @@ from mmgrpo.grpo.losses import policy_loss
 from mmgrpo.rollout.base import Rollout, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.rollout.rounds import score
-from mmgrpo.training.checkpoint import wait_for_saves
+from mmgrpo.runstate.checkpoint import wait_for_saves
+from mmgrpo.runstate.preemption import StopSignals
+from mmgrpo.runstate.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
+from mmgrpo.runstate.state import TrainState, deterministic_kernels, seed_everything
+from mmgrpo.training.build import Run, build_run
 from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
-from mmgrpo.training.preemption import StopSignals
 from mmgrpo.training.resume import resume_run, save_run
-from mmgrpo.training.run import Run, build_run
-from mmgrpo.training.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
-from mmgrpo.training.state import TrainState, deterministic_kernels, seed_everything
 
 
 class Timers:
@@ -374,7 +374,7 @@ def train(cfg: TrainConfig) -> Path:
         wait_for_saves()  # a background save is complete (or its error raised) before the run ends
         pipeline.close()
         run.rollout.close()  # a vLLM engine goes before the process group it uses
-        plan.release()  # the run's lock on --output_dir (mmgrpo/training/run_lock.py)
+        plan.release()  # the run's lock on --output_dir (mmgrpo/runstate/run_lock.py)
     logger.close()
     run.strategy.close()
     stop.raise_if_stopped(out)  # stopped on a signal: the CLI says how to resume and exits 75

@@ -22,8 +22,8 @@ import torch
 
 from mmgrpo.config import SFTConfig
 from mmgrpo.config.checks import parse_stop_at
-from mmgrpo.data.pipeline import prompt_stream
-from mmgrpo.data.registry import mix_datasets
+from mmgrpo.data.catalog import mix_datasets
+from mmgrpo.data.prompt_batches import prompt_stream
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy, autocast
@@ -31,10 +31,10 @@ from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.train_type import load_trainable_model
 from mmgrpo.parallel import build_strategy
 from mmgrpo.rollout import build_rollout_engine
+from mmgrpo.runstate.runlog import RunLogger, console, progress_bar
+from mmgrpo.runstate.state import TrainState, deterministic_kernels, seed_everything
+from mmgrpo.training.build import ModelRun, check_modalities, total_steps
 from mmgrpo.training.optim import group_rates, make_optimizer, make_scheduler
-from mmgrpo.training.run import ModelRun, check_modalities, total_steps
-from mmgrpo.training.runlog import RunLogger, console, progress_bar
-from mmgrpo.training.state import TrainState, deterministic_kernels, seed_everything
 
 STOP_FILE = "stop.json"  # output_dir/stop.json: where --stop_at ended the run, and why
 

@@ -111,8 +111,8 @@ def image_prompts(template, count: int, offset: int = 0) -> list:
     """(Sample, PromptInputs) pairs with small images of different sizes and colours."""
     import PIL.Image
 
-    from mmgrpo.data.pipeline import PromptEncoder
-    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.data.prompt_batches import PromptEncoder
+    from mmgrpo.data.sample import normalize_row
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -125,8 +125,8 @@ def image_prompts(template, count: int, offset: int = 0) -> list:
 
 
 def text_prompts(template, count: int) -> list:
-    from mmgrpo.data.pipeline import PromptEncoder
-    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.data.prompt_batches import PromptEncoder
+    from mmgrpo.data.sample import normalize_row
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -140,8 +140,8 @@ def prepared_run(cfg, fixed_completions: bool):
     """build_run as engine.train does (with fixed completions if asked), without its loop."""
     import dataclasses
 
-    from mmgrpo.training.run import build_run
-    from mmgrpo.training.state import seed_everything
+    from mmgrpo.runstate.state import seed_everything
+    from mmgrpo.training.build import build_run
 
     cfg.validate()
     run = build_run(cfg)
@@ -260,7 +260,7 @@ def main() -> None:
     timings["mixed"] = time.perf_counter() - start
 
     start = time.perf_counter()  # the shared-prefix rollout on the sharded model, weights gathered once
-    from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+    from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
 
     # Rank 0 stops after one token, rank 1 samples 8: its lean decode steps call no module, so
     # rank 0 may leave the loop early. Log-probs of the sampled tokens, as the decode loop computed

@@ -18,7 +18,7 @@ def test_each_row_is_a_distribution_over_the_dataset_classes_and_the_true_class_
 
 
 def test_the_report_names_the_closest_pair(capsys):
-    from mmgrpo.training.runlog import console
+    from mmgrpo.runstate.runlog import console
 
     with console.capture() as captured:
         answer_distribution.main(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--split", "validation", "--limit", "12"])

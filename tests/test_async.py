@@ -27,9 +27,9 @@ from mmgrpo.rollout.base import RolloutEngine, sampling_params, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
 from mmgrpo.rollout.weight_sync import rollout_weights
 from mmgrpo.rollout.worker import RolloutWorker, snapshot
-from mmgrpo.training.checkpoint import MARKER
-from mmgrpo.training.run import build_run
-from mmgrpo.training.state import seed_everything
+from mmgrpo.runstate.checkpoint import MARKER
+from mmgrpo.runstate.state import seed_everything
+from mmgrpo.training.build import build_run
 
 REWARD = '''
 def digits(completions, **columns):

@@ -9,7 +9,7 @@ import av
 import numpy as np
 import pytest
 
-from mmgrpo.data.schema import normalize_row
+from mmgrpo.data.sample import normalize_row
 from mmgrpo.processors.video import load_video
 
 FPS, RATE, SECONDS = 4, 16000, 2

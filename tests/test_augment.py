@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from mmgrpo.data.augment import Augment, parse_augment
-from mmgrpo.data.pipeline import cycle, make_prompt_loader
-from mmgrpo.data.registry import mix_datasets, read_registry_file, resolve_dataset
-from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.data.catalog import mix_datasets, read_registry_file, resolve_dataset
+from mmgrpo.data.prompt_batches import cycle, make_prompt_loader
+from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.iou import box_iou
 

@@ -129,8 +129,8 @@ def fixed_rollout(template, num_tokens: int = 12):
 def image_prompts(template, count: int) -> list:
     import PIL.Image
 
-    from mmgrpo.data.pipeline import PromptEncoder
-    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.data.prompt_batches import PromptEncoder
+    from mmgrpo.data.sample import normalize_row
 
     encoder = PromptEncoder(template, 2048)
     prompts = []
@@ -151,7 +151,7 @@ def test_step_with_a_budget_matches_fixed_micro_batches(
 ):
     from mmgrpo.config import TrainConfig
     from mmgrpo.engine import grpo_step
-    from mmgrpo.training.run import build_run
+    from mmgrpo.training.build import build_run
 
     plugin = tmp_path / "length_reward.py"
     plugin.write_text(REWARD_PLUGIN)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.training import checkpoint
-from mmgrpo.training.checkpoint import (
+from mmgrpo.runstate import checkpoint
+from mmgrpo.runstate.checkpoint import (
     MARKER,
     check_checkpoint,
     latest_checkpoint,
@@ -63,7 +63,7 @@ def test_incomplete_and_truncated_checkpoints_are_skipped_with_one_line(tmp_path
     (half / "config.json").write_text("")
     with open(tmp_path / "checkpoint-3" / "model.safetensors", "r+") as f:
         f.truncate(3)
-    with caplog.at_level(logging.WARNING, logger="mmgrpo.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mmgrpo.runstate.checkpoint"):
         assert latest_checkpoint(tmp_path).name == "checkpoint-1"
     lines = [r.getMessage() for r in caplog.records]
     assert any("checkpoint-5: incomplete (no checkpoint_complete.json" in line for line in lines)
@@ -145,8 +145,8 @@ def tiny_run(tiny_qwen2_vl_path):
 
 
 def _save(tiny_run, path, step):
+    from mmgrpo.runstate.state import TrainState
     from mmgrpo.training.resume import save_training_checkpoint
-    from mmgrpo.training.state import TrainState
 
     model, processor, optimizer = tiny_run
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -220,8 +220,8 @@ def test_sigkill_between_the_renames_of_a_replacement_keeps_a_loadable_best(tmp_
 
 
 def test_nonfinite_weights_are_never_saved(tmp_path, tiny_run):
+    from mmgrpo.runstate.state import TrainState
     from mmgrpo.training.resume import save_training_checkpoint
-    from mmgrpo.training.state import TrainState
 
     model, processor, _ = tiny_run
     state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}

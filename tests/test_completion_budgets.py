@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.registry import mix_datasets, read_registry_file
+from mmgrpo.data.catalog import mix_datasets, read_registry_file
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.base import Rollout, SamplingParams, cut_to_budgets, sampling_params
-from mmgrpo.training.run import build_run
+from mmgrpo.training.build import build_run
 
 REGISTRY = """\
 datasets:

@@ -9,7 +9,7 @@ import pytest
 from mmgrpo.config import SFTConfig, TrainConfig
 from mmgrpo.config.checks import parse_stop_at
 from mmgrpo.config.flags import build_parser, config_from_namespace
-from mmgrpo.data.registry import mix_datasets
+from mmgrpo.data.catalog import mix_datasets
 from mmgrpo.eval.in_training import TrainingEval
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.data.loaders import check_utf8, load_rows
-from mmgrpo.data.registry import resolve_dataset
 from mmgrpo.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]

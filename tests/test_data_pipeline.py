@@ -3,8 +3,8 @@
 import PIL.Image
 import pytest
 
-from mmgrpo.data.pipeline import EpochSampler, cycle, make_prompt_loader
-from mmgrpo.data.schema import LoadedSample, Sample
+from mmgrpo.data.prompt_batches import EpochSampler, cycle, make_prompt_loader
+from mmgrpo.data.sample import LoadedSample, Sample
 from mmgrpo.errors import ConfigError, DataError
 
 

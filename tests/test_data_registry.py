@@ -8,8 +8,8 @@ import PIL.Image
 import pytest
 from rich.console import Console
 
-from mmgrpo.data import registry as registry_module
-from mmgrpo.data.registry import (
+from mmgrpo.data import catalog as registry_module
+from mmgrpo.data.catalog import (
     ENV_VAR,
     DatasetView,
     MixedDataset,

@@ -4,7 +4,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from mmgrpo.data.schema import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
+from mmgrpo.data.sample import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
 from mmgrpo.errors import DataError
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.data.synthetic import COLOURS, GENERATORS, generate, synthetic_dataset_dir
 from mmgrpo.errors import ConfigError
 from mmgrpo.processors.audio import load_audio

@@ -10,7 +10,7 @@ from rich.console import Console
 from mmgrpo.cli import main as cli_main
 from mmgrpo.demo import main as demo_main
 from mmgrpo.demo import parse_args
-from mmgrpo.demo import start as demo_start
+from mmgrpo.demo import shipped_start as demo_start
 from mmgrpo.demo.table import TaskResult, result_table
 from mmgrpo.errors import CheckpointError
 
@@ -19,7 +19,7 @@ def test_the_shipped_start_matches_its_manifest_and_names_how_it_was_built():
     folder = demo_start.checked_start()
     manifest = demo_start.read_manifest(folder)
     assert {"model.safetensors", "config.json", "mmgrpo.json", "tokenizer.json"} <= set(manifest["files"])
-    assert "mmgrpo.demo.start" in manifest["built_by"]
+    assert "mmgrpo.demo.shipped_start" in manifest["built_by"]
     config = json.loads((folder / "config.json").read_text())
     assert config["text_config"]["rope_parameters"]["rope_theta"] == 10  # the start sees image positions
     assert set(manifest["test_accuracy"]) == {"shapes-color", "shapes-count", "shapes-ground"}

@@ -1,4 +1,4 @@
-"""A full disk (mmgrpo/training/disk_space.py): on a small tmpfs, a run is warned at start-up that its
+"""A full disk (mmgrpo/runstate/disk_space.py): on a small tmpfs, a run is warned at start-up that its
 checkpoints will not fit, and the save that fills the disk ends the run with one line naming the
 folder, the bytes the checkpoint needs and the checkpoints kept; the earlier checkpoint stays
 complete and no partial save is left. Skipped where a tmpfs cannot be mounted (it needs root)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.training.checkpoint import check_checkpoint, list_checkpoints
+from mmgrpo.runstate.checkpoint import check_checkpoint, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 

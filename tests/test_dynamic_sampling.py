@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mmgrpo.grpo import informative
-from mmgrpo.grpo.informative import Round, fill_informative, informative_groups
+from mmgrpo.rollout import dynamic_sample as informative
 from mmgrpo.rollout.base import Rollout
+from mmgrpo.rollout.dynamic_sample import Round, fill_informative, informative_groups
 
 G = 2
 
@@ -100,7 +100,7 @@ def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_pa
     from mmgrpo.config import TrainConfig
     from mmgrpo.rollout.base import SamplingParams
     from mmgrpo.rollout.rounds import score
-    from mmgrpo.training.run import build_run
+    from mmgrpo.training.build import build_run
 
     run = build_run(TrainConfig.from_args([
         "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "answer_format",

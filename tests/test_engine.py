@@ -51,7 +51,7 @@ def test_train_cli_leaves_the_run_files(tmp_path):
 
 
 def test_report_to_none_writes_metrics_only(tmp_path):
-    from mmgrpo.training.runlog import RunLogger
+    from mmgrpo.runstate.runlog import RunLogger
 
     cfg = TrainConfig.from_args([*FAST, "--report_to", "none", "--output_dir", str(tmp_path)])
     logger = RunLogger(tmp_path, cfg)

@@ -1,4 +1,4 @@
-"""`mmgrpo estimate` (mmgrpo/parallel/estimate.py) against the measured peak of real GRPO steps, and
+"""`mmgrpo estimate` (mmgrpo/estimate.py) against the measured peak of real GRPO steps, and
 its command line.
 
     .venv/bin/python -m pytest -q -p no:xdist tests/test_estimate.py
@@ -16,7 +16,7 @@ import json
 import pytest
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.parallel.estimate import EstimateOptions, estimate, main, measure_step_memory
+from mmgrpo.estimate import EstimateOptions, estimate, main, measure_step_memory
 
 IMAGE_PIXELS, TEXT_TOKENS = 224 * 224, 32  # the data's images (within every processor's budget) and question
 

@@ -7,8 +7,8 @@ import pytest
 
 from mmgrpo.cli import main
 from mmgrpo.errors import ConfigError
-from mmgrpo.eval import run as eval_run
-from mmgrpo.training.state import TrainState
+from mmgrpo.eval import evaluate as eval_run
+from mmgrpo.runstate.state import TrainState
 
 
 def _eval(model_path, output_dir, *extra):
@@ -176,7 +176,7 @@ class _FakeRun:
     """What TrainingEval.keep_best touches of a Run: save()."""
 
     def save(self, path):
-        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/training/checkpoint.py)
+        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/runstate/checkpoint.py)
         (path / "weights").write_text("saved")
 
 
@@ -248,7 +248,7 @@ def test_train_evaluates_several_datasets(tmp_path, tiny_qwen2_vl_path):
 
 
 def test_the_eval_bar_shows_seconds_per_sample_not_a_reward(tmp_path, tiny_qwen2_vl_path):
-    from mmgrpo.training.runlog import console
+    from mmgrpo.runstate.runlog import console
 
     with console.capture() as captured:
         _eval(tiny_qwen2_vl_path, tmp_path / "bar", "--limit", "4")

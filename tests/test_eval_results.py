@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mmgrpo.data.schema import Sample
+from mmgrpo.data.sample import Sample
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval.results import SampleWriter, finalize_eval, read_samples, run_eval
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.forward.policy import Policy
 from mmgrpo.models import load_model, load_processor

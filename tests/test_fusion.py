@@ -11,7 +11,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import Policy
@@ -246,7 +246,7 @@ def test_a_plugin_module_registered_from_a_file_trains(tmp_path):
 
 def test_the_reliance_probe(tiny_qwen2_vl_path, template):
     """Exactly 0 where the tower's output ignores the image; attention shares per band, in [0, 1]."""
-    from mmgrpo.fusion.probe import measure_reliance
+    from mmgrpo.eval.reliance import measure_reliance
 
     model = fresh_model(tiny_qwen2_vl_path, template)
     encoded, (ids, mask) = prompts(template), completions(rows=3)
@@ -296,8 +296,8 @@ def test_reliance_is_positive_once_a_model_reads_the_image(tmp_path):
     of 32): the answers' log-probs now fall when the image is blanked, several times more than the
     random start's do."""
     from mmgrpo.config import SFTConfig
-    from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.fusion.probe import measure_reliance
+    from mmgrpo.data.catalog import resolve_dataset
+    from mmgrpo.eval.reliance import measure_reliance
     from mmgrpo.sft import encode_targets, sft, sft_target
 
     start = "tiny:qwen2-vl?vision_init_gain=3"
@@ -320,7 +320,7 @@ def test_reliance_is_positive_once_a_model_reads_the_image(tmp_path):
 
 
 def test_eval_fusion_probe_writes_its_means(tmp_path, tiny_qwen2_vl_path):
-    from mmgrpo.eval.run import main as eval_main
+    from mmgrpo.eval.evaluate import main as eval_main
 
     result = eval_main(["--model", tiny_qwen2_vl_path, "--dataset", "shapes-color:test", "--limit", "4", "--batch_size", "2",
                         "--max_completion_length", "4", "--output_dir", str(tmp_path / "eval"), "--fusion_probe"])

@@ -12,12 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.rollout.lean_decode import LeanDecoder
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
+from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout, lean_applies
 from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision"]

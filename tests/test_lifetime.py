@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER = '''
 import sys, threading, time
-from mmgrpo.data.pipeline import cycle, make_prompt_loader
-from mmgrpo.data.schema import Sample
+from mmgrpo.data.prompt_batches import cycle, make_prompt_loader
+from mmgrpo.data.sample import Sample
 
 class Slow:
     """Sample 0 and 1 are quick; later ones take seconds each (a long video decode)."""
@@ -124,8 +124,8 @@ def test_workers_die_with_a_sigkilled_mmgrpo_train(tmp_path):
 
 QUICK_TRAINER = '''
 import sys
-from mmgrpo.data.pipeline import cycle, make_prompt_loader
-from mmgrpo.data.schema import Sample
+from mmgrpo.data.prompt_batches import cycle, make_prompt_loader
+from mmgrpo.data.sample import Sample
 
 class Quick:
     name = "quick"
@@ -147,7 +147,7 @@ print("served", flush=True)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_ignore_a_schedulers_stop_signals_and_still_end_with_their_trainer(tmp_path):
     """A SIGTERM / SIGUSR1 to every process of a job (as Slurm sends it) is the trainer's to handle
-    (it saves first: mmgrpo/training/preemption.py): its workers ignore one from anyone else, and
+    (it saves first: mmgrpo/runstate/preemption.py): its workers ignore one from anyone else, and
     still end when the trainer's own shutdown terminates them (its exit does not wait forever)."""
     script = tmp_path / "trainer.py"
     script.write_text(QUICK_TRAINER)

@@ -106,7 +106,7 @@ def test_freeze_flags_in_full_training(tiny_qwen2_vl_path):
 )
 def test_bad_training_choices_fail_before_the_model_loads(tmp_path, monkeypatch, flags, match):
     import mmgrpo.models.train_type
-    from mmgrpo.training.run import build_run
+    from mmgrpo.training.build import build_run
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the error")

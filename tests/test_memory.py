@@ -41,8 +41,8 @@ def measure(mode: str, model_path: str) -> dict:
     import PIL.Image
     import torch
 
-    from mmgrpo.data.pipeline import PromptEncoder
-    from mmgrpo.data.schema import normalize_row
+    from mmgrpo.data.prompt_batches import PromptEncoder
+    from mmgrpo.data.sample import normalize_row
     from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import load_model, load_processor
     from mmgrpo.templates import get_template

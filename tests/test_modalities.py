@@ -77,7 +77,7 @@ def test_audio_prompts_are_repeated_by_the_template_not_by_generate():
     each prompt alone."""
     import torch
 
-    from mmgrpo.data.schema import LoadedSample
+    from mmgrpo.data.sample import LoadedSample
     from mmgrpo.models import load_model, load_processor
     from mmgrpo.rollout import HFRollout, SamplingParams
     from mmgrpo.templates import get_template

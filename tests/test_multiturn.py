@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from mmgrpo.config import SFTConfig, TrainConfig
-from mmgrpo.data.registry import resolve_dataset
+from mmgrpo.data.catalog import resolve_dataset
 from mmgrpo.data.synthetic_zoom import _shapes_zoom, tool_call
 from mmgrpo.engine import train
 from mmgrpo.forward.policy import Policy

@@ -9,7 +9,7 @@ import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import grpo_step
-from mmgrpo.training.run import build_run
+from mmgrpo.training.build import build_run
 
 FLAGS = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "2", "--per_device_train_batch_size", "4",
          "--max_completion_length", "4", "--dataloader_num_workers", "0", "--beta", "0", "--learning_rate", "1e-3",

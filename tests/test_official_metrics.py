@@ -5,7 +5,7 @@ import json
 import pytest
 from PIL import Image
 
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.eval import get_metric, run_eval
 from mmgrpo.eval.detection import coco_map, map_metric
 from mmgrpo.eval.vqa_official import official_vqa_accuracy, process_digit_article, process_punctuation

@@ -23,7 +23,7 @@ def test_wheel_ships_the_builtin_registry(tmp_path):
     assert "mmgrpo/datasets_cfg/builtin.yaml" in zipfile.ZipFile(wheel).namelist()
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = (
-        "import mmgrpo, mmgrpo.data.registry as r; print(mmgrpo.__file__); "
+        "import mmgrpo, mmgrpo.data.catalog as r; print(mmgrpo.__file__); "
         "print(sorted(r.load_registry()))"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}

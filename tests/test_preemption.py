@@ -1,4 +1,4 @@
-"""A checkpoint on pre-emption (mmgrpo/training/preemption.py): SIGTERM or SIGUSR1 to a run's whole
+"""A checkpoint on pre-emption (mmgrpo/runstate/preemption.py): SIGTERM or SIGUSR1 to a run's whole
 process group (trainer and DataLoader workers, as Slurm sends it) during a step or during a save
 finishes the step, saves it, and exits 75 with one line saying how to resume; resuming gives the
 uninterrupted run's metrics.jsonl exactly. A second signal during that save exits at once (143)
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.training.checkpoint import check_checkpoint, list_checkpoints
+from mmgrpo.runstate.checkpoint import check_checkpoint, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")

@@ -12,10 +12,10 @@ import pytest
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import CheckpointError, ConfigError
-from mmgrpo.training.checkpoint import save_atomically
+from mmgrpo.runstate.checkpoint import save_atomically
+from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import STATE_FILE
-from mmgrpo.training.state import TrainState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_resume_latest_picks_the_newest_complete_checkpoint_and_trims_the_logs(t
     fake_checkpoint(tmp_path, 2)
     fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 6, complete=False)  # killed while saving
-    with caplog.at_level(logging.WARNING, logger="mmgrpo.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mmgrpo.runstate.checkpoint"):
         plan = preflight(config(tmp_path, "--resume_from_checkpoint", "latest"))
     assert "checkpoint-6: incomplete" in caplog.text
     assert plan.mode == "resume" and plan.resume_from == tmp_path / "checkpoint-4" and plan.resume_step == 4

@@ -10,7 +10,7 @@ import PIL.Image
 import pytest
 import soundfile
 
-from mmgrpo.data.schema import Video
+from mmgrpo.data.sample import Video
 from mmgrpo.errors import DataError
 from mmgrpo.processors.audio import load_audio
 from mmgrpo.processors.image import load_image

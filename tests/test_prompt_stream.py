@@ -5,9 +5,9 @@ with DataLoader workers prefetching."""
 import PIL.Image
 import pytest
 
-from mmgrpo.data.pipeline import PromptStream, cycle, make_prompt_loader
-from mmgrpo.data.registry import mix_datasets
-from mmgrpo.data.schema import Sample
+from mmgrpo.data.catalog import mix_datasets
+from mmgrpo.data.prompt_batches import PromptStream, cycle, make_prompt_loader
+from mmgrpo.data.sample import Sample
 from mmgrpo.errors import ConfigError
 
 

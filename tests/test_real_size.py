@@ -162,14 +162,14 @@ def model_3b():
 
 
 def _image_prompt(template, image, text="<image>Describe this."):
-    from mmgrpo.data.schema import LoadedSample
+    from mmgrpo.data.sample import LoadedSample
 
     return template.encode_prompt(LoadedSample(id="r/0", messages=[{"role": "user", "content": text}], images=[image]))
 
 
 def _prompts_3b(template):
     """Left-padded prompts: an image of 2 x 3 windows (one partial), two small images, text only."""
-    from mmgrpo.data.schema import LoadedSample
+    from mmgrpo.data.sample import LoadedSample
 
     return [
         _image_prompt(template, _image(252, 196, seed=4)),

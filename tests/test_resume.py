@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.data.registry import resolve_dataset
-from mmgrpo.training.checkpoint import latest_checkpoint
+from mmgrpo.data.catalog import resolve_dataset
+from mmgrpo.runstate.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures differ run to run

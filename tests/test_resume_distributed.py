@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mmgrpo.training.checkpoint import latest_checkpoint
+from mmgrpo.runstate.checkpoint import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")

@@ -13,7 +13,8 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.config.flags import _leaves
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
-from mmgrpo.training.checkpoint import save_atomically
+from mmgrpo.runstate.checkpoint import save_atomically
+from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.optim import make_scheduler
 from mmgrpo.training.resume import STATE_FILE
 from mmgrpo.training.resume_flags import (
@@ -25,7 +26,6 @@ from mmgrpo.training.resume_flags import (
     group_peaks,
     retarget_schedule,
 )
-from mmgrpo.training.state import TrainState
 
 BASE = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "vqa_accuracy", "answer_format",
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",

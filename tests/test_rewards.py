@@ -22,7 +22,7 @@ from mmgrpo.rewards import (
     normalize_vqa_answer,
     parse_box,
     register_reward,
-    registry,
+    reward_funcs,
     vqa_accuracy,
     vqa_soft_accuracy,
 )
@@ -33,9 +33,9 @@ from mmgrpo.rewards.iou import iou_at_50_reward
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch):
     # Tests register throwaway rewards and check warn-once: give each a private registry state.
-    registry.REWARDS.names()  # the built-ins loaded before the copy
-    monkeypatch.setattr(registry.REWARDS, "_entries", dict(registry.REWARDS._entries))
-    monkeypatch.setattr(registry, "_WARNED", set())
+    reward_funcs.REWARDS.names()  # the built-ins loaded before the copy
+    monkeypatch.setattr(reward_funcs.REWARDS, "_entries", dict(reward_funcs.REWARDS._entries))
+    monkeypatch.setattr(reward_funcs, "_WARNED", set())
     monkeypatch.setattr(plugins, "_LOADED", {})
 
 

@@ -1,4 +1,4 @@
-"""One run per output folder (mmgrpo/training/run_lock.py): while a run is alive, a second
+"""One run per output folder (mmgrpo/runstate/run_lock.py): while a run is alive, a second
 `mmgrpo train` on its folder is refused with one line naming the first run's pid and host, whatever
 its flags (`--overwrite_output_dir` deletes nothing, `--resume_from_checkpoint latest` writes
 nothing); a lock left by a killed run is taken over with one line. Real processes throughout."""
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.training.checkpoint import latest_checkpoint
-from mmgrpo.training.run_lock import LOCK_FILE, RunLock, read_holder
+from mmgrpo.runstate.checkpoint import latest_checkpoint
+from mmgrpo.runstate.run_lock import LOCK_FILE, RunLock, read_holder
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 HOLD = textwrap.dedent("""
     import os, signal, sys, time
-    from mmgrpo.training.run_lock import RunLock
+    from mmgrpo.runstate.run_lock import RunLock
     RunLock.acquire(sys.argv[1])
     print("held", flush=True)
     if sys.argv[2] == "die":

@@ -32,7 +32,7 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
 
 
 def test_the_sft_bar_shows_the_loss_and_seconds_per_step_which_the_log_keeps(tmp_path):
-    from mmgrpo.training.runlog import console
+    from mmgrpo.runstate.runlog import console
 
     out = tmp_path / "run"
     cfg = SFTConfig.from_args([*TINY, *EVAL, "--eval_steps", "2", "--max_steps", "2", "--output_dir", str(out)])

@@ -14,13 +14,13 @@ import torch
 from PIL import Image
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.grpo.logprobs import completion_logprobs
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout
+from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
 from mmgrpo.rollout.token_sampler import filter_logits
 from mmgrpo.templates import get_template
 

@@ -14,7 +14,7 @@ import torch
 
 from mmgrpo.cli import main as cli_main
 from mmgrpo.config import TrainConfig
-from mmgrpo.data.registry import mix_datasets, resolve_dataset
+from mmgrpo.data.catalog import mix_datasets, resolve_dataset
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.reward_set import build_rewards

@@ -17,11 +17,11 @@ import torch
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
-from mmgrpo.grpo import informative
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
+from mmgrpo.rollout import dynamic_sample as informative
 from mmgrpo.rollout.base import sampling_params
 from mmgrpo.rollout.rounds import complete_batch, score, settled_prompts
-from mmgrpo.training.run import build_run
+from mmgrpo.training.build import build_run
 
 REWARDS = '''
 def always_one(completions, **columns):

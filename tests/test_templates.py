@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from mmgrpo.data.schema import LoadedSample, Video
+from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.models import load_processor
 from mmgrpo.templates import Template, get_template, known_templates, register_template

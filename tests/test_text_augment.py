@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mmgrpo.data.augment import Augment, parse_augment
-from mmgrpo.data.pipeline import cycle, make_prompt_loader
-from mmgrpo.data.registry import read_registry_file, resolve_dataset
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.catalog import read_registry_file, resolve_dataset
+from mmgrpo.data.prompt_batches import cycle, make_prompt_loader
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.data.text_augment import augment_messages, load_synonyms, protected_words, replace_synonyms
 from mmgrpo.errors import ConfigError
 

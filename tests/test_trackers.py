@@ -6,7 +6,7 @@ import pytest
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
-from mmgrpo.training.trackers import report_targets
+from mmgrpo.runstate.trackers import report_targets
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "2",
         "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--dataloader_num_workers", "0",

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mmgrpo.errors import CheckpointError
+from mmgrpo.runstate.state import TrainState, capture_rng, restore_rng
 from mmgrpo.training.resume import load_training_checkpoint, rng_file, save_training_checkpoint, snapshot
-from mmgrpo.training.state import TrainState, capture_rng, restore_rng
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
-from mmgrpo.training.state import TrainState
+from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.resume import load_training_checkpoint, save_training_checkpoint
 
 out = sys.argv[1]
@@ -162,7 +162,7 @@ dist.destroy_process_group()
 
 def test_full_determinism_turns_on_deterministic_kernels(monkeypatch):
     from mmgrpo.config import TrainConfig
-    from mmgrpo.training.state import deterministic_kernels
+    from mmgrpo.runstate.state import deterministic_kernels
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert TrainConfig.from_args(["--full_determinism", "true"]).full_determinism

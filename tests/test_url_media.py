@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmgrpo.data.schema import normalize_row
+from mmgrpo.data.sample import normalize_row
 from mmgrpo.errors import DataError
 from mmgrpo.processors.remote import cached_path
 

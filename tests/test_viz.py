@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.viz.attention import answer_attention, attention_to_image_grid, media_panels, overlay, upsample
 
 
@@ -146,7 +146,7 @@ def test_viz_errors_exit_2(capsys, tiny_qwen2_vl_path):
 def test_video_gets_one_grid_slot_per_frame_pair(tmp_path, family):
     import json
 
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.models.loading import load_processor
     from mmgrpo.templates import get_template
 

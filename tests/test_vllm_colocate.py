@@ -17,7 +17,7 @@ from mmgrpo.config import TrainConfig  # noqa: E402
 from mmgrpo.engine import grpo_step, train  # noqa: E402
 from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
 from mmgrpo.rollout.weight_sync import rollout_weights  # noqa: E402
-from mmgrpo.training.run import build_run  # noqa: E402
+from mmgrpo.training.build import build_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

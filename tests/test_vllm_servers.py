@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_vllm_server import ENV, free_port, health, server_args  # noqa: E402
 
-from mmgrpo.training.checkpoint import checkpoint_problem, list_checkpoints  # noqa: E402
+from mmgrpo.runstate.checkpoint import checkpoint_problem, list_checkpoints  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[1]

@@ -54,8 +54,8 @@ def main() -> None:
     from mmgrpo.config import TrainConfig
     from mmgrpo.engine import grpo_step
     from mmgrpo.rollout.weight_sync import rollout_weights
-    from mmgrpo.training.run import build_run
-    from mmgrpo.training.state import seed_everything
+    from mmgrpo.runstate.state import seed_everything
+    from mmgrpo.training.build import build_run
 
     out, train_type = Path(sys.argv[1]), sys.argv[2]
     lora = ["--train_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--learning_rate", "2e-1"]

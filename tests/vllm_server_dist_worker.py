@@ -47,9 +47,9 @@ def main() -> None:
     from mmgrpo.rollout.pipeline import RolloutPipeline
     from mmgrpo.rollout.vllm_client import RolloutServerError, VLLMServerRollout
     from mmgrpo.rollout.weight_sync import rollout_weights
+    from mmgrpo.runstate.state import TrainState, seed_everything
+    from mmgrpo.training.build import build_run
     from mmgrpo.training.resume import save_run
-    from mmgrpo.training.run import build_run
-    from mmgrpo.training.state import TrainState, seed_everything
 
     out, port_a, port_b, port_c, pid_c = Path(sys.argv[1]), *map(int, sys.argv[2:6])
     rank = int(os.environ["RANK"])

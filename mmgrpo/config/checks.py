@@ -20,7 +20,7 @@ def validate_common(cfg) -> None:
     from mmgrpo.training.optim import scheduler_kwargs
 
     scheduler_kwargs(cfg.optim)  # the schedule's name and options: a typo fails before any model loads
-    from mmgrpo.training.trackers import report_targets
+    from mmgrpo.runstate.trackers import report_targets
 
     report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
     choices = {
@@ -178,7 +178,7 @@ def validate_train(cfg) -> None:
     validate_tools(cfg)
     validate_eval(cfg.eval)
     validate_run_limits(cfg)
-    from mmgrpo.training.preemption import signal_numbers
+    from mmgrpo.runstate.preemption import signal_numbers
 
     signal_numbers(cfg.save_on_signal)  # a signal name that does not exist fails now
 

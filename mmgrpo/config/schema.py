@@ -18,7 +18,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mmgrpo.config.flags import build_parser, config_from_namespace
-from mmgrpo.models.tiny import DEFAULT_MODEL
+
+DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
+
 
 
 @dataclass

@@ -20,7 +20,7 @@
 | `protected_words` | list of words | more words never replaced |
 
 It runs in the DataLoader worker on each decoded sample, after `Sample.load_media` and before the
-template encodes it (mmgrpo/data/pipeline.py), for training only (evaluation reads samples
+template encodes it (mmgrpo/data/prompt_batches.py), for training only (evaluation reads samples
 unchanged). One set of parameters is drawn per sample from a torch.Generator seeded by
 (seed, epoch, sample index), so a run is reproducible whatever the worker count, and every epoch
 sees a new draw. The same parameters apply to every image of the sample and to every frame of
@@ -38,7 +38,7 @@ A crop keeps the boxes inside its window when they fit (else it lies on them). A
 form (text, a dict) cannot be moved: with a geometric key on, that is a `DataError`.
 
 >>> import PIL.Image
->>> from mmgrpo.data.schema import LoadedSample
+>>> from mmgrpo.data.sample import LoadedSample
 >>> sample = LoadedSample(id="toy/train/0", messages=[], images=[PIL.Image.new("RGB", (100, 50))],
 ...                       columns={"solution": [10, 5, 30, 25]})
 >>> out = Augment(hflip=1.0)(sample, seed=0, epoch=0, index=0)
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmgrpo.data.schema import LoadedSample
+from mmgrpo.data.sample import LoadedSample
 from mmgrpo.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -340,7 +340,7 @@ def _gold_boxes(sample: LoadedSample, solution) -> list[list[float]] | None:
         return [[float(v) for v in _as_list(b)] for b in solution]
     if solution is None or isinstance(solution, list):
         return None  # e.g. VQA annotator answers
-    from mmgrpo.rewards.iou import gold_boxes
+    from mmgrpo.data.boxes import gold_boxes
 
     try:
         held = gold_boxes(solution)

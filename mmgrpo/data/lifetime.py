@@ -14,7 +14,7 @@ only asked for when the child was started from the trainer's main thread (a Data
 iterated in a helper thread relies on the watcher alone).
 
 A DataLoader worker also ignores SIGTERM / SIGUSR1 from anyone but its trainer: a scheduler signals
-every process of a job, and the trainer saves a checkpoint on it (mmgrpo/training/preemption.py).
+every process of a job, and the trainer saves a checkpoint on it (mmgrpo/runstate/preemption.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def ignore_stop_signals_from_others(*owners: int) -> None:
     """In a child: SIGTERM, SIGUSR1 ... (STOP_SIGNALS) end it only when its parent or trainer (`owners`)
     sends them, as DataLoader's `terminate()` and its shutdown at exit do; from anyone else they are
     ignored. A scheduler signals every process of a job, and a worker killed under the trainer would
-    fail its next batch before the trainer could save (mmgrpo/training/preemption.py). The signals
+    fail its next batch before the trainer could save (mmgrpo/runstate/preemption.py). The signals
     are blocked in every thread and taken by one thread with `sigwaitinfo`, which tells the sender."""
     if not hasattr(signal, "sigwaitinfo"):  # not on macOS: the signals keep their default effect
         return

@@ -5,7 +5,7 @@
     mmgrpo demo --from_scratch --seed 1        # rebuild the start for seed 1 first (about 30 minutes)
 
 1. check the shipped SFT start (mmgrpo/demo/start/: `tiny:qwen2-vl?vision_init_gain=3&rope_theta=10`,
-   ~1M parameters, trained on colour, counting and boxes; mmgrpo/demo/start.py says how), so every
+   ~1M parameters, trained on colour, counting and boxes; mmgrpo/demo/shipped_start.py says how), so every
    machine starts GRPO from the same weights; `--from_scratch` builds it for this seed instead
 2. evaluate the start on each held-out test split (400 samples a task)
 3. GRPO on the mixture (mmgrpo/demo/configs/grpo.yaml), each dataset scored by its own rewards,
@@ -25,9 +25,9 @@ import resource
 import time
 from pathlib import Path
 
-from mmgrpo.demo import start as demo_start
+from mmgrpo.demo import shipped_start as demo_start
 from mmgrpo.demo.table import TaskResult, result_table
-from mmgrpo.training.runlog import console
+from mmgrpo.runstate.runlog import console
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 GRPO_CONFIG = CONFIGS / "grpo.yaml"
@@ -75,8 +75,8 @@ def grpo_argv(args, start: Path, out: Path) -> list[str]:
 
 
 def evaluate_all(model_path: str, out: Path, limit: int | None) -> dict[str, dict]:
-    from mmgrpo.data.registry import resolve_dataset
-    from mmgrpo.eval.run import evaluate, load_for_eval
+    from mmgrpo.data.catalog import resolve_dataset
+    from mmgrpo.eval.evaluate import evaluate, load_for_eval
 
     engine, template = load_for_eval(model_path, None)  # the model type the checkpoint recorded
     results = {}

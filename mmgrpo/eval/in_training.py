@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.training.checkpoint import save_atomically
+from mmgrpo.runstate.checkpoint import save_atomically
 
 BEST_DIR = "checkpoint-best"
 BEST_FILE = "best.json"
@@ -50,7 +50,7 @@ class TrainingEval:
     """Runs the evaluations a TrainConfig asks for and keeps the best checkpoint."""
 
     def __init__(self, cfg):
-        from mmgrpo.data.registry import resolve_dataset
+        from mmgrpo.data.catalog import resolve_dataset
         from mmgrpo.eval.metrics import get_metric
 
         self.cfg, self.options = cfg, cfg.eval
@@ -89,8 +89,8 @@ class TrainingEval:
 
     def maybe_evaluate(self, run, step: int, state, final: bool = False) -> dict[str, float]:
         """Evaluate if this step is due: {"eval/<metric>": value, ...}, else {} (the loop times it as time/eval)."""
-        from mmgrpo.eval.run import evaluate
-        from mmgrpo.training.runlog import console
+        from mmgrpo.eval.evaluate import evaluate
+        from mmgrpo.runstate.runlog import console
 
         if not self.due(step, final):
             return {}

@@ -377,7 +377,7 @@ def _mean(values) -> float | None:
 
 def _is_box(value) -> bool:
     """Whether `value` holds a reference box the `iou` reward understands."""
-    from mmgrpo.rewards.iou import gold_boxes
+    from mmgrpo.data.boxes import gold_boxes
 
     try:
         return bool(gold_boxes(value))

@@ -6,7 +6,7 @@
                       num_samples=4)
 
 `generate_fn(batch, num_samples)` gets a list of samples (objects with `id`, `messages`,
-`columns`, `modality`, such as `mmgrpo.data.schema.Sample`) and returns, for each sample, its
+`columns`, `modality`, such as `mmgrpo.data.sample.Sample`) and returns, for each sample, its
 `num_samples` completions: `list[list[str]]`. It may instead return `(completions, columns)`
 where `columns` holds extra per-sample columns for the metrics (e.g. the template's
 `to_image_box` callables that the `iou` reward uses).

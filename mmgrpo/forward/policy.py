@@ -12,7 +12,7 @@ prompt and its media run once per group and its G completions read the prompt's 
 values (mmgrpo/forward/shared_prefix.py); elsewhere the naive path repeats the prompt per
 completion. Both give the same log-probs and gradients (tests/test_shared_prefix.py).
 
-Everything a Policy needs is given when it is built (mmgrpo/training/run.py builds the run's one):
+Everything a Policy needs is given when it is built (mmgrpo/training/build.py builds the run's one):
 how its forwards run (`call`: a plain call, or through a sharding wrapper that gathers the
 weights they touch) and what the reference is (a frozen copy of the starting weights, or with
 LoRA the same model with its adapters disabled). Nothing patches it afterwards.

@@ -5,7 +5,7 @@ corrupt file is one line naming it instead of a traceback from deep inside trans
 
 What is checked (reading headers only, a few milliseconds even for large models):
 - a staging folder (`checkpoint-N.tmp`) or a checkpoint whose completeness marker says a file is
-  missing or has another size than when it was saved (mmgrpo/training/checkpoint.py);
+  missing or has another size than when it was saved (mmgrpo/runstate/checkpoint.py);
 - every top-level `.json` file (config, tokenizer, processor, generation config, the safetensors
   index) is non-empty valid JSON;
 - every `.safetensors` file's header parses and its tensors end exactly at the end of the file;
@@ -22,7 +22,7 @@ import zipfile
 from pathlib import Path
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.training.checkpoint import MARKER, STAGING_SUFFIX, checkpoint_problem
+from mmgrpo.runstate.checkpoint import MARKER, STAGING_SUFFIX, checkpoint_problem
 
 # what from_pretrained loads weights from (a LoRA checkpoint: the adapter)
 MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

@@ -44,7 +44,6 @@ from mmgrpo.models.tiny_tokenizer import (
 
 BUILDER_VERSION = 1  # bump when a recipe's output changes, so caches rebuild
 TINY_PREFIX = "tiny:"
-DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
 
 # Size of every tiny model unless overridden (about 1M parameters).
 DEFAULT_DIMS = {

@@ -11,7 +11,7 @@ see mmgrpo/parallel/base.py for the interface.
 """
 
 from mmgrpo.parallel.base import Prepared, Strategy
-from mmgrpo.parallel.checks import validate_parallel
+from mmgrpo.parallel.compatibility import validate_parallel
 from mmgrpo.parallel.launch import configure_precision, init_process_group, pick_device, rank_errors
 
 __all__ = ["Prepared", "Strategy", "build_strategy", "rank_errors", "validate_parallel"]

@@ -12,7 +12,7 @@ The step reads the same for every strategy (`none`, `fsdp2`, `zero3`):
     state_dict = strategy.full_state_dict(model)             # full weights on rank 0, for checkpoints
 
 `prepare` returns the optimizer and how forwards and rollouts run (`Prepared`): the policy and
-the rollout engine are built with these once (mmgrpo/training/run.py) and never patched afterwards.
+the rollout engine are built with these once (mmgrpo/training/build.py) and never patched afterwards.
 Forwards run through `call(fn, ...)`: sharding strategies make that a call of a wrapper module
 (`Wrapper`) around the model, so FSDP2 / ZeRO-3 gather every weight the function touches (the
 chunked LM head reads `lm_head.weight` outside `lm_head.forward`).
@@ -148,7 +148,7 @@ class Strategy:
 
     def save_sharded_optimizer(self, optimizer, folder) -> None:
         """Write this rank's share of the optimizer state into checkpoint `folder` (a collective).
-        Sharding strategies only: one process saves `optimizer.state_dict()` (mmgrpo/training/state.py)."""
+        Sharding strategies only: one process saves `optimizer.state_dict()` (mmgrpo/runstate/state.py)."""
         raise NotImplementedError(f"{self.name} does not save a sharded optimizer state")
 
     def load_sharded_optimizer(self, optimizer, folder) -> None:

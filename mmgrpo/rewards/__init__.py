@@ -10,8 +10,14 @@ from mmgrpo.rewards.iou import box_iou, iou_at_50_reward, iou_reward, parse_box,
 from mmgrpo.rewards.length import cosine, soft_overlong
 from mmgrpo.rewards.math import math_accuracy, math_equal
 from mmgrpo.rewards.numeric import number_closeness
-from mmgrpo.rewards.registry import compute_rewards, get_reward, list_rewards, register_reward, reward_name
 from mmgrpo.rewards.repetition import repetition
+from mmgrpo.rewards.reward_funcs import (
+    compute_rewards,
+    get_reward,
+    list_rewards,
+    register_reward,
+    reward_name,
+)
 from mmgrpo.rewards.text import exact_match, extract_answer, make_soft_overlong, normalize_text
 from mmgrpo.rewards.vqa import normalize_vqa_answer, vqa_accuracy, vqa_soft_accuracy
 

@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from mmgrpo.rewards.iou import _BOX_KEYS, parse_boxes
+from mmgrpo.data.boxes import BOX_KEYS, parse_boxes
 from mmgrpo.rewards.text import extract_answer
 
 DEFAULT_LABEL = "object"
@@ -33,7 +33,7 @@ class Detection:
 
 def _from_item(item) -> Detection | None:
     if isinstance(item, dict):
-        box = next((item[key] for key in _BOX_KEYS if key in item), None)
+        box = next((item[key] for key in BOX_KEYS if key in item), None)
         if not (isinstance(box, (list, tuple)) and len(box) == 4):
             return None
         label = item.get("label", item.get("category", DEFAULT_LABEL))

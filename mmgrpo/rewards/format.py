@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 
 
 def make_format_reward(think: str | None = "think", answer: str = "answer"):

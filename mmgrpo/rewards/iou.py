@@ -12,47 +12,10 @@ from __future__ import annotations
 import math
 import re
 
+from mmgrpo.data.boxes import BOX_PATTERN, gold_boxes, parse_box, parse_boxes  # noqa: F401  (re-exported)
 from mmgrpo.errors import DataError
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 from mmgrpo.rewards.text import extract_answer
-
-_NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))"
-_SEP = r"\s*,\s*"
-# `[x1, y1, x2, y2]` or `(x1, y1, x2, y2)` (JSON such as {"bbox_2d": [...]} contains the former),
-# or Qwen2-VL's native point pair `(x1,y1),(x2,y2)`.
-_BOX = re.compile(
-    r"[\[(]\s*" + _SEP.join([_NUM] * 4) + r"\s*[\])]"
-    r"|\(\s*" + _NUM + _SEP + _NUM + r"\s*\)\s*,?\s*\(\s*" + _NUM + _SEP + _NUM + r"\s*\)"
-)
-_BOX_KEYS = ("bbox_2d", "bbox", "box")
-
-
-def parse_boxes(text: str) -> list[list[float]]:
-    """Every box in `text`, in order of appearance.
-
-    >>> parse_boxes('[{"bbox_2d": [10, 20, 30.5, 40], "label": "cat"}, {"bbox_2d": [1, 2, 3, 4]}]')
-    [[10.0, 20.0, 30.5, 40.0], [1.0, 2.0, 3.0, 4.0]]
-    >>> parse_boxes("<|box_start|>(100,200),(300,400)<|box_end|>")
-    [[100.0, 200.0, 300.0, 400.0]]
-    """
-    boxes = []
-    for match in _BOX.finditer(text):
-        numbers = [g for g in match.groups() if g is not None]
-        boxes.append([float(n) for n in numbers])
-    return boxes
-
-
-def parse_box(text: str) -> list[float] | None:
-    """The first box in `text`, or None.
-
-    >>> parse_box("The dog is at [12, 30.5, 200, 180] and the cat at [1, 2, 3, 4].")
-    [12.0, 30.5, 200.0, 180.0]
-    >>> parse_box("(0.1, 0.2, 0.3, 0.4)"), parse_box("[1, 2, 3]"), parse_box("")
-    ([0.1, 0.2, 0.3, 0.4], None, None)
-    """
-    boxes = parse_boxes(text)
-    return boxes[0] if boxes else None
-
 
 _IMAGE_INDEX = re.compile(r'"image_index"\s*:\s*(\d+)')
 
@@ -65,7 +28,7 @@ def parse_box_on_image(text: str) -> tuple[list[float] | None, int]:
     >>> parse_box_on_image('[{"bbox_2d": [1, 2, 3, 4], "image_index": 1}]'), parse_box_on_image("[1, 2, 3, 4]")
     (([1.0, 2.0, 3.0, 4.0], 1), ([1.0, 2.0, 3.0, 4.0], 0))
     """
-    match = _BOX.search(text)
+    match = BOX_PATTERN.search(text)
     if match is None:
         return None, 0
     box = [float(n) for n in match.groups() if n is not None]
@@ -119,29 +82,6 @@ def box_giou(a, b) -> float:
     union = (ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter
     enclosing = (max(ax2, bx2) - min(ax1, bx1)) * (max(ay2, by2) - min(ay1, by1))
     return inter / union - (enclosing - union) / enclosing
-
-
-def gold_boxes(solution) -> list[list[float]]:
-    """The reference boxes of one sample: a box, a list of boxes, `{"bbox_2d": box}` dicts, or
-    text holding boxes (e.g. "<answer>[1, 2, 3, 4]</answer>").
-
-    >>> gold_boxes([1, 2, 3, 4]), gold_boxes([[1, 2, 3, 4], {"bbox": [5, 6, 7, 8]}])
-    ([[1.0, 2.0, 3.0, 4.0]], [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
-    """
-    if hasattr(solution, "tolist"):  # a numpy array from a Parquet column
-        solution = solution.tolist()
-    if isinstance(solution, str):
-        return parse_boxes(solution)
-    if isinstance(solution, dict):
-        for key in _BOX_KEYS:
-            if key in solution:
-                return gold_boxes(solution[key])
-        raise ValueError(f"a box solution dict needs one of the keys {_BOX_KEYS}, got {sorted(solution)}")
-    if isinstance(solution, (list, tuple)):
-        if len(solution) == 4 and all(isinstance(v, (int, float)) for v in solution):
-            return [[float(v) for v in solution]]
-        return [box for item in solution for box in gold_boxes(item)]
-    raise ValueError(f"a box solution must be [x1, y1, x2, y2], a list of boxes or text; got {solution!r}")
 
 
 def _ious(completions: list[str], solution: list, to_image_box, overlap=box_iou, no_box: float = 0.0) -> list[float]:

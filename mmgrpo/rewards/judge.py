@@ -132,7 +132,7 @@ class JudgeReward:
         self.last_unparsed = 0
 
     def judge_prompts(self, completions, prompts, images, solution, sample_ids) -> list:
-        from mmgrpo.data.schema import LoadedSample
+        from mmgrpo.data.sample import LoadedSample
         from mmgrpo.rewards.text import extract_answer
 
         encoded = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from mmgrpo.rewards.registry import get_reward, register_reward
+from mmgrpo.rewards.reward_funcs import get_reward, register_reward
 
 
 def _lengths(completions: list[str], completion_ids) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from mmgrpo.rewards.registry import _warn_once, register_reward
+from mmgrpo.rewards.reward_funcs import _warn_once, register_reward
 from mmgrpo.rewards.text import extract_answer, gold_texts
 
 _TIMEOUT_SECONDS = 5

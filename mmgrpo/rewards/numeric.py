@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 from mmgrpo.rewards.text import extract_answer, gold_texts
 from mmgrpo.rewards.vqa import normalize_vqa_answer
 

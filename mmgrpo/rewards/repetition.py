@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 
 
 def repeated_fraction(text: str, n: int) -> float:

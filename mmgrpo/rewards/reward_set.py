@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mmgrpo.data.schema import dataset_of
+from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.rewards.model_rewards import build_model_rewards
+from mmgrpo.rewards.judge import JudgeReward
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
-from mmgrpo.rewards.registry import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.reward_funcs import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.reward_model import RewardModelReward
 from mmgrpo.rewards.solutions import check_solutions, needs_solution
 
 
@@ -103,7 +104,7 @@ def build_rewards(cfg, dataset) -> RewardSet:
         )
     funcs = bound_rewards(cfg, names)
     specs = list(names)
-    # reward models and the judge (mmgrpo/rewards/model_rewards.py): after the functions, for every sample
+    # reward models and the judge (build_model_rewards below): after the functions, for every sample
     for model_reward in build_model_rewards(cfg):
         funcs.append(model_reward)
         specs.append(model_reward.reward_name)
@@ -123,3 +124,32 @@ def bound_rewards(cfg, names: list[str]) -> list:
         raise ConfigError(f"--reward_kwargs names {', '.join(stray)}, not among the run's rewards ({', '.join(names)}).")
     run_defaults = {"max_completion_length": cfg.rollout.max_completion_length}
     return [bind_options(get_reward(name), name, options.get(name, {}), run_defaults) for name in names]
+
+
+def build_model_rewards(cfg) -> list:
+    """The run's reward models (--reward_model, in order) and judge (--judge_model), loaded now so a
+    checkpoint that does not fit fails at start-up."""
+    algo = cfg.algo
+    rewards = [
+        RewardModelReward(path, device=algo.reward_model_device, batch_size=algo.reward_model_batch_size)
+        for path in algo.reward_model
+    ]
+    if algo.judge_model:
+        rewards.append(JudgeReward(
+            algo.judge_model, model_type=algo.judge_model_type, device=algo.reward_model_device,
+            prompt_file=algo.judge_prompt, parse=algo.judge_parse, score_max=algo.judge_score_max,
+            max_new_tokens=algo.judge_max_new_tokens, batch_size=algo.reward_model_batch_size,
+            vllm=judge_vllm_options(cfg) if algo.judge_use_vllm else None,
+        ))
+    return rewards
+
+
+def judge_vllm_options(cfg) -> dict:
+    """The judge's colocated vLLM engine: room for the policy's prompt and completion, the judge's
+    own words and its reply; memory as the --vllm_* flags say."""
+    rollout = cfg.rollout
+    return dict(
+        max_model_len=cfg.data.max_prompt_length + rollout.max_completion_length + cfg.algo.judge_max_new_tokens + 256,
+        seed=cfg.seed, gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=rollout.vllm_kv_cache_memory_bytes,
+    )

@@ -13,7 +13,7 @@ would otherwise be scored 0.0 by one reward, raise in another and be skipped by 
   (skipped: no reward from them, as a reward's own None), and each step counts them in
   `reward/missing_solution` (completions).
 
->>> from mmgrpo.data.registry import DatasetView
+>>> from mmgrpo.data.catalog import DatasetView
 >>> view = DatasetView("toy", "train", [{"query": "q", "solution": "a"}, {"query": "q"}, {"query": "q", "solution": None}])
 >>> rows_without_solution(view)
 [1, 2]

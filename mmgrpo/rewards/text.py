@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 
 _ANY_TAG = re.compile(r"</?(?:think|answer)>")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from mmgrpo.rewards.registry import register_reward
+from mmgrpo.rewards.reward_funcs import register_reward
 from mmgrpo.rewards.text import extract_answer, gold_texts
 
 # The official table, as written (keys with capitals never match after lower-casing, and

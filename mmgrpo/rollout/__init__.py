@@ -28,7 +28,7 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams, completion_mask_from_ids
 from mmgrpo.rollout.hf import HFRollout
 from mmgrpo.rollout.multiturn import MultiTurnRollout
-from mmgrpo.rollout.shared_prefix import SharedPrefixRollout, lean_applies
+from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout, lean_applies
 from mmgrpo.tools.environment import ToolEnvironment
 
 __all__ = [

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from mmgrpo.data.schema import dataset_of
+from mmgrpo.data.sample import dataset_of
 
 
 @dataclass

@@ -39,7 +39,7 @@ from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
 from mmgrpo.templates.turns import ToolTurn, encode_tool_turn, extend_prompt, merge_media
 from mmgrpo.tools.calls import parse_tool_calls
 from mmgrpo.tools.environment import ERROR_KINDS, ToolEnvironment, ToolResult
-from mmgrpo.tools.registry import ToolContext
+from mmgrpo.tools.tool_funcs import ToolContext
 
 
 @dataclass

@@ -4,7 +4,7 @@ the rollout options ask for it.
     rollout = score(run, prompts, rollout)      # every step: rollout.rewards / reward_per_func / texts set
 
     --dynamic_sample --max_resample_times 3     (DAPO / ms-swift) all-equal groups dropped and
-                                                refilled: mmgrpo/grpo/informative.py
+                                                refilled: mmgrpo/rollout/dynamic_sample.py
     --first_stage_generations K                 two-stage generation: K completions per prompt
                                                 first, the other G - K only for prompts whose K
                                                 disagree or fail (below)
@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mmgrpo.grpo.informative import Round, fill_informative
-from mmgrpo.rewards.columns import reward_columns
+from mmgrpo.data.reward_columns import reward_columns
 from mmgrpo.rollout.base import Rollout, step_seed
+from mmgrpo.rollout.dynamic_sample import Round, fill_informative
 
 
 def score(run, prompts: list, rollout: Rollout) -> Rollout:

@@ -435,7 +435,7 @@ def check_servers(servers: list[RolloutServer], healths: list[dict], model_path:
 
 def newest_checkpoint(folder: str | None) -> str | None:
     """The newest complete checkpoint in the run's output folder, as a path (None: none yet)."""
-    from mmgrpo.training.checkpoint import latest_checkpoint
+    from mmgrpo.runstate.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(folder) if folder else None
     return str(found) if found else None

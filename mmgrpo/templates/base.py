@@ -54,7 +54,7 @@ class PromptInputs:
     #                              image_grid_thw [images, 3], input_features [clips, mel, frames] ...
     prompt_text: str  # rendered chat text, one placeholder per medium
     images: list = field(default_factory=list)  # PIL images, RGB, as given
-    videos: list = field(default_factory=list)  # mmgrpo.data.schema.Video
+    videos: list = field(default_factory=list)  # mmgrpo.data.sample.Video
     audios: list = field(default_factory=list)  # float32 mono arrays
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
     input_sizes: list[tuple[int, int]] = field(default_factory=list)  # resized model input (width, height)

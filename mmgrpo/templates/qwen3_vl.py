@@ -26,7 +26,7 @@ from mmgrpo.templates.qwen2_vl import QWEN_VL_COMPONENTS, QWEN_VL_NEVER_SAMPLE, 
 def frame_timestamps(video, temporal_patch: int) -> list[float]:
     """Mean timestamp in seconds of each temporal patch of a video's sampled frames.
 
-    >>> from mmgrpo.data.schema import Video
+    >>> from mmgrpo.data.sample import Video
     >>> frame_timestamps(Video(frames=[0] * 4, metadata={"fps": 2.0, "frames_indices": [0, 2, 4, 6]}), 2)
     [0.5, 2.5]
     """

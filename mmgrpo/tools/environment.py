@@ -30,7 +30,7 @@ import PIL.Image
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.tools.calls import ToolCall, parse_tool_calls
-from mmgrpo.tools.registry import ToolContext, ToolFunc, get_tool, tool_name
+from mmgrpo.tools.tool_funcs import ToolContext, ToolFunc, get_tool, tool_name
 
 logger = logging.getLogger("mmgrpo.tools")
 ERROR_KINDS = ("parse", "unknown", "raised", "timeout", "result")

@@ -20,7 +20,7 @@ import math
 
 import PIL.Image
 
-from mmgrpo.tools.registry import ToolContext, register_tool
+from mmgrpo.tools.tool_funcs import ToolContext, register_tool
 
 MIN_SIDE = 28  # pixels of the original image a crop covers at least, along each side
 MAX_ASPECT = 50  # the long side at most this many times the short one (processors refuse extreme ratios)

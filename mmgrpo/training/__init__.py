@@ -1,11 +1,11 @@
-"""What a run stands on, beside the GRPO step itself (mmgrpo/engine.py):
+"""The run's assembly, below the loops that use it (mmgrpo/engine.py, mmgrpo/sft.py) and above every
+part it puts together:
 
-    run.py          everything a run is built from, decided once (`build_run` -> `Run`)
-    state.py        what changes while it trains (`TrainState`), every RNG, saved and restored
-    resume.py       a run saved so that it continues exactly, and continued
-    checkpoint.py   checkpoint folders that are complete or absent (staging, fsync, marker, rename)
-    output_dir.py   the output folder and the checkpoint to resume, checked before a model loads
-    optim.py        the optimizer and its learning-rate schedule
-    runlog.py       metrics.jsonl / completions.jsonl, progress bars
-    trackers.py     TensorBoard, W&B, MLflow
+    build.py         everything a run is built from, decided once (`build_run` -> `Run`)
+    resume.py        a run saved so that it continues exactly, and continued
+    resume_flags.py  what a resumed run may change: the checkpoint's flags against the run's
+    output_dir.py    the output folder and the checkpoint to resume, checked before a model loads
+    optim.py         the optimizer and its learning-rate schedule, parameter groups per component
+
+What these stand on (checkpoint folders, locks, `TrainState`, logs) is the ground floor, mmgrpo/runstate/.
 """

@@ -12,7 +12,7 @@ A run writes into `--output_dir`; what is already there decides what may happen:
 | not empty | none | refused: a second run would mix its metrics and checkpoints with the first |
 | not empty | `--resume_from_checkpoint latest` or a path | the run continues: `metrics.jsonl` and `completions.jsonl` keep the steps up to the checkpoint's (later lines, from the run that crashed, are dropped; the checkpoint's own step, if a kill came between its save and its log lines, is restored from the checkpoint) |
 | not empty | `--overwrite_output_dir` | mmgrpo's files of the earlier run are deleted (config.yaml, metrics.jsonl, completions.jsonl, TensorBoard events, checkpoint-*, eval/, report.html, report/); any other file stays |
-| held by a live run | any | refused, naming its pid and host (mmgrpo/training/run_lock.py): nothing there is read, repaired or deleted |
+| held by a live run | any | refused, naming its pid and host (mmgrpo/runstate/run_lock.py): nothing there is read, repaired or deleted |
 
 Also refused here: an output folder that is a file, lies under a file, or cannot be written.
 """
@@ -29,17 +29,17 @@ from pathlib import Path
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.parallel.launch import env_rank
-from mmgrpo.training.checkpoint import (
+from mmgrpo.runstate.checkpoint import (
     check_checkpoint,
     checkpoint_step,
     list_checkpoints,
     repair_interrupted,
     repairable,
 )
+from mmgrpo.runstate.run_lock import LOCK_FILE, RunLock
+from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.resume import STEP_LOG_FILE, read_training_state
 from mmgrpo.training.resume_flags import allowed_lines, check_changes, flag_changes
-from mmgrpo.training.run_lock import LOCK_FILE, RunLock
-from mmgrpo.training.state import TrainState
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "report.html")  # what a run writes at the top
 RUN_GLOBS = ("events.out.tfevents.*", "checkpoint-*")
@@ -57,7 +57,7 @@ class OutputPlan:
     resume_from: Path | None = None
     state: TrainState | None = None  # the checkpoint's training state (mode "resume"; rank 0)
     remove: list[Path] = field(default_factory=list)  # mode "overwrite": the earlier run's files
-    lock: RunLock | None = None  # rank 0: this run's hold on the folder (mmgrpo/training/run_lock.py)
+    lock: RunLock | None = None  # rank 0: this run's hold on the folder (mmgrpo/runstate/run_lock.py)
 
     def release(self) -> None:
         """Let go of the folder when the run ends (rank 0; the other ranks hold nothing)."""
@@ -87,7 +87,7 @@ def preflight(cfg) -> OutputPlan:
     """Check --output_dir, --resume_from_checkpoint and --overwrite_output_dir together (after
     `cfg.validate()`, which checks every other flag).
 
-    Rank 0 takes the folder's lock first (a live run there is refused; mmgrpo/training/run_lock.py)
+    Rank 0 takes the folder's lock first (a live run there is refused; mmgrpo/runstate/run_lock.py)
     and is the only rank that repairs what a killed save left; the other ranks only read, and
     write nothing before the barrier after `build_run`. Nothing is written yet except the output
     folder itself when it did not exist, and the lock.

@@ -11,10 +11,10 @@
         mmgrpo.json                                       the model type (`mmgrpo eval` needs no --model_type)
         optimizer.pt, scheduler.pt                        torch state dicts (one process; sharded: each rank's files)
         rng_state_<rank>.pth                              python, numpy, torch CPU (and CUDA) RNGs of each rank
-        training_state.json                               the TrainState (mmgrpo/training/state.py), the run's flags included
+        training_state.json                               the TrainState (mmgrpo/runstate/state.py), the run's flags included
         step_log.json                                     the step's lines of metrics.jsonl / completions.jsonl
         rollouts_in_flight_<rank>.pt                      async: the completions asked for the next K steps
-        checkpoint_complete.json                          written last (mmgrpo/training/checkpoint.py)
+        checkpoint_complete.json                          written last (mmgrpo/runstate/checkpoint.py)
 
 The TrainState holds the loop's counters, the best in-training evaluation, the dynamic modality
 weights, the prompt stream's position and the starting `--model` (the reference model: a resumed
@@ -46,7 +46,7 @@ import torch
 from mmgrpo.errors import CheckpointError
 from mmgrpo.models.saving import save_model_folder
 from mmgrpo.rollout.base import Rollout
-from mmgrpo.training.checkpoint import (
+from mmgrpo.runstate.checkpoint import (
     STAGING_SUFFIX,
     PendingSave,
     check_checkpoint,
@@ -57,9 +57,9 @@ from mmgrpo.training.checkpoint import (
     save_atomically,
     staged_bytes,
 )
-from mmgrpo.training.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
+from mmgrpo.runstate.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
+from mmgrpo.runstate.state import STATE_FILE, TrainState, capture_rng, restore_rng
 from mmgrpo.training.resume_flags import apply_resume_changes
-from mmgrpo.training.state import STATE_FILE, TrainState, capture_rng, restore_rng
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -202,14 +202,14 @@ def save_training_checkpoint(
     rank_files: dict[str, object] | None = None,
     save_shards: Callable[[Path], None] | None = None,
 ) -> PendingSave:
-    """Write a complete checkpoint of a run atomically (mmgrpo/training/checkpoint.py).
+    """Write a complete checkpoint of a run atomically (mmgrpo/runstate/checkpoint.py).
 
     template: the run's template (its name goes into mmgrpo.json); None writes no mmgrpo.json.
     state_dict: the full weights by HF name (`strategy.full_state_dict(policy)`; LoRA: the
         trainable ones), on rank 0. A NaN/inf in it is a CheckpointError and nothing is written:
         the previous checkpoints stay the newest.
     background: copy weights, optimizer state and RNGs now (the only time training waits), and
-        write them in a thread; `wait()` the result before exiting (mmgrpo/training/checkpoint.py).
+        write them in a thread; `wait()` the result before exiting (mmgrpo/runstate/checkpoint.py).
     extra_files: more files for rank 0 to write, by name: a str is written as text, anything else
         with torch.save (tensors only, so it loads with weights_only=True).
     rank_files: files this rank writes (each rank its own names), with torch.save.

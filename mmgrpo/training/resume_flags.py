@@ -128,9 +128,9 @@ def check_resume_flags(cfg) -> None:
     preflight (mmgrpo/training/output_dir.py), which names it; a checkpoint that records no flags
     (an earlier mmgrpo) is not compared."""
     from mmgrpo.parallel.launch import env_rank
-    from mmgrpo.training.checkpoint import checkpoint_problem, list_checkpoints
-    from mmgrpo.training.run_lock import in_use_error, live_holder
-    from mmgrpo.training.state import STATE_FILE
+    from mmgrpo.runstate.checkpoint import checkpoint_problem, list_checkpoints
+    from mmgrpo.runstate.run_lock import in_use_error, live_holder
+    from mmgrpo.runstate.state import STATE_FILE
 
     resume = cfg.resume_from_checkpoint
     if not resume:

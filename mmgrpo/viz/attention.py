@@ -287,9 +287,9 @@ def attention_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> Path:
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.rollout import HFRollout, SamplingParams
-    from mmgrpo.training.runlog import console
+    from mmgrpo.runstate.runlog import console
 
     args = attention_parser().parse_args(argv)
     if args.layers not in ("all", "last") and not args.layers.lstrip("-").isdigit():

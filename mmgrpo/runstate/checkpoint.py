@@ -20,11 +20,11 @@ A save, in order:
      complete numbered checkpoints beyond the newest N; `checkpoint-best` is its own folder and stays.
 
 A save that fails (a full disk: one line naming the folder, the bytes needed and the checkpoints
-kept, mmgrpo/training/disk_space.py) removes its staging folder. A kill at any instant leaves every
+kept, mmgrpo/runstate/disk_space.py) removes its staging folder. A kill at any instant leaves every
 earlier checkpoint loadable, and `latest_checkpoint`, the
 loaders and rotation skip a folder without the marker (with a one-line warning). With
 `background=True` steps 2-5 run in a thread: the caller hands over data it will not modify
-(`mmgrpo.training.state` copies tensors first) and training goes on; the thread is not a daemon,
+(`mmgrpo.runstate.state` copies tensors first) and training goes on; the thread is not a daemon,
 so the interpreter waits for it at exit, and the next save into the same folder awaits it first.
 """
 
@@ -44,14 +44,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.training.disk_space import disk_full_error
+from mmgrpo.runstate.disk_space import disk_full_error
 
 MARKER = "checkpoint_complete.json"
 STAGING_SUFFIX = ".tmp"  # a save in progress (or killed)
 ASIDE_SUFFIX = ".old"  # a replaced checkpoint waiting for deletion (fallback path only)
 NUMBERED = re.compile(r"^checkpoint-(\d+)$")
 FORMAT_VERSION = 1
-logger = logging.getLogger("mmgrpo.training.checkpoint")  # one line on stderr, no stack
+logger = logging.getLogger("mmgrpo.runstate.checkpoint")  # one line on stderr, no stack
 
 _IN_FLIGHT: dict[Path, PendingSave] = {}  # output folder -> its save running in the background
 _IN_FLIGHT_LOCK = threading.Lock()

@@ -21,8 +21,8 @@ import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.config.checks import parse_modality_weights
-from mmgrpo.data.pipeline import media_options, prompt_stream
-from mmgrpo.data.registry import mix_datasets
+from mmgrpo.data.catalog import mix_datasets
+from mmgrpo.data.prompt_batches import media_options, prompt_stream
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy
@@ -35,10 +35,10 @@ from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams, sampling_params
-from mmgrpo.training.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
+from mmgrpo.runstate.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
+from mmgrpo.runstate.runlog import console
 from mmgrpo.training.optim import make_optimizer, make_scheduler
 from mmgrpo.training.resume import restore_weights
-from mmgrpo.training.runlog import console
 
 
 @dataclass(frozen=True)

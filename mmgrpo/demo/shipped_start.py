@@ -1,7 +1,7 @@
 """The demo's SFT start: shipped in the package, checked before use, rebuilt by its stages on request.
 
-    python -m mmgrpo.demo.start --seed 0 --output_dir runs/demo-start         # build it (about 30 min on 2 cores)
-    python -m mmgrpo.demo.start --seed 0 --output_dir runs/demo-start --ship  # ... and replace the shipped one
+    python -m mmgrpo.demo.shipped_start --seed 0 --output_dir runs/demo-start         # build it (about 30 min on 2 cores)
+    python -m mmgrpo.demo.shipped_start --seed 0 --output_dir runs/demo-start --ship  # ... and replace the shipped one
 
 Every machine starts the demo's GRPO stage from the same weights: mmgrpo/demo/start/ holds the
 checkpoint (about 4 MB) and `manifest.json`, the sha256 of each of its files, how it was built and
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from mmgrpo.errors import CheckpointError
-from mmgrpo.training.runlog import console
+from mmgrpo.runstate.runlog import console
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = HERE / "start"
@@ -123,7 +123,7 @@ def ship(model: Path, destination: Path | None = None, **record) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m mmgrpo.demo.start", description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mmgrpo.demo.shipped_start", description=__doc__.strip().splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="Seed of every stage.")
     parser.add_argument("--output_dir", default="runs/demo-start", help="Where the stages write their folders.")
     parser.add_argument("--torch_threads", type=int, default=1, help="torch threads of every stage.")
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> Path:
 
         minutes = round((time.perf_counter() - started) / 60, 1)
         scores = evaluate_all(str(model), Path(args.output_dir) / "eval_test", None)
-        record = {"built_by": f"python -m mmgrpo.demo.start --seed {args.seed} --ship", "seed": args.seed,
+        record = {"built_by": f"python -m mmgrpo.demo.shipped_start --seed {args.seed} --ship", "seed": args.seed,
                   "build_minutes": minutes,
                   "test_accuracy": {name: {metric: round(scores[name]["metrics"][metric], 4)}
                                     for name, metric, _ in TASKS}}

@@ -8,7 +8,7 @@ checkpoints the run keeps, and a disk that fills up during a save named in one l
 The estimate is what a checkpoint writes: the saved weights (fp32 as trained; LoRA: the adapters),
 AdamW's two moments of every weight that trains, and small files. The warning compares the free
 space with the estimate x (checkpoints kept + 1): `--save_total_limit N` keeps N, and the next one is
-written beside them before the oldest goes (atomic saves: mmgrpo/training/checkpoint.py).
+written beside them before the oldest goes (atomic saves: mmgrpo/runstate/checkpoint.py).
 
 >>> human(11_305_834)
 '11.3 MB'

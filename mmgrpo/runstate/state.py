@@ -7,7 +7,7 @@
     state.data                                 # the prompt stream's position
     state.flags, state.resumed                 # the run's flags, and what each resume changed
 
-Everything else a run is built from (`Run`, mmgrpo/training/run.py) is decided once and never
+Everything else a run is built from (`Run`, mmgrpo/training/build.py) is decided once and never
 replaced, so a checkpoint that holds the weights, optimizer, schedule, this object and every RNG
 (`capture_rng`) continues the run bit for bit (mmgrpo/training/resume.py).
 
@@ -42,7 +42,7 @@ class TrainState:
     modality_weights: dict[str, float] = field(default_factory=dict)
     """--dynamic_modality_weights: each modality's (or dataset's) moving average of |advantage|."""
     data: dict = field(default_factory=dict)
-    """The prompt stream's position (`mmgrpo.data.pipeline.PromptStream.state_dict()`)."""
+    """The prompt stream's position (`mmgrpo.data.prompt_batches.PromptStream.state_dict()`)."""
     model: str | None = None
     """The starting --model: the KL reference, which a resumed run must share."""
     rollout_in_flight: int = 0

@@ -5,7 +5,7 @@ output_dir/
     metrics.jsonl       one JSON object per step
     completions.jsonl   prompts, their G completions and every reward
     events.out.tfevents.*   TensorBoard scalars (same keys as metrics.jsonl)
-    wandb/ , mlruns/    --report_to wandb / mlflow (offline W&B runs, MLflow's file store; mmgrpo/training/trackers.py)
+    wandb/ , mlruns/    --report_to wandb / mlflow (offline W&B runs, MLflow's file store; mmgrpo/runstate/trackers.py)
     checkpoint-N/       HF folders (safetensors) that from_pretrained loads
 """
 
@@ -63,7 +63,7 @@ class RunLogger:
         write_config(self.dir, cfg, resumed)
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
-        from mmgrpo.training.trackers import make_trackers
+        from mmgrpo.runstate.trackers import make_trackers
 
         self.trackers = make_trackers(self.dir, cfg, resume_step)  # --report_to: tensorboard, wandb, mlflow
 

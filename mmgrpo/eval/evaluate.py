@@ -20,7 +20,7 @@ import torch
 
 from mmgrpo.eval.results import run_eval
 from mmgrpo.rollout.base import SamplingParams
-from mmgrpo.training.runlog import console, progress_bar
+from mmgrpo.runstate.runlog import console, progress_bar
 
 PROBE_FILE = "fusion_probe.json"  # --fusion_probe's means, beside eval.json
 
@@ -35,7 +35,7 @@ class EngineGenerator:
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.media_kwargs = media_kwargs or {}
         self.bar = bar
-        # --fusion_probe: modality reliance on each sample's first completion (mmgrpo/fusion/probe.py)
+        # --fusion_probe: modality reliance on each sample's first completion (mmgrpo/eval/reliance.py)
         self.probe_sums: dict[str, float] | None = {} if fusion_probe else None
         self.probe_counts: dict[str, int] = {}
 
@@ -57,8 +57,8 @@ class EngineGenerator:
         return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
 
     def _probe(self, encoded, rollout, num_samples: int) -> None:
+        from mmgrpo.eval.reliance import measure_reliance
         from mmgrpo.forward.policy import Policy
-        from mmgrpo.fusion.probe import measure_reliance
 
         rows = torch.arange(0, len(encoded) * num_samples, num_samples)
         policy = Policy(self.engine.model, self.template, shared_prefix=False)
@@ -79,7 +79,7 @@ def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model
              limit: int | None = None, media_kwargs=None, show_progress: bool = True, fusion_probe: bool = False) -> dict:
     """Score the rollout engine's model on every sample of `dataset` (a DatasetView); writes eval.json and returns it.
 
-    fusion_probe: also measure modality reliance on each sample's first completion (mmgrpo/fusion/probe.py),
+    fusion_probe: also measure modality reliance on each sample's first completion (mmgrpo/eval/reliance.py),
     written to fusion_probe.json and returned under "fusion_probe" (samples an earlier --resume run finished
     are not probed again)."""
     count = len(dataset) if limit is None else min(limit, len(dataset))
@@ -154,8 +154,8 @@ def check_counts(args) -> None:
 
 
 def main(argv: list[str]) -> dict:
-    from mmgrpo.data.pipeline import media_options
-    from mmgrpo.data.registry import resolve_dataset
+    from mmgrpo.data.catalog import resolve_dataset
+    from mmgrpo.data.prompt_batches import media_options
 
     args = eval_parser().parse_args(argv)
     check_counts(args)

@@ -15,7 +15,7 @@ uninterrupted run, step for step (tests/test_preemption.py).
 
 A second signal exits at once, with status 128 + its number: a save it interrupts leaves a staging
 folder that the next save or resume removes, and every earlier checkpoint stays whole (the
-atomic saves of mmgrpo/training/checkpoint.py guarantee that at any instant).
+atomic saves of mmgrpo/runstate/checkpoint.py guarantee that at any instant).
 
 Under torchrun, torchrun passes a SIGTERM it receives on to every rank (then waits 30 s before it
 kills them); a signal sent to the job's process group reaches each rank itself. DataLoader workers
@@ -80,7 +80,7 @@ class StopSignals:
             _say(f"mmgrpo: {name} received: finishing the step in progress, then saving a checkpoint "
                  f"({name} again stops at once)")
             return
-        from mmgrpo.training.run_lock import _release_all
+        from mmgrpo.runstate.run_lock import _release_all
 
         _say(f"mmgrpo: {name} again: stopping at once; the earlier checkpoints are intact "
              "(resume with --resume_from_checkpoint latest)")

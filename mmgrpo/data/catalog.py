@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from mmgrpo.data.augment import Augment, parse_augment
-from mmgrpo.data.schema import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
+from mmgrpo.data.sample import DEFAULT_SYSTEM_PROMPT, Sample, normalize_row
 from mmgrpo.errors import ConfigError, DataError
 
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "datasets_cfg"

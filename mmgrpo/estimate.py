@@ -476,8 +476,8 @@ def measure_step_memory(cfg) -> dict:
     from mmgrpo.engine import grpo_step
     from mmgrpo.forward.policy import autocast
     from mmgrpo.parallel.tracked_memory import TrackedMemory
-    from mmgrpo.training.run import build_run
-    from mmgrpo.training.state import seed_everything
+    from mmgrpo.runstate.state import seed_everything
+    from mmgrpo.training.build import build_run
 
     cfg.validate()  # as engine.train does before build_run
     run = build_run(cfg)
