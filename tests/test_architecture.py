@@ -9,14 +9,22 @@
   package (a helper lives beside its only user);
 - no `Rollout` is copied field by field outside mmgrpo/rollout/base.py: `Rollout.select` and
   `Rollout.concat` keep every field;
-- one registry type: no module keeps a dict of registered names of its own.
+- one registry type: no module keeps a dict of registered names of its own;
+- packages stand on floors and import only packages on lower floors (FLOORS below);
+- below the run's assembly no function takes the whole TrainConfig or the assembly's `Run`: each
+  part is handed its own typed section;
+- no two module files share a name (`__init__.py` and `base.py` aside), and at most three
+  functions run over 80 lines.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
+
+from mmgrpo.config import TrainConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mmgrpo"
 
@@ -178,3 +186,138 @@ def test_registries_are_the_one_registry_type():
                         and not node.value.keys and "register" in path.read_text():
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {names}")
     assert not offenders, "a registry of its own (use mmgrpo.registry.Registry):\n" + "\n".join(offenders)
+
+
+# The floors of docs/architecture.md, bottom first. A package imports only packages on lower floors
+# (imports inside functions count: a lazy import hides a dependency, it does not remove it).
+FLOORS = [
+    ("errors",),  # user-facing errors
+    ("registry",),  # the one registry type and plugin loading
+    ("runstate",),  # the ground floor of a run: checkpoint files, locks, TrainState, logs
+    ("config",),  # every option: dataclasses, flags, the field-level checks
+    ("processors",),  # media decoding
+    ("templates",),  # one file per model family
+    ("tools",),  # multi-turn tools
+    ("data",),  # samples, the dataset catalogue, prompt batches
+    ("grpo",),  # tensors in, tensors out
+    ("fusion",),  # fusion modules and the hooks that feed them
+    ("models",),  # loading, which weights train, saving, tiny checkpoints
+    ("forward",),  # the policy's forwards
+    ("parallel",),  # one process, FSDP2, ZeRO-3
+    ("rollout",),  # engines, the rollout pipeline, rounds, vLLM
+    ("rewards",),  # reward functions, reward models and the judge (which generates with a rollout engine)
+    ("eval",),  # metrics, evaluation, reports, the reliance probe
+    ("training",),  # the run's assembly: build_run, resume, the output folder, the optimizer
+    ("engine", "sft"),  # the GRPO loop and step; SFT
+    ("estimate", "viz", "demo"),  # commands
+    ("cli",),
+    ("__main__",),
+]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_packages_import_only_downwards():
+    floor = {name: level for level, names in enumerate(FLOORS) for name in names}
+    mods = modules()
+    unplaced = sorted({package_of(m) for m in mods} - set(floor) - {"mmgrpo"})
+    assert not unplaced, f"packages on no floor (add them to FLOORS and docs/architecture.md): {unplaced}"
+    upward = []
+    for name, path in mods.items():
+        source = package_of(name)
+        if source == "mmgrpo":  # the package's face (`from mmgrpo import train`): lazy re-exports
+            continue
+        for dep in imported(path, set(mods)):
+            target = package_of(dep)
+            if target in (source, "mmgrpo"):
+                continue
+            if floor[target] >= floor[source]:
+                upward.append(f"{name} -> {dep} (floor {floor[source]} -> {floor[target]})")
+    assert not upward, "imports that do not point down a floor:\n" + "\n".join(sorted(upward))
+
+
+# The run's assembly and what stands above it may hold the whole configuration; config/ defines it.
+ASSEMBLY_AND_ABOVE = ("training", "engine", "sft", "estimate", "cli", "__main__", "demo", "config", "viz")
+SECTIONS = {"model", "data", "rollout", "algo", "optim", "eval", "dist"}
+# and the run's own options at the top of TrainConfig (output_dir, seed, bf16, save_steps ...)
+SECTIONS |= {f.name for f in dataclasses.fields(TrainConfig)} - {"model", "data", "rollout", "algo", "optim", "eval", "dist"}
+WHOLE_CONFIG_TYPES = re.compile(r"\b(TrainConfig|SFTConfig|RunOptions|Run|ModelRun)\b")
+# Deliberate exceptions: "module:function" -> why it takes the whole configuration.
+WHOLE_CONFIG_EXCEPTIONS: dict[str, str] = {}
+
+
+def _sections_read(node: ast.AST, name: str) -> set[str]:
+    """The TrainConfig sections and run options read through `name` (`name.rollout`, `name.seed`) or
+    `self.name` inside node: a part that reads them was handed the whole configuration."""
+    read = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and sub.attr in SECTIONS:
+            holder = sub.value
+            if isinstance(holder, ast.Name) and holder.id == name:
+                read.add(sub.attr)
+            elif isinstance(holder, ast.Attribute) and holder.attr == name and isinstance(holder.value, ast.Name) \
+                    and holder.value.id == "self":
+                read.add(sub.attr)
+    return read
+
+
+def whole_config_takers(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):  # an object that keeps the config and reads several sections of it
+            for attr in ("cfg", "config"):
+                if _sections_read(node, attr):
+                    found.append(f"{node.name}: self.{attr} reads {sorted(_sections_read(node, attr))}")
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        for arg in arguments:
+            annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+            if annotation and WHOLE_CONFIG_TYPES.search(annotation):
+                found.append(f"{node.name}({arg.arg}: {annotation})")
+            elif not annotation and arg.arg == "run":
+                found.append(f"{node.name}(run): an untyped run")
+            elif arg.arg in ("cfg", "config") and _sections_read(node, arg.arg):
+                found.append(f"{node.name}({arg.arg}) reads {sorted(_sections_read(node, arg.arg))}")
+    return found
+
+
+def test_below_the_assembly_each_part_takes_its_own_section():
+    offenders = []
+    for name, path in modules().items():
+        if package_of(name) in ASSEMBLY_AND_ABOVE or package_of(name) == "mmgrpo":
+            continue
+        for what in whole_config_takers(path):
+            key = f"{name}:{what.split('(')[0].split(':')[0]}"
+            if key not in WHOLE_CONFIG_EXCEPTIONS:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}: {what}")
+    assert not offenders, "parts handed the whole configuration (hand them their typed section):\n" + "\n".join(offenders)
+
+
+def test_no_two_modules_share_a_file_name():
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in ("__init__.py", "base.py"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"module names used twice (name each for what it holds): {shared}"
+
+
+LONG_FUNCTION = 80
+LONG_FUNCTIONS_ALLOWED = 3
+
+
+def test_few_long_functions():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONG_FUNCTION:
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.name} ({lines} lines)")
+    assert len(long) <= LONG_FUNCTIONS_ALLOWED, (
+        f"{len(long)} functions over {LONG_FUNCTION} lines (at most {LONG_FUNCTIONS_ALLOWED}):\n" + "\n".join(long))

@@ -175,6 +175,14 @@ class Fusion(nn.Module):
         else:
             raise RuntimeError(f"fusion modules: {rows} rows continue {prompts} prompts; say which with continuing_rows")
 
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What follows decoder layer `layer` given its output hidden [rows, L, H]: the module placed
+        there, while a call is under way with the modules enabled; else `hidden` unchanged. The one
+        entry for the layer hooks and for decoders that run the layers themselves (rollout/lean_decode.py)."""
+        if not self._active or str(layer) not in self.blocks:
+            return hidden
+        return self.fuse(layer, hidden)
+
     def fuse(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """The module after `layer` on its output hidden [rows, L, H]."""
         module = self.blocks[str(layer)]
@@ -224,11 +232,9 @@ class _LayerHook:
         self.fusion, self.layer = fusion, layer
 
     def __call__(self, module, args, output):
-        if not self.fusion._active:
-            return None
         if isinstance(output, tuple):
-            return (self.fusion.fuse(self.layer, output[0]), *output[1:])
-        return self.fusion.fuse(self.layer, output)
+            return (self.fusion.after_layer(self.layer, output[0]), *output[1:])
+        return self.fusion.after_layer(self.layer, output)
 
 
 def attach_fusion(model: nn.Module, template, spec: FusionSpec, *, seed: int = 0) -> Fusion:

@@ -134,8 +134,8 @@ class LeanDecoder:
             x = _rms_norm(hidden, layer.post_norm)
             x = F.silu(F.linear(x, layer.gate.weight, layer.gate.bias)) * F.linear(x, layer.up.weight, layer.up.bias)
             hidden = hidden + F.linear(x, layer.down.weight, layer.down.bias)
-            if fusion is not None and fusion._active and str(index) in fusion.blocks:
-                hidden = fusion.fuse(index, hidden)
+            if fusion is not None:
+                hidden = fusion.after_layer(index, hidden)
         return _rms_norm(hidden, self.norm)[:, 0]  # [N, H]
 
 
