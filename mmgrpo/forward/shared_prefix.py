@@ -187,6 +187,19 @@ def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _rows_of_prompts(num_prompts: int, num_rows: int, num_generations: int | list[int], device) -> tuple:
+    """(G where every prompt has G rows else None, the prompt of each row [N]) for rows that are
+    contiguous per prompt and in prompt order."""
+    counts = [num_generations] * num_prompts if isinstance(num_generations, int) else list(num_generations)
+    if len(counts) != num_prompts or sum(counts) != num_rows:
+        raise ValueError(
+            f"{num_rows} completion rows do not match {num_prompts} prompts x {num_generations} rows"
+        )
+    group = counts[0] if len(set(counts)) == 1 else None
+    prompt_of_row = torch.repeat_interleave(torch.arange(num_prompts, device=device), torch.tensor(counts, device=device))
+    return group, prompt_of_row
+
+
 def shared_prefix_hidden(
     model: nn.Module,
     template,
@@ -213,22 +226,12 @@ def shared_prefix_hidden(
         last state). Equal to slicing the naive forward over prompt + completion.
     """
     core, decoder = model_parts(model, template)
-    num_prompts = prompt_inputs["input_ids"].shape[0]
-    num_rows, length = completion_ids.shape
-    device = completion_ids.device
-    counts = [num_generations] * num_prompts if isinstance(num_generations, int) else list(num_generations)
-    if len(counts) != num_prompts or sum(counts) != num_rows:
-        raise ValueError(
-            f"{num_rows} completion rows do not match {num_prompts} prompts x {num_generations} rows"
-        )
     if _checkpointing_reentrant(decoder):
         raise ValueError(
             "shared_prefix_hidden needs non-reentrant gradient checkpointing (use_reentrant=False)"
         )
-    group = counts[0] if len(set(counts)) == 1 else None
-    prompt_of_row = torch.repeat_interleave(
-        torch.arange(num_prompts, device=device), torch.tensor(counts, device=device)
-    )  # [N]
+    length, device = completion_ids.shape[1], completion_ids.device
+    group, prompt_of_row = _rows_of_prompts(prompt_inputs["input_ids"].shape[0], completion_ids.shape[0], num_generations, device)
 
     # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
     positions, next_position = template.prompt_positions(core, prompt_inputs)
