@@ -6,10 +6,12 @@ import pytest
 from PIL import Image
 
 from mmgrpo.data.sample import LoadedSample
+from mmgrpo.errors import ConfigError
 from mmgrpo.eval import get_metric, run_eval
 from mmgrpo.eval.detection import coco_map, map_metric
 from mmgrpo.eval.vqa_official import official_vqa_accuracy, process_digit_article, process_punctuation
 from mmgrpo.models import load_processor
+from mmgrpo.rewards import get_reward
 from mmgrpo.rewards.detections import Detection, parse_detections
 from mmgrpo.templates import get_template
 
@@ -62,16 +64,21 @@ def test_word_rules():
     assert process_digit_article("eleven") == "eleven"  # only zero..ten
 
 
-def test_the_metric_is_official_and_the_lenient_one_has_its_own_name():
+def test_the_official_metric_has_its_own_name_and_vqa_accuracy_is_the_reward_everywhere():
     completions = [["<answer>Yes.</answer>"], ["<think>hm</think>two"]]
     solution = [["Yes"] * 10, [{"answer": "two"}] * 9 + [{"answer": "2"}]]
     # official: "yes" against ten unprocessed "Yes"; "2" against one "2" of ten
-    assert get_metric("vqa_accuracy").fn(completions, solution=solution).scores == {"vqa_accuracy": [0.0, 0.3]}
-    lenient = get_metric("vqa_accuracy_lenient").fn(completions, solution=solution).scores
-    assert lenient == {"vqa_accuracy_lenient": [1.0, 1.0]}
+    assert get_metric("vqav2_accuracy").fn(completions, solution=solution).scores == {"vqav2_accuracy": [0.0, 0.3]}
+    # `vqa_accuracy` scores as the reward of that name does, in training and in evaluation
+    lenient = get_metric("vqa_accuracy").fn(completions, solution=solution).scores
+    assert lenient == {"vqa_accuracy": [1.0, 1.0]}
+    answers = [["Yes"] * 10, ["two"] * 9 + ["2"]]
+    assert get_reward("vqa_accuracy")([c[0] for c in completions], solution=answers) == [1.0, 1.0]
     # one reference string counts as ten humans who gave it
-    scores = get_metric("vqa_accuracy").fn([["red"], ["Red."], ["blue"]], solution=["red"] * 3).scores
-    assert scores["vqa_accuracy"] == [1.0, 1.0, 0.0]
+    scores = get_metric("vqav2_accuracy").fn([["red"], ["Red."], ["blue"]], solution=["red"] * 3).scores
+    assert scores["vqav2_accuracy"] == [1.0, 1.0, 0.0]
+    with pytest.raises(ConfigError, match="vqa_accuracy_lenient"):  # the old name of the lenient metric
+        get_metric("vqa_accuracy_lenient")
 
 
 # ---- detection mAP ---------------------------------------------------------------------------

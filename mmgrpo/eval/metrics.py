@@ -15,7 +15,7 @@ Text metrics look at the answer part of a completion, as the rewards do: the fir
 
 Names `--metrics` accepts (`get_metric`):
     exact_match  rouge_l  bleu  cider  iou  pass_at_k  mean_at_k
-    vqa_accuracy (the official VQAv2 script)  vqa_accuracy_lenient   (vqa_official.py)
+    vqav2_accuracy (the official VQAv2 script)  vqa_accuracy (the reward's lenient score)   (vqa_official.py)
     map (COCO AP@[.5:.95] and map50 over several boxes)               (detection.py)
     pass@K, mean@K           pass@K over K completions (--num_samples >= K)
     pass@K:JUDGE             JUDGE = exact_match (default) or a reward name

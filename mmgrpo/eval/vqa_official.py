@@ -28,8 +28,8 @@ The quirks kept (they change scores, so they stay):
 What the script never sees, decided here: the prediction graded is the answer part of a
 completion (`<answer>...</answer>`, as every metric); a sample with a single reference string
 counts as ten humans who gave it; with answer dicts `{"answer": ...}` only the text is read.
-The lenient normalisation (both sides always processed, the `vqa_accuracy` reward) is the
-`vqa_accuracy_lenient` metric.
+This is the `vqav2_accuracy` metric. The `vqa_accuracy` metric is the `vqa_accuracy` reward's
+lenient score (both sides always processed): one name, one score, in training and in evaluation.
 
     >>> official_vqa_accuracy("Two.", ["2"] * 10)        # the prediction is always processed
     1.0
@@ -117,19 +117,20 @@ def human_answers(solution) -> list[str]:
     return [str(solution)] * 10
 
 
-@register_metric("vqa_accuracy", needs=("solution",))
-def vqa_accuracy(completions, solution, **_):
+@register_metric("vqav2_accuracy", needs=("solution",))
+def vqav2_accuracy(completions, solution, **_):
     """The official VQAv2 accuracy of each sample's completions (mean over its k completions)."""
     scores = [
         sum(official_vqa_accuracy(answer_text(c), human_answers(ref)) for c in sample) / len(sample)
         for sample, ref in zip(completions, solution)
     ]
-    return MetricValues({"vqa_accuracy": scores})
+    return MetricValues({"vqav2_accuracy": scores})
 
 
-@register_metric("vqa_accuracy_lenient", needs=("solution",))
-def vqa_accuracy_lenient(completions, solution, **_):
-    """The `vqa_accuracy` reward as a metric: both sides always normalised, one reference by exact match."""
+@register_metric("vqa_accuracy", needs=("solution",))
+def vqa_accuracy(completions, solution, **_):
+    """The `vqa_accuracy` reward as a metric, the same name for the same score: both sides always
+    normalised, one reference by exact match."""
     from mmgrpo.rewards.vqa import vqa_soft_accuracy
 
     scores = [
@@ -137,4 +138,4 @@ def vqa_accuracy_lenient(completions, solution, **_):
             for c in sample) / len(sample)
         for sample, ref in zip(completions, solution)
     ]
-    return MetricValues({"vqa_accuracy_lenient": scores})
+    return MetricValues({"vqa_accuracy": scores})

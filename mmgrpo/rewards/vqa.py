@@ -1,7 +1,6 @@
-"""VQAv2 soft accuracy with the official answer normalisation.
+"""VQAv2 soft accuracy as a reward: the official answer normalisation, applied leniently.
 
-The normalisation follows the official VQA evaluation script, quirks included, so our numbers
-are comparable with published ones:
+The normalisation steps are the official VQA evaluation script's:
 1. newlines and tabs become spaces, surrounding whitespace is stripped;
 2. punctuation: each of `; / [ ] " { } ( ) = + \\ _ - > < @ ` , ? !` is deleted if it touches a
    space somewhere in the text (or the text has a digit,digit comma like "1,000"), else replaced
@@ -11,6 +10,9 @@ are comparable with published ones:
 3. lower-case; the words none, zero ... ten become 0 ... 10; the articles a, an, the are dropped;
 4. contractions written without the apostrophe are restored from the official table
    (dont -> don't, whats -> what's).
+
+The score is lenient, so it is a denser training signal than the official one and its figures
+are not published VQAv2 numbers (the `vqav2_accuracy` metric, mmgrpo/eval/vqa_official.py, is).
 
 Where we differ from the script, deliberately:
 - the script normalises only when the human answers disagree (when all ten agree it compares
