@@ -17,7 +17,7 @@ from mmgrpo.data.sample import LoadedSample
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.forward.policy import Policy
 from mmgrpo.models import load_model, load_processor
-from mmgrpo.templates import get_template, known_templates, load_template_plugin
+from mmgrpo.templates import get_template, load_template_plugin, template_names
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_template.md"
 
@@ -42,7 +42,7 @@ def plugin(tmp_path_factory):
 
 
 def test_plugin_registers_and_loads_once(plugin):
-    assert "qwen2-vl-nosys" in known_templates()
+    assert "qwen2-vl-nosys" in template_names()
     assert load_template_plugin(str(plugin)) == ["qwen2-vl-nosys"]  # a second load is a no-op
 
 
@@ -169,14 +169,14 @@ def test_plugin_from_the_command_line(tmp_path):
 
     path = tmp_path / "my_cli_template.py"  # the docs' plugin under a name no other test loads
     path.write_text(_doc_plugin_source().replace("qwen2-vl-nosys", "qwen2-vl-nosys-cli"))
-    assert "qwen2-vl-nosys-cli" not in known_templates()
+    assert "qwen2-vl-nosys-cli" not in template_names()
     out = tmp_path / "run"
     main(["train", "--template_plugin", str(path), "--model_type", "qwen2-vl-nosys-cli", "--model", "tiny:qwen2-vl",
           "--dataset", "shapes-color", "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "4",
           "--max_completion_length", "8", "--beta", "0", "--dataloader_num_workers", "0", "--logging_steps", "100",
           "--output_dir", str(out)])  # fmt: skip
     assert (out / "metrics.jsonl").read_text().count("\n") == 1
-    assert "qwen2-vl-nosys-cli" in known_templates()
+    assert "qwen2-vl-nosys-cli" in template_names()
     main(["eval", "--template_plugin", str(path), "--model_type", "qwen2-vl-nosys-cli", "--model",
           str(out / "checkpoint-1"), "--dataset", "shapes-color:test", "--limit", "2",
           "--max_completion_length", "4", "--output_dir", str(tmp_path / "eval")])  # fmt: skip

@@ -16,13 +16,13 @@ from mmgrpo.rewards import (
     format_reward,
     get_reward,
     iou_reward,
-    list_rewards,
     make_format_reward,
     math_accuracy,
     normalize_vqa_answer,
     parse_box,
     register_reward,
     reward_funcs,
+    reward_names,
     vqa_accuracy,
     vqa_soft_accuracy,
 )
@@ -339,7 +339,7 @@ def test_exact_match():
 
 
 def test_builtins_are_registered():
-    names = set(list_rewards())
+    names = set(reward_names())
     assert {
         "format",
         "answer_format",

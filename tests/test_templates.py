@@ -9,7 +9,7 @@ from transformers import AutoModelForImageTextToText
 from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.models import load_processor
-from mmgrpo.templates import Template, get_template, known_templates, register_template
+from mmgrpo.templates import Template, get_template, register_template, template_names
 from mmgrpo.templates.qwen2_vl import video_metadata
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl"]
@@ -309,7 +309,7 @@ def test_components_and_suppressed_tokens(family, processors, models):
 
 
 def test_get_template_names(processors):
-    assert {"qwen2-vl", "qwen2.5-vl"} <= set(known_templates())
+    assert {"qwen2-vl", "qwen2.5-vl"} <= set(template_names())
     for name in ["qwen2_vl", "Qwen2-VL"]:
         assert get_template(name, processors["qwen2-vl"]).name == "qwen2-vl"
     for name in ["qwen2_5_vl", "qwen2.5-vl"]:

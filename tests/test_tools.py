@@ -11,7 +11,7 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.errors import ConfigError
 from mmgrpo.models import load_processor
 from mmgrpo.templates import get_template
-from mmgrpo.tools import ToolContext, ToolEnvironment, get_tool, list_tools, parse_tool_calls, zoom
+from mmgrpo.tools import ToolContext, ToolEnvironment, get_tool, parse_tool_calls, tool_names, zoom
 from mmgrpo.tools.environment import ERROR_KINDS
 
 ZOOM = "image_zoom_in_tool"
@@ -132,7 +132,7 @@ def test_a_tool_plugin_loads_from_its_file_and_bad_specs_name_the_choices(tmp_pa
     plugin.write_text("def lookup(arguments, context):\n    return 'found ' + arguments['q']\n")
     func = get_tool(f"{plugin}:lookup")
     assert func({"q": "x"}, None) == "found x"
-    assert ZOOM in list_tools()
+    assert ZOOM in tool_names()
     with pytest.raises(ConfigError, match=f"unknown tool .*choose one of: .*{ZOOM}"):
         get_tool("zoom_typo")
     with pytest.raises(ConfigError, match="defines no function 'nope'. Functions it defines: lookup"):

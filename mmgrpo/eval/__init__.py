@@ -10,7 +10,7 @@ See docs/evaluation.md.
 
 from mmgrpo.eval import detection, vqa_official  # noqa: F401  (register `map`, `vqa_accuracy`)
 from mmgrpo.eval.compare import compare, compare_markdown, print_compare, write_compare
-from mmgrpo.eval.metrics import get_metric, list_metrics, pass_at_k, register_metric
+from mmgrpo.eval.metrics import get_metric, metric_names, pass_at_k, register_metric
 from mmgrpo.eval.report import write_report
 from mmgrpo.eval.results import SampleWriter, eval_markdown, finalize_eval, load_eval, run_eval
 
@@ -21,7 +21,7 @@ __all__ = [
     "eval_markdown",
     "finalize_eval",
     "get_metric",
-    "list_metrics",
+    "metric_names",
     "load_eval",
     "pass_at_k",
     "print_compare",

@@ -77,7 +77,7 @@ def register_metric(name: str, *, needs: tuple[str, ...] = (), corpus: bool = Fa
     return decorator
 
 
-def list_metrics() -> list[str]:
+def metric_names() -> list[str]:
     return METRICS.names()
 
 
@@ -95,7 +95,7 @@ def get_metric(spec: str) -> Metric:
         return reward_metric(name)
     except (MMGRPOError, KeyError) as error:
         raise ConfigError(
-            f"unknown metric {spec!r}: metrics are {', '.join(list_metrics())}, pass@K, mean@K, "
+            f"unknown metric {spec!r}: metrics are {', '.join(metric_names())}, pass@K, mean@K, "
             f"or a reward name ({error})"
         ) from None
 

@@ -115,7 +115,7 @@ def infer_model_type(model: str) -> str:
     ConfigError listing the choices."""
     import json
 
-    from mmgrpo.templates import Template, known_templates, templates_for_hf_type
+    from mmgrpo.templates import Template, template_names, templates_for_hf_type
 
     if built_model_family(model):
         return built_model_family(model)
@@ -126,7 +126,7 @@ def infer_model_type(model: str) -> str:
     if os.path.isdir(folder):  # a half-written checkpoint (no mmgrpo.json yet): name what is wrong first
         check_model_folder(folder)
     config_file = os.path.join(folder, "config.json")
-    choices = ", ".join(known_templates())
+    choices = ", ".join(template_names())
     if not os.path.isfile(config_file):
         raise ConfigError(
             f"--model {model}: no config.json to infer the model type from; give --model_type (one of {choices})."

@@ -14,9 +14,9 @@ from mmgrpo.rewards.repetition import repetition
 from mmgrpo.rewards.reward_funcs import (
     compute_rewards,
     get_reward,
-    list_rewards,
     register_reward,
     reward_name,
+    reward_names,
 )
 from mmgrpo.rewards.text import exact_match, extract_answer, make_soft_overlong, normalize_text
 from mmgrpo.rewards.vqa import normalize_vqa_answer, vqa_accuracy, vqa_soft_accuracy
@@ -32,7 +32,7 @@ __all__ = [
     "get_reward",
     "iou_at_50_reward",
     "iou_reward",
-    "list_rewards",
+    "reward_names",
     "make_format_reward",
     "make_soft_overlong",
     "math_accuracy",

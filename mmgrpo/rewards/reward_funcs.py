@@ -57,7 +57,7 @@ def register_reward(name: str):
     return decorator
 
 
-def list_rewards() -> list[str]:
+def reward_names() -> list[str]:
     """Names of the registered rewards, sorted."""
     return REWARDS.names()
 

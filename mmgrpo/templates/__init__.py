@@ -26,8 +26,8 @@ from mmgrpo.templates.base import (
     PromptInputs,
     Template,
     get_template,
-    known_templates,
     register_template,
+    template_names,
     templates_for_hf_type,
 )
 
@@ -35,7 +35,7 @@ __all__ = [
     "PromptInputs",
     "Template",
     "get_template",
-    "known_templates",
+    "template_names",
     "load_template_plugin",
     "register_template",
     "templates_for_hf_type",
@@ -48,11 +48,11 @@ def load_template_plugin(spec: str) -> list[str]:
     """Import a file (`path/to/my_template.py`) or module (`my_pkg.my_template`) that registers
     templates; returns the names it registered. Loading the same plugin again is a no-op.
     """
-    before = set(known_templates())
+    before = set(template_names())
     module = import_plugin(spec, "template plugin")
     if id(module) in _LOADED_PLUGINS:
         return list(_LOADED_PLUGINS[id(module)])
-    added = sorted(set(known_templates()) - before)
+    added = sorted(set(template_names()) - before)
     if not added:
         raise ConfigError(
             f"template plugin {spec!r} registered no template; decorate a Template subclass with "

@@ -678,7 +678,7 @@ def register_template(name: str):
     return register
 
 
-def known_templates() -> list[str]:
+def template_names() -> list[str]:
     """Registered template names, sorted."""
     return TEMPLATES.names()
 

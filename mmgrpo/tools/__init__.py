@@ -11,7 +11,7 @@ whole recipe.
 
 from mmgrpo.tools.calls import ToolCall, parse_tool_calls
 from mmgrpo.tools.environment import ERROR_KINDS, ToolEnvironment, ToolResult
-from mmgrpo.tools.tool_funcs import ToolContext, get_tool, list_tools, register_tool, tool_name
+from mmgrpo.tools.tool_funcs import ToolContext, get_tool, register_tool, tool_name, tool_names
 from mmgrpo.tools.zoom import image_zoom_in_tool, zoom
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "ToolResult",
     "get_tool",
     "image_zoom_in_tool",
-    "list_tools",
+    "tool_names",
     "parse_tool_calls",
     "register_tool",
     "tool_name",

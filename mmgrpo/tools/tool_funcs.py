@@ -81,7 +81,7 @@ def register_tool(name: str):
     return decorator
 
 
-def list_tools() -> list[str]:
+def tool_names() -> list[str]:
     """Names of the registered tools, sorted."""
     return TOOLS.names()
 
