@@ -270,7 +270,32 @@ def read_registry_file(path: str | os.PathLike) -> list[DatasetEntry]:
     return entries
 
 
+@dataclass
+class _EntryKeys:
+    """The keys of one registry entry being read: an error names the file, the entry and the key;
+    a path is relative to the registry file's folder (`base`)."""
+
+    raw: dict
+    where: str
+    base: Path
+
+    def bad(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.where}, key {key!r}: {problem}")
+
+    def absolute(self, value, key: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.bad(key, f"must be a path string, got {value!r}")
+        return os.fspath(self.base / Path(value).expanduser())
+
+    def path_list(self, value, key: str) -> list[str]:
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise self.bad(key, "must name at least one file")
+        return [self.absolute(v, key) for v in values]
+
+
 def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
+    """One `datasets:` entry of registry file `path`, every key checked (the first bad one is a ConfigError)."""
     where = f"dataset registry {path}, entry #{position}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a mapping with at least 'name' and a data source")
@@ -280,53 +305,48 @@ def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
             f"{where}: key 'name' must be a string of letters, digits, '.', '_', '-', '/' (no ':'), got {name!r}"
         )
     where = f"dataset registry {path}, entry {name!r}"
-
-    def bad(key: str, problem: str):
-        return ConfigError(f"{where}, key {key!r}: {problem}")
-
     unknown = sorted(set(raw) - _ALLOWED_KEYS)
     if unknown:
-        raise bad(unknown[0], f"unknown key; allowed keys: {', '.join(sorted(_ALLOWED_KEYS))}")
+        raise ConfigError(f"{where}, key {unknown[0]!r}: unknown key; allowed keys: {', '.join(sorted(_ALLOWED_KEYS))}")
     sources = [key for key in _SOURCE_KEYS if raw.get(key) is not None]
     if len(sources) != 1:
         raise ConfigError(f"{where}: give exactly one of {', '.join(_SOURCE_KEYS)} (got {sources or 'none'})")
-    base = path.parent.resolve()
-
-    def absolute(value, key: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise bad(key, f"must be a path string, got {value!r}")
-        return os.fspath(base / Path(value).expanduser())
-
-    def path_list(value, key: str) -> list[str]:
-        values = value if isinstance(value, list) else [value]
-        if not values:
-            raise bad(key, "must name at least one file")
-        return [absolute(v, key) for v in values]
-
+    keys = _EntryKeys(raw, where, path.parent.resolve())
     entry = DatasetEntry(name=name, source_file=os.fspath(path))
     description = raw.get("description", "")
     if not isinstance(description, str):
-        raise bad("description", "must be a string")
+        raise keys.bad("description", "must be a string")
     entry.description = description.strip()
+    _read_data_source(entry, keys)
+    _read_columns(entry, keys)
+    _read_limits(entry, keys)
+    if raw.get("augment") is not None:
+        entry.augment = parse_augment(raw["augment"], where)
+    return entry
+
+
+def _read_data_source(entry: DatasetEntry, keys: _EntryKeys) -> None:
+    """files | folder | splits | synthetic (with synthetic_args): where the rows come from."""
+    raw = keys.raw
     if raw.get("files") is not None:
-        entry.files = path_list(raw["files"], "files")
+        entry.files = keys.path_list(raw["files"], "files")
     if raw.get("folder") is not None:
-        entry.folder = absolute(raw["folder"], "folder")
+        entry.folder = keys.absolute(raw["folder"], "folder")
     if raw.get("splits") is not None:
         splits = raw["splits"]
         if not isinstance(splits, dict) or not splits:
-            raise bad("splits", "must map split names to files, e.g. {train: train.jsonl, test: test.jsonl}")
+            raise keys.bad("splits", "must map split names to files, e.g. {train: train.jsonl, test: test.jsonl}")
         for split in splits:
             if not isinstance(split, str) or _is_number(split) or ":" in split:
-                raise bad(
+                raise keys.bad(
                     "splits", f"split name {split!r} must be a string that is not a number and has no ':'"
                 )
-        entry.splits = {split: path_list(files, f"splits.{split}") for split, files in splits.items()}
+        entry.splits = {split: keys.path_list(files, f"splits.{split}") for split, files in splits.items()}
     if raw.get("synthetic") is not None:
         from mmgrpo.data.synthetic import GENERATORS
 
         if raw["synthetic"] not in GENERATORS:
-            raise bad("synthetic", f"unknown generator {raw['synthetic']!r}; known: {', '.join(GENERATORS)}")
+            raise keys.bad("synthetic", f"unknown generator {raw['synthetic']!r}; known: {', '.join(GENERATORS)}")
         entry.synthetic = raw["synthetic"]
         args = raw.get("synthetic_args") or {}
         allowed = {"train_size", "test_size", "validation_size", "image_size", "seed"}
@@ -335,47 +355,53 @@ def _parse_entry(raw, path: Path, position: int) -> DatasetEntry:
             or set(args) - allowed
             or not all(isinstance(v, int) for v in args.values())
         ):
-            raise bad("synthetic_args", f"must map some of {', '.join(sorted(allowed))} to integers")
+            raise keys.bad("synthetic_args", f"must map some of {', '.join(sorted(allowed))} to integers")
         entry.synthetic_args = dict(args)
     elif raw.get("synthetic_args") is not None:
-        raise bad("synthetic_args", "only applies to a 'synthetic' dataset")
+        raise keys.bad("synthetic_args", "only applies to a 'synthetic' dataset")
+
+
+def _read_columns(entry: DatasetEntry, keys: _EntryKeys) -> None:
+    """How rows read: split_column, columns (renames), media_root, system_prompt, reward_funcs."""
+    raw = keys.raw
     if raw.get("split_column") is not None:
         if not isinstance(raw["split_column"], str) or entry.files is None:
-            raise bad("split_column", "must be a column name, and applies only to 'files'")
+            raise keys.bad("split_column", "must be a column name, and applies only to 'files'")
         entry.split_column = raw["split_column"]
     columns = raw.get("columns") or {}
     if not isinstance(columns, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in columns.items()
     ):
-        raise bad("columns", "must map source column names to schema column names, e.g. {question: query}")
+        raise keys.bad("columns", "must map source column names to schema column names, e.g. {question: query}")
     entry.columns = dict(columns)
     if raw.get("media_root") is not None:
-        entry.media_root = absolute(raw["media_root"], "media_root")
+        entry.media_root = keys.absolute(raw["media_root"], "media_root")
     if "system_prompt" in raw:
         if raw["system_prompt"] is not None and not isinstance(raw["system_prompt"], str):
-            raise bad("system_prompt", "must be a string (or null for no system turn)")
+            raise keys.bad("system_prompt", "must be a string (or null for no system turn)")
         entry.system_prompt = raw["system_prompt"]
     rewards = raw.get("reward_funcs") or []
     if isinstance(rewards, str):
         rewards = [rewards]
     if not isinstance(rewards, list) or not all(isinstance(r, str) for r in rewards):
-        raise bad("reward_funcs", "must be a list of reward names, e.g. [format, vqa_accuracy]")
+        raise keys.bad("reward_funcs", "must be a list of reward names, e.g. [format, vqa_accuracy]")
     entry.reward_funcs = rewards
-    max_pixels = raw.get("max_pixels")
+
+
+def _read_limits(entry: DatasetEntry, keys: _EntryKeys) -> None:
+    """The dataset's own max_pixels and max_completion_length: positive integers or absent."""
+    max_pixels = keys.raw.get("max_pixels")
     if max_pixels is not None and (
         not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels <= 0
     ):
-        raise bad("max_pixels", f"must be a positive integer, got {max_pixels!r}")
+        raise keys.bad("max_pixels", f"must be a positive integer, got {max_pixels!r}")
     entry.max_pixels = max_pixels
-    max_completion = raw.get("max_completion_length")
+    max_completion = keys.raw.get("max_completion_length")
     if max_completion is not None and (
         not isinstance(max_completion, int) or isinstance(max_completion, bool) or max_completion <= 0
     ):
-        raise bad("max_completion_length", f"must be a positive number of tokens, got {max_completion!r}")
+        raise keys.bad("max_completion_length", f"must be a positive number of tokens, got {max_completion!r}")
     entry.max_completion_length = max_completion
-    if raw.get("augment") is not None:
-        entry.augment = parse_augment(raw["augment"], where)
-    return entry
 
 
 def resolve_dataset(

@@ -155,7 +155,26 @@ def normalize_row(
             row[kind] = row.pop(kind[:-1])
     media = {kind: _as_media_list(row.pop(kind, None), kind, where) for kind in MEDIA_KINDS}
     extra = {key: value for key, value in row.items() if key not in _STRUCTURAL}
+    messages = _row_messages(row, media, extra, where)
+    if messages[-1]["role"] == "assistant":
+        extra["reference_response"] = _text_of(messages.pop()["content"])
+    if not any(message["role"] == "user" for message in messages):
+        raise DataError(where.field("messages", "has no user turn; the prompt needs one"))
+    _add_system_turn(messages, row, system_prompt, where)
+    _check_placeholders(messages, media, where)
+    return Sample(
+        id=f"{dataset}/{split}/{index}",
+        messages=messages,
+        columns=extra,
+        media_root=None if media_root is None else os.fspath(media_root),
+        **media,
+    )
 
+
+def _row_messages(row: dict, media: dict[str, list], extra: dict, where: _Where) -> list[dict]:
+    """The conversation of a `messages` row (its inline media moved into `media`) or of a `query`
+    row (placeholders put in front where the query has none; a `response` is the assistant turn,
+    and `extra["solution"]` where the row has none)."""
     if row.get("messages") is not None:
         messages, inline = _normalize_messages(row["messages"], where)
         for kind, refs in inline.items():
@@ -169,7 +188,8 @@ def normalize_row(
                 )
             if refs:
                 media[kind] = refs
-    elif row.get("query") is not None:
+        return messages
+    if row.get("query") is not None:
         query = row["query"]
         if not isinstance(query, str):
             raise DataError(where.field("query", f"must be a string, got {type(query).__name__}"))
@@ -184,23 +204,26 @@ def normalize_row(
             messages.append(
                 {"role": "assistant", "content": response if isinstance(response, str) else str(response)}
             )
-    else:
-        raise DataError(
-            f"{where}: the row has neither 'messages' nor 'query' (it has {sorted(row)}); "
-            "rename a column with 'columns' in the registry entry, e.g. {question: query}"
-        )
+        return messages
+    raise DataError(
+        f"{where}: the row has neither 'messages' nor 'query' (it has {sorted(row)}); "
+        "rename a column with 'columns' in the registry entry, e.g. {question: query}"
+    )
 
-    if messages[-1]["role"] == "assistant":
-        extra["reference_response"] = _text_of(messages.pop()["content"])
-    if not any(message["role"] == "user" for message in messages):
-        raise DataError(where.field("messages", "has no user turn; the prompt needs one"))
-    if not any(message["role"] == "system" for message in messages):
-        system = row.get("system")
-        if system is not None and not isinstance(system, str):
-            raise DataError(where.field("system", f"must be a string, got {type(system).__name__}"))
-        if system or system_prompt:
-            messages.insert(0, {"role": "system", "content": system or system_prompt})
 
+def _add_system_turn(messages: list[dict], row: dict, system_prompt: str | None, where: _Where) -> None:
+    """A system turn first where the messages have none: the row's `system` column, else `system_prompt`."""
+    if any(message["role"] == "system" for message in messages):
+        return
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DataError(where.field("system", f"must be a string, got {type(system).__name__}"))
+    if system or system_prompt:
+        messages.insert(0, {"role": "system", "content": system or system_prompt})
+
+
+def _check_placeholders(messages: list[dict], media: dict[str, list], where: _Where) -> None:
+    """DataError unless the messages hold one placeholder per image, video and audio."""
     for kind, tag in MEDIA_TAGS.items():
         placeholders = _count_placeholders(messages, kind)
         if placeholders != len(media[kind]):
@@ -212,13 +235,6 @@ def normalize_row(
                     f'(or {{"type": "{kind[:-1]}"}} part) in the messages per entry',
                 )
             )
-    return Sample(
-        id=f"{dataset}/{split}/{index}",
-        messages=messages,
-        columns=extra,
-        media_root=None if media_root is None else os.fspath(media_root),
-        **media,
-    )
 
 
 class _Where:
