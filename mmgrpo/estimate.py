@@ -237,32 +237,24 @@ def prompt_tokens(cfg, options: EstimateOptions, shape: ModelShape) -> tuple[int
     return tokens, options.images_per_prompt * patches
 
 
-def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> Estimate:
-    """Per-device memory of the run `cfg` describes (module docstring)."""
-    shape = shape or model_shape(cfg)
-    notes: list[str] = []
-    W = options.world_size
-    sharded = cfg.dist.strategy in ("fsdp2", "zero3")
-    shard = W if sharded else 1
-    bf16 = cfg.bf16
-    precision, act_bytes = ("bf16", 2) if bf16 else ("fp32", 4)
-    total, trainable = shape.params["total"], shape.trainable
-    lora = cfg.model.train_type == "lora"
-    param_offload = cfg.dist.offload_param
-    optim_offload = cfg.dist.offload_optimizer or (param_offload and cfg.dist.strategy == "fsdp2")
+@dataclass
+class StepBatch:
+    """A step's completions (rows) on one device, and the micro-batches they train in."""
 
-    parts: dict[str, float] = {}
-    parts["weights"] = 0.0 if param_offload else 4 * (total + (trainable if lora else 0)) / shard
-    if cfg.algo.beta > 0 and not lora:
-        parts["reference"] = (2 if bf16 else 4) * total / shard if (sharded or bf16) else 4 * trainable
-    parts["gradients"] = 4 * trainable / shard
-    parts["optimizer"] = 0.0 if optim_offload else 8 * trainable / shard
+    prompt_tokens: int  # L, of one prompt
+    patches: int  # vision patches of one prompt
+    step_rows: int  # completions a step
+    step_prompts: int
+    rows: int  # completions of a micro-batch
+    micro_batches: int
+    prompts: int  # prompt sequences a micro-batch runs: one per prompt with the shared prefix, else one per row
 
-    # The batch: rows (completions) of the step on this device, in micro-batches.
+
+def step_batch(cfg, options: EstimateOptions, shape: ModelShape) -> StepBatch:
+    """The step's rows and micro-batches: per_device_train_batch_size rows each, or prompt groups
+    packed under --max_tokens_per_microbatch."""
     G, T = cfg.rollout.num_generations, cfg.rollout.max_completion_length
     L, patches = prompt_tokens(cfg, options, shape)
-    if L > cfg.data.max_prompt_length:
-        notes.append(f"a prompt of {L} tokens is over --max_prompt_length {cfg.data.max_prompt_length}: train would stop")
     step_rows = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
     step_prompts = max(1, step_rows // G)
     shared = cfg.model.shared_prefix
@@ -271,10 +263,33 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
         rows = min(step_prompts, max(1, cfg.algo.max_tokens_per_microbatch // group_tokens)) * G
     else:
         rows = cfg.optim.per_device_train_batch_size
-    micro_batches = math.ceil(step_rows / rows)
     prompts = math.ceil(rows / G) if shared else rows
+    return StepBatch(L, patches, step_rows, step_prompts, rows, math.ceil(step_rows / rows), prompts)
 
-    # Training forward + backward of one micro-batch.
+
+def state_bytes(cfg, shape: ModelShape, shard: int, sharded: bool) -> dict[str, float]:
+    """What stays on the device between steps: weights, the reference copy, gradients, AdamW's moments."""
+    bf16 = cfg.bf16
+    total, trainable = shape.params["total"], shape.trainable
+    lora = cfg.model.train_type == "lora"
+    param_offload = cfg.dist.offload_param
+    optim_offload = cfg.dist.offload_optimizer or (param_offload and cfg.dist.strategy == "fsdp2")
+    parts: dict[str, float] = {}
+    parts["weights"] = 0.0 if param_offload else 4 * (total + (trainable if lora else 0)) / shard
+    if cfg.algo.beta > 0 and not lora:
+        parts["reference"] = (2 if bf16 else 4) * total / shard if (sharded or bf16) else 4 * trainable
+    parts["gradients"] = 4 * trainable / shard
+    parts["optimizer"] = 0.0 if optim_offload else 8 * trainable / shard
+    return parts
+
+
+def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> float:
+    """What one micro-batch's forward saves for backward: decoder layers, the vision tower and
+    merger where they train, autocast's bf16 weight copies."""
+    precision, act_bytes = ("bf16", 2) if cfg.bf16 else ("fp32", 4)
+    lora = cfg.model.train_type == "lora"
+    L, T, rows, prompts = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.rows, batch.prompts
+    shared = cfg.model.shared_prefix
     h, q, i, kv, layers = shape.hidden, shape.q_dim, shape.intermediate, shape.kv_dim, shape.layers
     mode = "train" if "llm" in shape.trains else "frozen"
     coef = DECODER_BYTES[shape.qk_norm][(precision, mode)]
@@ -289,7 +304,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
     decoder = tokens * 3 * 4 * h  # embeddings, final norm
     decoder += layers * tokens * 4 * h if checkpointing else layers * layer  # checkpointing: each layer's input only
     vision_act = block = 0.0
-    mb_patches = prompts * patches
+    mb_patches = prompts * batch.patches
     if shape.vision_depth and ("vision" in shape.trains or "aligner" in shape.trains):
         merger = (1 + shape.deepstack) * mb_patches * (MERGER_BYTES_PER_WIDTH * shape.vision_width + shape.vision_out) * act_bytes / 4
         vision_act = merger
@@ -301,47 +316,76 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
     if checkpointing:  # backward recomputes one layer (or vision block) at a time
         decoder += max(layer, block)
     copies = 0.0
-    if bf16:  # autocast's bf16 copy of each linear weight on the gradient's path, kept for backward
+    if cfg.bf16:  # autocast's bf16 copy of each linear weight on the gradient's path, kept for backward
         on_path = shape.linear.get("llm", 0) * (1 / layers if checkpointing else 1)
         on_path += shape.linear.get("aligner", 0) if shape.trains & {"vision", "aligner"} else 0
         on_path += shape.linear.get("vision", 0) if "vision" in shape.trains else 0
         copies = 2 * on_path / shard
-    parts["activations"] = decoder + vision_act + copies
+    return decoder + vision_act + copies
 
-    from mmgrpo.grpo.logprobs import logits_chunk_rows
 
-    completion_tokens = rows * T
-    parts["log-probs"] = 3 * min(logits_chunk_rows(shape.vocab), completion_tokens) * shape.vocab * 4
-
-    # Rollout: the step's prompts at once, with grads freed.
-    kv_bytes = 2 if bf16 else 4
+def rollout_bytes(cfg, options: EstimateOptions, shape: ModelShape, batch: StepBatch) -> dict[str, float]:
+    """The rollout of the step's prompts at once, gradients freed: the K/V cache, the prefill's
+    largest intermediate and the decode step's logits; with --use_vllm colocated, vLLM's share instead."""
+    parts: dict[str, float] = {}
     if cfg.rollout.use_vllm:
         parts["rollout"] = 0.0
         if cfg.rollout.vllm_mode == "colocate":
             parts["vLLM (colocated)"] = cfg.rollout.vllm_gpu_memory_utilization * options.device_memory_gb * GB
-    else:
-        cached = (step_prompts * L + step_rows * T) if shared else step_rows * (L + T)
-        kv_cache = layers * 2 * kv * cached * kv_bytes
-        prefill_tokens = step_prompts * L if shared else step_rows * L
-        prefill = max(prefill_tokens * (3 * i + 4 * h), step_prompts * patches * (3 * shape.vision_mlp + 4 * shape.vision_width))
-        parts["rollout"] = kv_cache + prefill * act_bytes + 3 * step_rows * shape.vocab * 4
-    gathered_train = gathered_rollout = 0.0
-    if sharded:
-        param_bytes = 2 if bf16 else 4
-        gathered_train = (shape.params["root"] + shape.params["block"]) * param_bytes
-        gathered_rollout = total * param_bytes if cfg.dist.gather_for_generation else gathered_train
-        parts["gathered"] = max(gathered_train, gathered_rollout)
+        return parts
+    kv_bytes = act_bytes = 2 if cfg.bf16 else 4
+    L, T, patches = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.patches
+    step_rows, step_prompts = batch.step_rows, batch.step_prompts
+    h, i, kv, layers = shape.hidden, shape.intermediate, shape.kv_dim, shape.layers
+    shared = cfg.model.shared_prefix
+    cached = (step_prompts * L + step_rows * T) if shared else step_rows * (L + T)
+    kv_cache = layers * 2 * kv * cached * kv_bytes
+    prefill_tokens = step_prompts * L if shared else step_rows * L
+    prefill = max(prefill_tokens * (3 * i + 4 * h), step_prompts * patches * (3 * shape.vision_mlp + 4 * shape.vision_width))
+    parts["rollout"] = kv_cache + prefill * act_bytes + 3 * step_rows * shape.vocab * 4
+    return parts
 
+
+def phase_peaks(cfg, shape: ModelShape, parts: dict[str, float], micro_batches: int, shard: int,
+                gathered_train: float, gathered_rollout: float) -> dict[str, float]:
+    """Bytes at the peak of the training update and of the rollout, each over what stays between steps."""
     static = parts["weights"] + parts.get("reference", 0.0) + parts["optimizer"]
     work = parts["activations"] + parts["log-probs"]
     if micro_batches > 1:  # gradients of the first micro-batches are kept while the next ones run
         update = static + parts["gradients"] + work
     else:  # the LM head's gradient comes first in backward; the layers' as their activations free
-        head = 4 * shape.vocab * h if "llm" in shape.trains and not lora else 0.0
+        lora = cfg.model.train_type == "lora"
+        head = 4 * shape.vocab * shape.hidden if "llm" in shape.trains and not lora else 0.0
         update = static + max(work + head / shard, parts["gradients"] + parts["log-probs"])
-    phases = {"update": update + gathered_train, "rollout": static + parts["rollout"] + gathered_rollout}
-    notes.append(f"{step_rows} completions per device a step in {micro_batches} micro-batch(es) of {rows}; prompt {L} tokens, "
-                 f"completions {T}")
+    return {"update": update + gathered_train, "rollout": static + parts["rollout"] + gathered_rollout}
+
+
+def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> Estimate:
+    """Per-device memory of the run `cfg` describes (module docstring)."""
+    from mmgrpo.grpo.logprobs import logits_chunk_rows
+
+    shape = shape or model_shape(cfg)
+    notes: list[str] = []
+    sharded = cfg.dist.strategy in ("fsdp2", "zero3")
+    shard = options.world_size if sharded else 1
+    parts = state_bytes(cfg, shape, shard, sharded)
+    batch = step_batch(cfg, options, shape)
+    L, T = batch.prompt_tokens, cfg.rollout.max_completion_length
+    if L > cfg.data.max_prompt_length:
+        notes.append(f"a prompt of {L} tokens is over --max_prompt_length {cfg.data.max_prompt_length}: train would stop")
+    parts["activations"] = activation_bytes(cfg, shape, batch, shard)
+    completion_tokens = batch.rows * T
+    parts["log-probs"] = 3 * min(logits_chunk_rows(shape.vocab), completion_tokens) * shape.vocab * 4
+    parts.update(rollout_bytes(cfg, options, shape, batch))
+    gathered_train = gathered_rollout = 0.0
+    if sharded:  # fsdp2 / zero3: the unsharded weights a forward holds
+        param_bytes = 2 if cfg.bf16 else 4
+        gathered_train = (shape.params["root"] + shape.params["block"]) * param_bytes
+        gathered_rollout = shape.params["total"] * param_bytes if cfg.dist.gather_for_generation else gathered_train
+        parts["gathered"] = max(gathered_train, gathered_rollout)
+    phases = phase_peaks(cfg, shape, parts, batch.micro_batches, shard, gathered_train, gathered_rollout)
+    notes.append(f"{batch.step_rows} completions per device a step in {batch.micro_batches} micro-batch(es) of "
+                 f"{batch.rows}; prompt {L} tokens, completions {T}")
     device = options.device_memory_gb * GB
     return Estimate(parts, phases, notes, device, CUDA_RESERVE_BYTES + ALLOCATOR_SLACK * max(phases.values()))
 
@@ -416,6 +460,7 @@ def build_estimate_parser():
 def main(argv: list[str] | None = None) -> None:
     from mmgrpo.config import TrainConfig
     from mmgrpo.config.flags import config_from_namespace
+    from mmgrpo.training.startup_checks import check_train_flags
 
     argv = list(argv or [])
     ns = build_estimate_parser().parse_args(argv)
@@ -427,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(options.world_size)  # train's checks, as under torchrun with this many ranks
     try:
-        cfg.validate()
+        check_train_flags(cfg)
     finally:
         os.environ.pop("WORLD_SIZE") if saved is None else os.environ.__setitem__("WORLD_SIZE", saved)
     result = estimate(cfg, options)
@@ -478,8 +523,9 @@ def measure_step_memory(cfg) -> dict:
     from mmgrpo.parallel.tracked_memory import TrackedMemory
     from mmgrpo.runstate.state import seed_everything
     from mmgrpo.training.build import build_run
+    from mmgrpo.training.startup_checks import check_train_flags
 
-    cfg.validate()  # as engine.train does before build_run
+    check_train_flags(cfg)  # as engine.train does before build_run
     run = build_run(cfg)
     seed_everything(cfg.seed)
     batches = run.prompt_batches()
