@@ -23,6 +23,7 @@ import math
 import time
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,9 +38,10 @@ from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fr
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.importance import logp_gap_by_group, sampling_importance_weights
 from mmgrpo.grpo.losses import policy_loss
-from mmgrpo.rollout.base import Rollout, step_seed
+from mmgrpo.rollout.base import Rollout, RolloutSampler, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
-from mmgrpo.rollout.rounds import score
+from mmgrpo.rollout.rounds import RolloutSetup, score
+from mmgrpo.rollout.weight_sync import rollout_weights
 from mmgrpo.runstate.checkpoint import wait_for_saves
 from mmgrpo.runstate.preemption import StopSignals
 from mmgrpo.runstate.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
@@ -63,6 +65,23 @@ class Timers:
             yield
         finally:
             self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+def rollout_sampler(run: Run) -> RolloutSampler:
+    """The run's rollout engine, generating under the policy's autocast."""
+    return RolloutSampler(run.rollout, run.bf16, run.device)
+
+
+def rollout_setup(run: Run) -> RolloutSetup:
+    """What the run's rollouts take of it (the rollout pipeline and the extra rounds), each part typed."""
+    return RolloutSetup(options=run.cfg.rollout, seed=run.cfg.seed, sampler=rollout_sampler(run), sampling=run.sampling,
+                        rewards=run.rewards, template=run.template, strategy=run.strategy, num_prompts=run.prompts_per_step)
+
+
+def rollout_pipeline(run: Run, batches) -> RolloutPipeline:
+    """The run's rollouts over the prompt stream `batches`: in step, or up to --max_staleness steps ahead."""
+    weights = partial(rollout_weights, run.model, run.peft_model, run.strategy)  # what an engine with its own copy loads
+    return RolloutPipeline(rollout_setup(run), batches, weights, run.total_steps)
 
 
 def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, completion_mask: torch.Tensor):
@@ -90,11 +109,11 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
 
     if rollout is None:
-        with timers("rollout"), autocast(run.bf16, run.device):
-            rollout = run.rollout.generate(encoded, run.sampling(prompts))
+        with timers("rollout"):
+            rollout = rollout_sampler(run).generate(encoded, run.sampling(prompts))
     if not rollout.scored:
         with timers("reward"):
-            score(run, prompts, rollout)
+            score(run.rewards, run.template, prompts, rollout)
     completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
     completions, per_func, rewards = rollout.texts, rollout.reward_per_func, rollout.rewards  # [N], [F, N], [N]
 
@@ -322,7 +341,7 @@ def train(cfg: TrainConfig) -> Path:
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
     batches = run.prompt_batches()
-    pipeline = RolloutPipeline(run, batches)  # rollouts in step, or up to --max_staleness steps ahead
+    pipeline = rollout_pipeline(run, batches)  # rollouts in step, or up to --max_staleness steps ahead
     state = TrainState(model=cfg.model.model)
     if plan.resume_from is not None:  # the state, optimizer, schedule, data position, rollouts in flight, RNGs
         state = resume_run(run, plan.resume_from, batches, pipeline)
@@ -338,7 +357,7 @@ def train(cfg: TrainConfig) -> Path:
             for step in range(state.step + 1, run.total_steps + 1):
                 started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
-                torch.manual_seed(step_seed(cfg, step, run.strategy.rank))  # reproducible per step and rank
+                torch.manual_seed(step_seed(cfg.seed, step, run.strategy.rank))  # reproducible per step and rank
                 loop = Timers()
                 batch = pipeline.next_batch(step, loop)  # time/data, weight_sync, rollout, reward, resample
                 metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule)

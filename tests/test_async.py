@@ -20,11 +20,10 @@ import pytest
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.engine import grpo_step, train
+from mmgrpo.engine import grpo_step, rollout_pipeline, train
 from mmgrpo.errors import ConfigError
 from mmgrpo.rollout import SharedPrefixRollout
-from mmgrpo.rollout.base import RolloutEngine, sampling_params, step_seed
-from mmgrpo.rollout.pipeline import RolloutPipeline
+from mmgrpo.rollout.base import RolloutEngine, RolloutSampler, sampling_params, step_seed
 from mmgrpo.rollout.weight_sync import rollout_weights
 from mmgrpo.rollout.worker import RolloutWorker, snapshot
 from mmgrpo.runstate.checkpoint import MARKER
@@ -63,10 +62,10 @@ def scheduled_run(cfg, max_staleness: int) -> list[dict]:
 
     def generate(step):
         prompts = next(batches)
-        ahead[step] = prompts, run.rollout.generate([e for _, e in prompts], run.sampling(prompts, step_seed(cfg, step, 0)))
+        ahead[step] = prompts, run.rollout.generate([e for _, e in prompts], run.sampling(prompts, step_seed(cfg.seed, step, 0)))
 
     for step in range(1, run.total_steps + 1):
-        torch.manual_seed(step_seed(cfg, step, 0))
+        torch.manual_seed(step_seed(cfg.seed, step, 0))
         if step not in ahead:
             run.rollout.update_weights(rollout_weights(run.model, None, run.strategy), step - 1)
             generate(step)
@@ -140,11 +139,11 @@ def test_rollouts_behind_the_trainer_get_their_weights_from_a_copy(tmp_path):
     seed_everything(cfg.seed)
     engine = SlowEngine(run.rollout, delay=1.0)
     run = dataclasses.replace(run, rollout=engine)
-    pipeline = RolloutPipeline(run, run.prompt_batches())
+    pipeline = rollout_pipeline(run, run.prompt_batches())
     losses = []
     try:
         for step in range(1, 6):
-            torch.manual_seed(step_seed(cfg, step, 0))
+            torch.manual_seed(step_seed(cfg.seed, step, 0))
             batch = pipeline.next_batch(step)
             metrics, _ = grpo_step(run, batch.prompts, step, batch.rollout)
             pipeline.policy_updated(step)
@@ -210,7 +209,7 @@ def test_a_copy_synced_every_step_equals_the_policy_engine(tmp_path):
         run = build_run(config(tmp_path / name))
         if name == "copy":
             run = dataclasses.replace(run, rollout=_copy_engine(run))
-        pipeline = RolloutPipeline(run, run.prompt_batches())
+        pipeline = rollout_pipeline(run, run.prompt_batches())
         losses[name] = []
         for step in (1, 2, 3):
             batch = pipeline.next_batch(step)
@@ -235,7 +234,7 @@ def test_a_skipped_sync_is_detected(tmp_path):
             if synced:
                 run.rollout.update_weights(rollout_weights(run.model, None, run.strategy), step - 1)
             prompts = next(batches)
-            rollout = run.rollout.generate([enc for _, enc in prompts], sampling_params(run.cfg, seed=step))
+            rollout = run.rollout.generate([enc for _, enc in prompts], sampling_params(run.cfg.rollout, seed=step))
             metrics, _ = grpo_step(run, prompts, step, rollout)
         gaps[synced], staleness[synced] = metrics["sampling/logp_diff_max"], metrics["rollout/staleness"]
     assert staleness == {True: 0, False: 2}
@@ -248,8 +247,8 @@ def test_the_worker_loads_each_rollouts_weights_between_rollouts_and_never_guess
     run = build_run(config(tmp_path))
     engine = _copy_engine(run)
     prompts = [enc for _, enc in next(run.prompt_batches())]
-    sampling = sampling_params(run.cfg, seed=1)
-    worker = RolloutWorker(engine)
+    sampling = sampling_params(run.cfg.rollout, seed=1)
+    worker = RolloutWorker(RolloutSampler(engine))
     try:
         start = worker.submit(prompts, sampling, version=0)
         with torch.no_grad():  # the policy moves on (as an optimizer step would), then a copy is taken

@@ -77,7 +77,7 @@ def test_sampling_params_give_each_prompt_its_dataset_budget(tmp_path):
     assert sampling.max_new_tokens_per_prompt == [3 if d == "short-color" else 10 for d in datasets]
     # one dataset in the batch: one budget, no per-prompt list
     only_short = [p for p, d in zip(prompts, datasets) if d == "short-color"]
-    one = sampling_params(cfg, None, [s for s, _ in only_short], {"short-color": 3})
+    one = sampling_params(cfg.rollout, None, [s for s, _ in only_short], {"short-color": 3})
     assert one.max_new_tokens == 3 and one.max_new_tokens_per_prompt is None
 
 

@@ -115,7 +115,7 @@ def test_real_rollouts_of_an_untrained_model_are_refilled_up_to_the_bound(tmp_pa
         start = next(drawn)
         prompts = [(dataset[i], template.encode_prompt(dataset[i].load_media())) for i in (start, start + 1)]
         rollout = run.rollout.generate([enc for _, enc in prompts], SamplingParams(num_generations=G, max_new_tokens=4 + start))
-        return Round(prompts, score(run, prompts, rollout))  # widths differ per round
+        return Round(prompts, score(run.rewards, run.template, prompts, rollout))  # widths differ per round
 
     with pytest.warns(UserWarning, match="only 0 of 2"):
         batch, stats = fill_informative(draw(), draw, num_prompts=2, num_generations=G, max_resample_times=2,

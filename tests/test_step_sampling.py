@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mmgrpo.config import TrainConfig
-from mmgrpo.engine import train
+from mmgrpo.engine import rollout_setup, train
 from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.rollout import dynamic_sample as informative
@@ -69,8 +69,9 @@ def test_all_equal_groups_are_refilled_from_new_prompts(tmp_path):
     run = build_run(cfg)
     batches = run.prompt_batches()
     prompts = next(batches)
-    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
-    kept, rollout, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
+    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg.rollout, seed=0))
+    kept, rollout, stats = complete_batch(rollout_setup(run), prompts, score(run.rewards, run.template, prompts, rollout),
+                                          batches, step=1)
     per_func, rewards = rollout.reward_per_func, rollout.rewards
     assert stats["dynamic/frac_reward_zero_std_first_round"] >= 0.5  # the even rows: all-equal groups
     assert len(kept) == 4 and rollout.completion_ids.shape[0] == 16
@@ -93,8 +94,9 @@ def test_a_mixture_is_refilled_from_its_own_stream(tmp_path):
     run = build_run(cfg)
     batches = run.prompt_batches()
     prompts = next(batches)
-    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
-    kept, rollout, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
+    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg.rollout, seed=0))
+    kept, rollout, stats = complete_batch(rollout_setup(run), prompts, score(run.rewards, run.template, prompts, rollout),
+                                          batches, step=1)
     rewards = rollout.rewards
     assert stats["dynamic/kept_groups"] == 4 and stats["dynamic/resampled_prompts"] >= 4
     assert rewards.view(4, 4).std(dim=1).gt(0).all()  # every kept group differs
@@ -105,16 +107,17 @@ def test_a_mixture_is_refilled_from_its_own_stream(tmp_path):
 
 def test_two_stage_completes_only_the_open_groups(tmp_path):
     cfg = config(tmp_path, "first_of_group", "--first_stage_generations", "2")
-    assert sampling_params(cfg).num_generations == 2
+    assert sampling_params(cfg.rollout).num_generations == 2
     run = build_run(cfg)
     batches = run.prompt_batches()
     prompts = next(batches)
-    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg, seed=0))
+    rollout = run.rollout.generate([e for _, e in prompts], sampling_params(cfg.rollout, seed=0))
     first_texts = run.template.decode(rollout.completion_ids, rollout.completion_mask)
     first_rewards = [1.0 if int(s.id.rsplit("/", 1)[1]) % 2 == 0 else float(len(t) % 2)
                      for (s, _), t in zip([p for p in prompts for _ in range(2)], first_texts)]
     settled = settled_prompts(torch.tensor(first_rewards), 2).tolist()
-    kept, out, stats = complete_batch(run, prompts, score(run, prompts, rollout), batches, step=1)
+    kept, out, stats = complete_batch(rollout_setup(run), prompts, score(run.rewards, run.template, prompts, rollout),
+                                      batches, step=1)
     open_ids = [s.id for (s, _), done in zip(prompts, settled) if not done] or [prompts[0][0].id]
     assert [s.id for s, _ in kept] == open_ids
     assert stats["two_stage/settled_prompts"] == sum(settled)

@@ -41,10 +41,9 @@ def killing(named_tensors, pid: int, after: int):
 
 def main() -> None:
     from mmgrpo.config import TrainConfig
-    from mmgrpo.engine import grpo_step
+    from mmgrpo.engine import grpo_step, rollout_pipeline
     from mmgrpo.models.tiny import resolve_model_path
     from mmgrpo.rollout import SamplingParams
-    from mmgrpo.rollout.pipeline import RolloutPipeline
     from mmgrpo.rollout.vllm_client import RolloutServerError, VLLMServerRollout
     from mmgrpo.rollout.weight_sync import rollout_weights
     from mmgrpo.runstate.state import TrainState, seed_everything
@@ -100,7 +99,7 @@ def main() -> None:
     state = TrainState(model=cfg.model.model)
     state.step = 3
     batches = run.prompt_batches()
-    save_run(run, out / "run" / "checkpoint-3", state, batches, RolloutPipeline(run, batches)).wait()
+    save_run(run, out / "run" / "checkpoint-3", state, batches, rollout_pipeline(run, batches)).wait()
     doomed = VLLMServerRollout([("127.0.0.1", port_a), ("127.0.0.1", port_c)], model_path, run.template,
                                rank=rank, world_size=2, timeout=20, bucket_bytes=1 << 20,
                                checkpoint_dir=str(out / "run"))

@@ -13,9 +13,15 @@ the version; an engine holding its own copy of the weights (vLLM) loads the tens
 `named_tensors` is a lazy iterable of (HF parameter name, full tensor): an engine that does not
 iterate it costs nothing, one that does receives the tensors one at a time.
 
-A `Rollout` is the one batch type every later stage passes on: rewards are written into it once
-(`score`, mmgrpo/rollout/rounds.py), and `select` / `concat` keep every per-completion field, so
-dynamic sampling and two-stage generation never copy fields by hand:
+The stages call an engine through a `RolloutSampler`, whose `generate` runs it under the policy's
+autocast: the one place a rollout is generated (the pipeline, its background worker, the extra rounds).
+
+A `Rollout` is the one batch type every later stage passes on, from the engine to the update:
+rewards are written into it once (`score`, mmgrpo/rollout/rounds.py), the GRPO step adds its own
+per-completion tensors (old and reference log-probs, importance weights, advantages), and
+`select` / `concat` keep every per-completion field, so dynamic sampling and two-stage generation
+never copy fields by hand. The step takes each micro-batch's rows in one call, `rows(micro_batch)`
+(its last example):
 
     >>> ids = torch.tensor([[5, 2], [6, 7], [8, 2]])
     >>> a = Rollout(ids, torch.ones_like(ids), torch.tensor([False, True, False]), texts=["x", "y", "z"])
@@ -26,6 +32,10 @@ dynamic sampling and two-stage generation never copy fields by hand:
     ...                                texts=["w"])], pad_token_id=0)
     >>> c.completion_ids.tolist(), c.completion_mask.tolist(), c.texts
     ([[8, 2], [5, 2], [9, 0]], [[1, 1], [1, 1], [1, 0]], ['z', 'x', 'w'])
+    >>> c.advantages = torch.tensor([0.5, -0.5, 1.0])
+    >>> part = c.rows(MicroBatch(rows=[1, 2], prompts=[0, 1], counts=[1, 1], width=1))  # width: its longest completion
+    >>> part.completion_ids.tolist(), part.advantages.tolist(), part.texts
+    ([[5], [9]], [-0.5, 1.0], ['x', 'w'])
 """
 
 from __future__ import annotations
@@ -35,7 +45,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from mmgrpo.config import RolloutConfig
 from mmgrpo.data.sample import dataset_of
+from mmgrpo.forward.policy import autocast
+from mmgrpo.grpo.batching import MicroBatch
 
 
 @dataclass
@@ -75,8 +88,9 @@ class SamplingParams:
 
 # Rollout fields by how they follow the rows: [N, T] tensors right-padded by `concat` (the value
 # it pads with; None: the pad token id), [N] / [F, N] tensors, and per-row lists.
-_PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0}
-_ROW_TENSORS = ("truncated", "rewards", "row_versions")
+_PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0,
+           "old_logps": 0.0, "ref_logps": 0.0, "importance_weights": 0.0}
+_ROW_TENSORS = ("truncated", "rewards", "row_versions", "advantages")
 _ROW_LISTS = ("completion_media", "texts")
 
 
@@ -93,7 +107,9 @@ class Rollout:
     # Multi-turn episodes (mmgrpo/rollout/multiturn.py); a single-turn engine leaves these unset.
     # A completion is then the whole trajectory after the prompt: the model's turns and the tool
     # turns between them, all under completion_mask (the training forward runs them all).
-    loss_mask: torch.Tensor | None = None  # [B * G, T] 1 on the model's own tokens; None: all of completion_mask
+    # [B * G, T] 1 on the tokens the loss counts: the model's own (not a tool turn's), and the GRPO step
+    # takes truncated completions out under --mask_truncated_completions; None: all of completion_mask
+    loss_mask: torch.Tensor | None = None
     completion_media: list[dict] | None = None  # per row: media tensors of the images inside its completion, in order
     texts: list[str] | None = None  # per row: what rewards score (an episode's last model turn); `score` decodes the rest
     columns: dict[str, list] = field(default_factory=dict)  # per-row reward columns (trajectory, tool_calls ...)
@@ -104,6 +120,11 @@ class Rollout:
     # Set once by `score` (mmgrpo/rollout/rounds.py): the weighted sum of the rewards, and each reward's own.
     rewards: torch.Tensor | None = None  # [B * G] (NaN: every reward skipped the completion)
     reward_per_func: torch.Tensor | None = None  # [F, B * G] (NaN = skipped)
+    # Set by the GRPO step (mmgrpo/engine.py) on the batch it trains on, for the update to read row for row.
+    old_logps: torch.Tensor | None = None  # [B * G, T] under the policy that sampled (num_iterations > 1, another sampler)
+    ref_logps: torch.Tensor | None = None  # [B * G, T] under the reference (beta > 0)
+    importance_weights: torch.Tensor | None = None  # [B * G, T]: the sampler correction (mmgrpo/grpo/importance.py)
+    advantages: torch.Tensor | None = None  # [B * G]
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -116,30 +137,51 @@ class Rollout:
     def scored(self) -> bool:
         return self.rewards is not None
 
+    @property
+    def model_mask(self) -> torch.Tensor:  # [B * G, T]
+        """The tokens the model sampled: `loss_mask`, or all of completion_mask where it is unset."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
+
     def versions(self) -> torch.Tensor:
         """[B * G] the weight version that sampled each row."""
         if self.row_versions is not None:
             return self.row_versions
         return torch.full((len(self),), self.weight_version, dtype=torch.long)
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> Rollout:
-        """The completions `rows` (indices, in that order), every per-row field with them."""
+    def select(self, rows: Sequence[int] | torch.Tensor, width: int | None = None) -> Rollout:
+        """The completions `rows` (indices, in that order), every per-row field with them; [N, T]
+        fields cut to their first `width` columns where it is given."""
         index = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         picked = index.tolist()
+        on_device: dict[torch.device, torch.Tensor] = {}  # the index where each field is, moved once
+
+        def pick(value: torch.Tensor, dim: int = 0) -> torch.Tensor:
+            if value.device not in on_device:
+                on_device[value.device] = index.to(value.device)
+            return value.index_select(dim, on_device[value.device])
+
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None or f.name in ("weight_version", "metrics", "totals"):
                 values[f.name] = value
             elif f.name == "reward_per_func":
-                values[f.name] = value[:, index.to(value.device)]
-            elif f.name in _PADDED or f.name in _ROW_TENSORS:
-                values[f.name] = value[index.to(value.device)]
+                values[f.name] = pick(value, dim=1)
+            elif f.name in _PADDED:
+                values[f.name] = pick(value) if width is None else pick(value)[:, :width]
+            elif f.name in _ROW_TENSORS:
+                values[f.name] = pick(value)
             elif f.name in _ROW_LISTS:
                 values[f.name] = [value[i] for i in picked]
             elif f.name == "columns":
                 values[f.name] = {key: [column[i] for i in picked] for key, column in value.items()}
         return Rollout(**values)
+
+    def rows(self, micro_batch: MicroBatch) -> Rollout:
+        """One micro-batch's rows (mmgrpo/grpo/batching.py), every per-row field with them: what a
+        log-prob forward and its share of the loss read. [N, T] fields keep the micro-batch's
+        `width` columns (its longest completion: the columns beyond are padding in all its rows)."""
+        return self.select(micro_batch.rows, width=micro_batch.width)
 
     @classmethod
     def concat(cls, rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
@@ -216,6 +258,23 @@ class RolloutEngine:
         """Free what the engine holds (a vLLM engine goes before the process group it uses)."""
 
 
+@dataclass(frozen=True)
+class RolloutSampler:
+    """A rollout engine as the stages of a step call it (the rollout pipeline, its background worker,
+    the extra rounds): `generate` runs the engine under the policy's autocast, the one place a
+    rollout is generated. An in-process engine samples from the policy's own module, so in the
+    precision of its forwards; autocast holds per thread, so the worker's thread enters it itself."""
+
+    engine: RolloutEngine
+    bf16: bool = False  # --bf16 where the device supports it
+    device: torch.device = torch.device("cpu")  # the policy's, whose autocast applies
+
+    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
+        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
+        with autocast(self.bf16, self.device):
+            return self.engine.generate(prompts, sampling)
+
+
 def collate_on_device(template, prompts: list, model: torch.nn.Module, prepare=None) -> dict:
     """The in-process engines' batch: `template.collate(prompts)`, the strategy's `prepare` hook
     (blank media for equal tower calls across ranks), tensors moved to the model's device."""
@@ -283,19 +342,19 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[i
     return mask, ~has_eos
 
 
-def step_seed(cfg, step: int, rank: int) -> int:
-    """The seed of a step's sampling and of the step itself, distinct per step and rank."""
-    return cfg.seed * 100_003 + step + 1_000_003 * rank
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a step's sampling and of the step itself, distinct per step and rank (seed: --seed)."""
+    return seed * 100_003 + step + 1_000_003 * rank
 
 
-def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
+def sampling_params(options: RolloutConfig, seed: int | None = None, samples: list | None = None,
                     completion_caps: dict[str, int] | None = None) -> SamplingParams:
-    """A TrainConfig's rollout options as the engines' SamplingParams.
+    """The rollout options as the engines' SamplingParams.
 
     completion_caps: {dataset: its own max_completion_length} (the registry's); each of `samples`
     from such a dataset gets that budget, the others --max_completion_length.
     """
-    budget, per_prompt = cfg.rollout.max_completion_length, None
+    budget, per_prompt = options.max_completion_length, None
     if samples and completion_caps:
         per_prompt = [completion_caps.get(dataset_of(sample.id), budget) for sample in samples]
         budget = max(per_prompt)
@@ -303,12 +362,12 @@ def sampling_params(cfg, seed: int | None = None, samples: list | None = None,
             per_prompt = None
     return SamplingParams(
         # two-stage generation rolls out K first (mmgrpo/rollout/rounds.py completes the groups)
-        num_generations=cfg.rollout.first_stage_generations or cfg.rollout.num_generations,
+        num_generations=options.first_stage_generations or options.num_generations,
         max_new_tokens=budget,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
         seed=seed,
         max_new_tokens_per_prompt=per_prompt,
-        suppress_eos=cfg.rollout.suppress_eos,
+        suppress_eos=options.suppress_eos,
     )

@@ -2,7 +2,7 @@
 bounded staleness, `--max_staleness K`; `--async_generate` is K = 1). One call gives the loop the
 batch it trains on, so the loop reads the same either way:
 
-    pipeline = RolloutPipeline(run, batches)
+    pipeline = RolloutPipeline(setup, batches, policy_weights, total_steps)   # mmgrpo/engine.py's rollout_pipeline(run, batches)
     for step in 1, 2, ...:
         batch = pipeline.next_batch(step, timers)   # prompts and their completions: scored, extra rounds done
         ... train on batch.prompts, batch.rollout
@@ -43,14 +43,15 @@ counts its completions) and generated again from the same prompts on the newest 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from mmgrpo.forward.policy import autocast
-from mmgrpo.rollout.base import Rollout, SamplingParams, step_seed
-from mmgrpo.rollout.rounds import complete_batch, score
-from mmgrpo.rollout.weight_sync import rollout_weights
+import torch
+
+from mmgrpo.data.prompt_batches import PromptStream
+from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.rollout.rounds import RolloutSetup, complete_batch
 from mmgrpo.rollout.worker import RolloutRequest, RolloutWorker, snapshot
 
 
@@ -77,16 +78,20 @@ def untimed(name: str):
 
 
 class RolloutPipeline:
-    def __init__(self, run, batches):
-        """run: the Run (engine, weights, rewards, options); batches: its prompt stream."""
-        self.run, self.batches, self.engine = run, batches, run.rollout
-        self.max_staleness = run.cfg.rollout.staleness_bound  # 0: synchronous
+    def __init__(self, setup: RolloutSetup, batches: PromptStream,
+                 policy_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], total_steps: int):
+        """setup: the engine, sampling options, rewards and ranks (mmgrpo/rollout/rounds.py); batches:
+        the run's prompt stream; policy_weights: the policy's weights as an engine with its own copy
+        loads them (mmgrpo/rollout/weight_sync.py); total_steps: the run's, the last one asked ahead."""
+        self.setup, self.batches, self.engine = setup, batches, setup.sampler.engine
+        self.total_steps = total_steps
+        self.max_staleness = setup.options.staleness_bound  # 0: synchronous
         if self.max_staleness and not self.engine.separate_weights:
             raise ValueError("asynchronous rollouts need an engine that holds its own copy of the weights")
-        self.weights = lambda: rollout_weights(run.model, run.peft_model, run.strategy)
+        self.weights = policy_weights
         self.version = 0  # optimizer steps the policy's weights have taken
         self.ahead: dict[int, Ahead] = {}  # by step
-        self.worker = RolloutWorker(self.engine, lambda: autocast(run.bf16, run.device)) if self.max_staleness else None
+        self.worker = RolloutWorker(setup.sampler) if self.max_staleness else None
         # the version the engine holds once everything asked of it has run
         self._asked_version = self.engine.weight_version
         self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of
@@ -99,7 +104,7 @@ class RolloutPipeline:
         """Step `step`'s prompts and their completions, scored and completed by the extra rounds;
         then the rollouts of the next K steps asked for. `timers(phase)` times data, weight_sync,
         rollout (generating, or waiting for what the worker generates), reward and resample."""
-        run, cfg = self.run, self.run.cfg
+        setup, options = self.setup, self.setup.options
         metrics = {"rollout/dropped_stale": 0} if self.max_staleness else {}
         self._generate_seconds = 0.0
         if step not in self.ahead:  # synchronous, the first step, or a rollout dropped
@@ -113,17 +118,17 @@ class RolloutPipeline:
             with timers("rollout"):
                 rollout = self._take(self.ahead.pop(step).request)
         with timers("reward"):
-            score(run, ahead.prompts, rollout)  # the one scoring of these completions
+            setup.score(ahead.prompts, rollout)  # the one scoring of these completions
         prompts = ahead.prompts
-        if cfg.rollout.dynamic_sample or cfg.rollout.first_stage_generations:  # off: the batch is unchanged
+        if options.dynamic_sample or options.first_stage_generations:  # off: the batch is unchanged
             with timers("resample"):
-                prompts, rollout, sampled = complete_batch(run, prompts, rollout, self.batches, step, generate=self.generate)
+                prompts, rollout, sampled = complete_batch(setup, prompts, rollout, self.batches, step, generate=self.generate)
             metrics.update(sampled)
         oldest = int(rollout.versions().min())
         if (step - 1) - oldest > self.max_staleness:
             raise RuntimeError(f"step {step} would train on weights of version {oldest}, more than --max_staleness "
                                f"{self.max_staleness} behind the policy's {step - 1}")
-        for later in range(step + 1, min(step + self.max_staleness, run.total_steps) + 1):
+        for later in range(step + 1, min(step + self.max_staleness, self.total_steps) + 1):
             if later not in self.ahead:
                 self._ask(later, timers)
         metrics["rollout/generate_s"] = self._generate_seconds
@@ -158,7 +163,7 @@ class RolloutPipeline:
             position = self.batches.last_start
         else:
             prompts, position = again.prompts, again.position
-        sampling = self.run.sampling(prompts, step_seed(self.run.cfg, step, self.run.strategy.rank))
+        sampling = self.setup.sampling(prompts, self.setup.step_seed(step))
         request = self._submit([enc for _, enc in prompts], sampling, timers)
         self.ahead[step] = Ahead(prompts, position, request)
 
@@ -170,8 +175,8 @@ class RolloutPipeline:
             return self.worker.submit(encoded, sampling, self.version, weights)
         request = RolloutRequest(encoded, sampling, self.version)
         started = time.perf_counter()
-        with timers("rollout"), autocast(self.run.bf16, self.run.device):
-            request.rollout = self.engine.generate(encoded, sampling)
+        with timers("rollout"):
+            request.rollout = self.setup.sampler.generate(encoded, sampling)
         request.seconds = time.perf_counter() - started
         request.done.set()
         return request

@@ -1,7 +1,7 @@
 """One background thread that runs rollouts on an engine in the order they were asked for, and
 loads the weights each one needs between them, never during one.
 
-    worker = RolloutWorker(engine)
+    worker = RolloutWorker(sampler)                                                  # a RolloutSampler
     request = worker.submit(encoded_prompts, sampling, version=3, weights=snapshot)   # returns at once
     ...                                                                              # the trainer trains
     rollout = request.result()                                                       # its completions (or its error)
@@ -19,13 +19,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
+from mmgrpo.rollout.base import Rollout, RolloutSampler, SamplingParams
 
 
 def snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -62,10 +61,9 @@ class RolloutRequest:
 
 
 class RolloutWorker:
-    def __init__(self, engine: RolloutEngine, context: Callable[[], AbstractContextManager] = nullcontext):
-        """engine: what generates (its own copy of the weights); context: entered around each
-        generation in the worker's thread (autocast is per thread)."""
-        self.engine, self.context = engine, context
+    def __init__(self, sampler: RolloutSampler):
+        """sampler: the engine that generates (its own copy of the weights), under the policy's autocast."""
+        self.sampler, self.engine = sampler, sampler.engine
         self._queue: deque[RolloutRequest] = deque()
         self._running = False
         self._closed = False
@@ -126,5 +124,4 @@ class RolloutWorker:
                 raise RuntimeError(f"a rollout of weights version {request.version} came with no weights, and the engine "
                                    f"holds version {self.engine.weight_version}")
             self.engine.update_weights(request.weights, request.version)
-        with self.context():
-            return self.engine.generate(request.encoded, request.sampling)
+        return self.sampler.generate(request.encoded, request.sampling)

@@ -98,7 +98,7 @@ class Run(ModelRun):
         """The rollout options for these (Sample, PromptInputs): each prompt's budget is its
         dataset's `max_completion_length` (registry) or --max_completion_length."""
         samples = [sample for sample, _ in prompts]
-        return sampling_params(self.cfg, seed, samples, self.dataset.completion_caps)
+        return sampling_params(self.cfg.rollout, seed, samples, self.dataset.completion_caps)
 
 
 def total_steps(cfg, dataset_rows: int, prompts_per_step: int, world_size: int) -> int:
