@@ -29,7 +29,7 @@ import torch
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import build_tiny
 from mmgrpo.runstate.state import TrainState
-from mmgrpo.training.resume import save_training_checkpoint
+from mmgrpo.training.resume import CheckpointContents, save_training_checkpoint
 
 SIZES = {  # build_tiny overrides
     "tiny": {},
@@ -53,8 +53,8 @@ def timed(mode, model, processor, optimizer, ids, steps, folder: Path) -> dict:
         if step == 1 and mode != "none":
             start = time.perf_counter()
             state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-            pending = save_training_checkpoint(folder / "checkpoint-1", model=model, processor=processor,
-                                               state_dict=state_dict, optimizer=optimizer, state=TrainState(step=1),
+            contents = CheckpointContents(model=model, processor=processor, state_dict=state_dict, optimizer=optimizer)
+            pending = save_training_checkpoint(folder / "checkpoint-1", contents, TrainState(step=1),
                                                background=mode == "background")
             call = time.perf_counter() - start
     if pending is not None:

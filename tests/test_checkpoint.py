@@ -146,12 +146,12 @@ def tiny_run(tiny_qwen2_vl_path):
 
 def _save(tiny_run, path, step):
     from mmgrpo.runstate.state import TrainState
-    from mmgrpo.training.resume import save_training_checkpoint
+    from mmgrpo.training.resume import CheckpointContents, save_training_checkpoint
 
     model, processor, optimizer = tiny_run
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return save_training_checkpoint(path, model=model, processor=processor, state_dict=state_dict,
-                                    optimizer=optimizer, state=TrainState(step=step))
+    contents = CheckpointContents(model=model, processor=processor, state_dict=state_dict, optimizer=optimizer)
+    return save_training_checkpoint(path, contents, TrainState(step=step))
 
 
 def _killed_save(tiny_run, path, step, kill_at, call="fsync", exchange=True):
@@ -221,13 +221,13 @@ def test_sigkill_between_the_renames_of_a_replacement_keeps_a_loadable_best(tmp_
 
 def test_nonfinite_weights_are_never_saved(tmp_path, tiny_run):
     from mmgrpo.runstate.state import TrainState
-    from mmgrpo.training.resume import save_training_checkpoint
+    from mmgrpo.training.resume import CheckpointContents, save_training_checkpoint
 
     model, processor, _ = tiny_run
     state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
     name = next(iter(state_dict))
     state_dict[name][0] = float("nan")
     with pytest.raises(CheckpointError, match=f"not saving .*checkpoint-2: the weights hold NaN/inf \\(first: {name}\\)"):
-        save_training_checkpoint(tmp_path / "checkpoint-2", model=model, processor=processor, state_dict=state_dict,
-                                 state=TrainState(step=2))
+        save_training_checkpoint(tmp_path / "checkpoint-2", CheckpointContents(model, processor, state_dict),
+                                 TrainState(step=2))
     assert not any(tmp_path.iterdir())

@@ -14,7 +14,13 @@ import torch
 
 from mmgrpo.errors import CheckpointError
 from mmgrpo.runstate.state import TrainState, capture_rng, restore_rng
-from mmgrpo.training.resume import load_training_checkpoint, rng_file, save_training_checkpoint, snapshot
+from mmgrpo.training.resume import (
+    CheckpointContents,
+    cpu_copy,
+    load_training_checkpoint,
+    rng_file,
+    save_training_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +62,10 @@ def train_step(model, optimizer, scheduler):
 
 def save(path, model, processor, optimizer, scheduler, step, **kwargs):
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return save_training_checkpoint(path, model=model, processor=processor, state_dict=state_dict, optimizer=optimizer,
-                                    scheduler=scheduler, state=TrainState(step=step, nonfinite_steps=1, best_metric=0.25,
-                                                                             data={"epoch": 0, "batch": step}), **kwargs)
+    contents = CheckpointContents(model=model, processor=processor, state_dict=state_dict, optimizer=optimizer,
+                                  scheduler=scheduler)
+    return save_training_checkpoint(path, contents, TrainState(step=step, nonfinite_steps=1, best_metric=0.25,
+                                                               data={"epoch": 0, "batch": step}), **kwargs)
 
 
 def test_a_reloaded_run_takes_the_same_next_steps_bit_for_bit(tmp_path, tiny_qwen2_vl_path):
@@ -92,9 +99,9 @@ def test_a_background_save_holds_the_weights_of_the_moment_it_was_called(tmp_pat
     assert (tmp_path / "checkpoint-0" / "optimizer.pt").read_bytes() == (tmp_path / "reference" / "optimizer.pt").read_bytes()
 
 
-def test_snapshot_is_a_copy():
+def test_cpu_copy_is_a_copy():
     live = {"w": torch.zeros(3), "state": [{"exp_avg": torch.ones(2)}], "lr": 0.1}
-    copy = snapshot(live)
+    copy = cpu_copy(live)
     live["w"].add_(1), live["state"][0]["exp_avg"].add_(1)
     assert copy["w"].tolist() == [0.0] * 3 and copy["state"][0]["exp_avg"].tolist() == [1.0, 1.0] and copy["lr"] == 0.1
 
@@ -135,7 +142,7 @@ import torch, torch.distributed as dist
 from mmgrpo.models.loading import load_model, load_processor
 from mmgrpo.models.tiny import resolve_model_path
 from mmgrpo.runstate.state import TrainState
-from mmgrpo.training.resume import load_training_checkpoint, save_training_checkpoint
+from mmgrpo.training.resume import CheckpointContents, Ranks, load_training_checkpoint, save_training_checkpoint
 
 out = sys.argv[1]
 dist.init_process_group("gloo")
@@ -150,8 +157,8 @@ path = resolve_model_path("tiny:qwen2-vl")
 model, processor = load_model(path), load_processor(path)
 torch.manual_seed(100 + rank)
 state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank == 0 else {}
-save_training_checkpoint(f"{out}/checkpoint-3", model=model, processor=processor, state_dict=state_dict,
-                         state=TrainState(step=3), rank=rank, world_size=2, any_rank=any_rank)
+save_training_checkpoint(f"{out}/checkpoint-3", CheckpointContents(model=model, processor=processor, state_dict=state_dict),
+                         TrainState(step=3), Ranks(rank=rank, world_size=2, any_rank=any_rank))
 json.dump(torch.rand(4).tolist(), open(f"{out}/after-{rank}.json", "w"))
 torch.manual_seed(7)
 load_training_checkpoint(f"{out}/checkpoint-3", rank=rank, world_size=2)

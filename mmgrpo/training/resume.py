@@ -38,7 +38,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -98,14 +98,14 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
         rank_files[rollouts_file(strategy.rank)] = [
             {"step": step, "position": list(position), "rollout": rollout.to_file()} for step, position, rollout in in_flight
         ]
-    return save_training_checkpoint(
-        path, model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
+    contents = CheckpointContents(
+        model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
         state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
-        optimizer=None if own else run.optimizer, scheduler=run.scheduler, state=state, rank=strategy.rank,
-        world_size=strategy.world_size, any_rank=strategy.any_rank, background=background and not own,
-        keep_last=cfg.save_total_limit, extra_files=extra_files, rank_files=rank_files,
+        optimizer=None if own else run.optimizer, scheduler=run.scheduler, extra_files=extra_files, rank_files=rank_files,
         save_shards=(lambda folder: strategy.save_sharded_optimizer(run.optimizer, folder)) if own else None,
     )
+    return save_training_checkpoint(path, contents, state, Ranks(strategy.rank, strategy.world_size, strategy.any_rank),
+                                    background=background and not own, keep_last=cfg.save_total_limit)
 
 
 def resume_run(run, path: Path, batches, pipeline) -> TrainState:
@@ -171,81 +171,105 @@ def first_nonfinite(tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def snapshot(value):
-    """A copy of tensors (nested in dicts / lists) that later in-place updates cannot reach."""
+def cpu_copy(value):
+    """A copy of tensors (nested in dicts / lists) on the CPU, and of everything else, that later
+    in-place updates cannot reach."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
+        return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(snapshot(v) for v in value)
+        return type(value)(cpu_copy(v) for v in value)
     return copy.deepcopy(value)
 
 
-def save_training_checkpoint(
-    path: str | os.PathLike,
-    *,
-    model,
-    processor,
-    state_dict: dict[str, torch.Tensor],
-    optimizer=None,
-    scheduler=None,
-    state: TrainState,
-    peft_model=None,
-    template=None,
-    rank: int = 0,
-    world_size: int = 1,
-    any_rank: Callable[[bool], bool] | None = None,
-    background: bool = False,
-    keep_last: int | None = None,
-    extra_files: dict[str, object] | None = None,
-    rank_files: dict[str, object] | None = None,
-    save_shards: Callable[[Path], None] | None = None,
-) -> PendingSave:
-    """Write a complete checkpoint of a run atomically (mmgrpo/runstate/checkpoint.py).
+@dataclass
+class CheckpointContents:
+    """What a training checkpoint holds beside its TrainState (`save_training_checkpoint`).
 
-    template: the run's template (its name goes into mmgrpo.json); None writes no mmgrpo.json.
+    model, processor, peft_model, template: the policy's HF folder (`save_model_folder`; the
+        template's name goes into mmgrpo.json, None writes no mmgrpo.json).
     state_dict: the full weights by HF name (`strategy.full_state_dict(policy)`; LoRA: the
-        trainable ones), on rank 0. A NaN/inf in it is a CheckpointError and nothing is written:
-        the previous checkpoints stay the newest.
-    background: copy weights, optimizer state and RNGs now (the only time training waits), and
-        write them in a thread; `wait()` the result before exiting (mmgrpo/runstate/checkpoint.py).
+        trainable ones), on rank 0.
+    optimizer, scheduler: their state dicts become optimizer.pt (one process) and scheduler.pt.
+    save_shards(folder): a collective every rank calls that writes the sharded optimizer state
+        (`strategy.save_sharded_optimizer`: each rank its shards).
     extra_files: more files for rank 0 to write, by name: a str is written as text, anything else
         with torch.save (tensors only, so it loads with weights_only=True).
     rank_files: files this rank writes (each rank its own names), with torch.save.
-    world_size > 1: every rank calls this with `any_rank` (`strategy.any_rank`: True everywhere if
-        True on any; it is also the barrier); each writes its RNG file, rank 0 the rest and the
-        marker, in the foreground. `save_shards(folder)`, a collective every rank calls, writes the
-        sharded optimizer state (`strategy.save_sharded_optimizer`: each rank its shards).
     """
-    path = Path(path)
-    bad = first_nonfinite(state_dict) if rank == 0 else None
-    if (any_rank(bad is not None) if world_size > 1 else bad is not None):
+
+    model: torch.nn.Module
+    processor: object
+    state_dict: dict[str, torch.Tensor]
+    peft_model: object = None
+    template: object = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object = None
+    save_shards: Callable[[Path], None] | None = None
+    extra_files: dict[str, object] = field(default_factory=dict)
+    rank_files: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes that save a checkpoint together: this one's rank, how many there are, and
+    `any_rank(flag)`, True on every rank if True on any (`strategy.any_rank`; it is also the barrier)."""
+
+    rank: int = 0
+    world_size: int = 1
+    any_rank: Callable[[bool], bool] | None = None
+
+
+def refuse_nonfinite(path: Path, state_dict: dict[str, torch.Tensor], ranks: Ranks) -> None:
+    """CheckpointError on every rank where rank 0's weights hold a NaN/inf: nothing is written."""
+    bad = first_nonfinite(state_dict) if ranks.rank == 0 else None
+    if (ranks.any_rank(bad is not None) if ranks.world_size > 1 else bad is not None):
         raise CheckpointError(
             f"not saving {path}: the weights hold NaN/inf (first: {bad or 'on rank 0'}); the last good checkpoint stays the newest. "
             "Lower --learning_rate or --max_grad_norm, or train in fp32."
         )
+
+
+def save_training_checkpoint(path: str | os.PathLike, contents: CheckpointContents, state: TrainState,
+                             ranks: Ranks = Ranks(), *, background: bool = False,
+                             keep_last: int | None = None) -> PendingSave:
+    """Write a complete checkpoint of a run atomically (mmgrpo/runstate/checkpoint.py): `contents`,
+    `state` and each rank's RNGs.
+
+    A NaN/inf in the weights is a CheckpointError and nothing is written: the previous checkpoints
+    stay the newest.
+    background: copy weights, optimizer state and RNGs now (the only time training waits), and
+        write them in a thread; `wait()` the result before exiting (mmgrpo/runstate/checkpoint.py).
+    keep_last: then keep only the newest N checkpoints (--save_total_limit).
+    ranks.world_size > 1: every rank calls this; each writes its RNG file, rank 0 the rest and the
+        marker, in the foreground.
+    """
+    path = Path(path)
+    rank, world_size = ranks.rank, ranks.world_size
+    refuse_nonfinite(path, contents.state_dict, ranks)
     state = TrainState(**{**asdict(state), "world_size": world_size})
     rng = capture_rng()
-    optimizer_state = optimizer.state_dict() if optimizer is not None and world_size == 1 else None
-    scheduler_state = scheduler.state_dict() if scheduler is not None else None
+    state_dict, extra_files, rank_files = contents.state_dict, contents.extra_files, contents.rank_files
+    optimizer_state = contents.optimizer.state_dict() if contents.optimizer is not None and world_size == 1 else None
+    scheduler_state = contents.scheduler.state_dict() if contents.scheduler is not None else None
     if background:
         if world_size > 1:
             raise CheckpointError("background checkpoint saving is for one process; save in the foreground under torchrun.")
-        state_dict, optimizer_state, scheduler_state = snapshot(state_dict), snapshot(optimizer_state), snapshot(scheduler_state)
-        extra_files, rank_files = snapshot(extra_files), snapshot(rank_files)
+        state_dict, optimizer_state, scheduler_state = cpu_copy(state_dict), cpu_copy(optimizer_state), cpu_copy(scheduler_state)
+        extra_files, rank_files = cpu_copy(extra_files), cpu_copy(rank_files)
 
     def write_rank_files(folder: Path) -> None:
         torch.save(rng, folder / rng_file(rank))
         for name, content in (rank_files or {}).items():
             torch.save(content, folder / name)
-        if save_shards is not None:
-            save_shards(folder)
+        if contents.save_shards is not None:
+            contents.save_shards(folder)
 
     def write(folder: Path) -> None:
         if world_size == 1:
             write_rank_files(folder)
-        save_model_folder(folder, model, peft_model, processor, template, state_dict)
+        save_model_folder(folder, contents.model, contents.peft_model, contents.processor, contents.template, state_dict)
         if optimizer_state is not None:
             torch.save(optimizer_state, folder / OPTIMIZER_FILE)
         if scheduler_state is not None:
@@ -265,9 +289,16 @@ def save_training_checkpoint(
     needed = weights + (tensor_bytes(optimizer_state) if optimizer_state is not None else 2 * weights) + SMALL_FILES
     if world_size == 1:
         return save_atomically(path, write, background=background, keep_last=keep_last, needed_bytes=needed)
-    # Ranks: rank 0 prepares the staging folder, every rank writes its RNG file into it, rank 0 the
-    # rest and commits. Only rank 0 touches the folder's other entries; a failure anywhere is
-    # raised on every rank (no rank waits in a collective for one that gave up).
+    save_on_ranks(path, ranks, write_rank_files, write, needed, keep_last)
+    return PendingSave(path)
+
+
+def save_on_ranks(path: Path, ranks: Ranks, write_rank_files: Callable[[Path], None], write: Callable[[Path], None],
+                  needed: int, keep_last: int | None) -> None:
+    """A checkpoint several ranks write: rank 0 prepares the staging folder, every rank writes its
+    own files into it (`write_rank_files`), rank 0 the rest (`write`) and commits. Only rank 0
+    touches the folder's other entries; a failure anywhere is raised on every rank (no rank waits
+    in a collective for one that gave up). needed: the bytes a disk-full error names."""
     staging = path.with_name(path.name + STAGING_SUFFIX)
 
     def commit_all(folder: Path) -> None:
@@ -285,10 +316,10 @@ def save_training_checkpoint(
         if keep_last:
             rotate_checkpoints(path.parent, keep_last)
 
+    any_rank, rank = ranks.any_rank, ranks.rank
     _together(any_rank, prepare_staging if rank == 0 else None, path, path)
     _together(any_rank, write_rank_files, staging, path)  # every rank: a collective with save_shards
     _together(any_rank, commit_all if rank == 0 else None, staging, path)
-    return PendingSave(path)
 
 
 def _together(any_rank: Callable[[bool], bool], action, argument, path: Path) -> None:
