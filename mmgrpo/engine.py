@@ -349,7 +349,7 @@ def train(cfg: TrainConfig) -> Path:
     if run.strategy.is_main:
         plan.apply()  # resume: the step logs cut at the checkpoint; overwrite: the earlier run's files gone
     resumed_after = state.step if plan.resume_from is not None else None  # TensorBoard hides the killed run's later steps
-    logger = (RunLogger(out, cfg, resume_step=resumed_after, resumed=state.resumed)  # rank 0 writes the reduced metrics
+    logger = (RunLogger(out, cfg.to_dict(), cfg.report_to, resume_step=resumed_after, resumed=state.resumed)  # rank 0 writes the reduced metrics
               if run.strategy.is_main else NullLogger())
     stop = StopSignals(cfg.save_on_signal)  # SIGTERM / SIGUSR1: this step finishes and is saved (training/preemption.py)
     try:

@@ -113,7 +113,7 @@ def sft(cfg: SFTConfig) -> Path:
     policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)
-    logger = RunLogger(out, cfg)
+    logger = RunLogger(out, cfg.to_dict(), cfg.report_to)
     (out / STOP_FILE).unlink(missing_ok=True)  # left by an earlier run into this output_dir
     optimizer = make_optimizer(cfg.optim, model, template.components)(policy.trainable_parameters())
     batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps

@@ -54,7 +54,7 @@ def test_report_to_none_writes_metrics_only(tmp_path):
     from mmgrpo.runstate.runlog import RunLogger
 
     cfg = TrainConfig.from_args([*FAST, "--report_to", "none", "--output_dir", str(tmp_path)])
-    logger = RunLogger(tmp_path, cfg)
+    logger = RunLogger(tmp_path, cfg.to_dict(), cfg.report_to)
     logger.log_step({"step": 1, "reward": 0.5}, print_it=False)
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward": 0.5}]

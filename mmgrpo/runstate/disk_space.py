@@ -2,7 +2,8 @@
 checkpoints the run keeps, and a disk that fills up during a save named in one line.
 
     needed = checkpoint_bytes(model, trainable_only=False)     # weights + AdamW's two moments, in bytes
-    warn_if_short(out, needed, kept=checkpoints_kept(cfg, total_steps))   # one line on stderr, or nothing
+    kept = checkpoints_kept(total_steps, save_steps=10, save_total_limit=2, keeps_best=True)
+    warn_if_short(out, needed, kept)                           # one line on stderr, or nothing
     error = disk_full_error(err, path, needed, kept_names)     # a CheckpointError, or None for another error
 
 The estimate is what a checkpoint writes: the saved weights (fp32 as trained; LoRA: the adapters),
@@ -59,11 +60,19 @@ def checkpoint_bytes(model: torch.nn.Module, *, trainable_only: bool) -> int:
     return 4 * saved + 8 * trained + SMALL_FILES
 
 
-def checkpoints_kept(cfg, total_steps: int) -> int:
-    """How many checkpoints of this run can be on disk at once (checkpoint-best counted)."""
-    saves = total_steps // cfg.save_steps + 1 if cfg.save_steps else 1
-    best = 1 if cfg.eval.eval_dataset else 0
-    return min(saves, cfg.save_total_limit or saves) + best
+def checkpoints_kept(total_steps: int, save_steps: int, save_total_limit: int | None, keeps_best: bool) -> int:
+    """How many checkpoints of a run can be on disk at once: one every `save_steps` (--save_steps; 0:
+    the last only), at most `save_total_limit` of them, and checkpoint-best when the run `keeps_best`
+    (it evaluates: --eval_dataset).
+
+    >>> checkpoints_kept(100, save_steps=10, save_total_limit=None, keeps_best=False)
+    11
+    >>> checkpoints_kept(100, save_steps=10, save_total_limit=2, keeps_best=True)
+    3
+    """
+    saves = total_steps // save_steps + 1 if save_steps else 1
+    best = 1 if keeps_best else 0
+    return min(saves, save_total_limit or saves) + best
 
 
 def warn_if_short(folder: str | os.PathLike, needed: int, kept: int) -> str | None:

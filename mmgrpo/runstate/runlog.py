@@ -41,11 +41,12 @@ def step_log_lines(metrics: dict, records=()) -> dict[str, str]:
     }
 
 
-def write_config(folder: Path, cfg, resumed: list | None = None) -> None:
-    """config.yaml: the flags the run trains with now and, after resumes, `resumed:`, what each one
-    changed from which step (TrainState.resumed): the run's flags step by step. `--config config.yaml`
-    reads the flags and skips `resumed`."""
-    config = cfg.to_dict()
+def write_config(folder: Path, options: dict, resumed: list | None = None) -> None:
+    """config.yaml: the flags the run trains with now (`options`, the configuration as a nested
+    dict: `cfg.to_dict()`) and, after resumes, `resumed:`, what each one changed from which step
+    (TrainState.resumed): the run's flags step by step. `--config config.yaml` reads the flags and
+    skips `resumed`."""
+    config = dict(options)
     if resumed:
         config["resumed"] = [{"after_step": r["after_step"], "changed": {k: list(v) for k, v in r["changed"].items()}}
                              for r in resumed]
@@ -53,19 +54,22 @@ def write_config(folder: Path, cfg, resumed: list | None = None) -> None:
 
 
 class RunLogger:
-    """resume_step: a resumed run continues after this step; TensorBoard hides the crashed run's
-    events of later steps (SummaryWriter purge_step). The step logs are trimmed by
+    """options: the run's configuration as a nested dict (`cfg.to_dict()`), written to config.yaml
+    and handed to the trackers `report_to` names (--report_to). resume_step: a resumed run
+    continues after this step; TensorBoard hides the crashed run's events of later steps
+    (SummaryWriter purge_step). The step logs are trimmed by
     mmgrpo.training.output_dir.OutputPlan.apply()."""
 
-    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None, resumed: list | None = None):
+    def __init__(self, output_dir: Path, options: dict, report_to: str | list[str], resume_step: int | None = None,
+                 resumed: list | None = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_config(self.dir, cfg, resumed)
+        write_config(self.dir, options, resumed)
         self.metrics_file = open(self.dir / "metrics.jsonl", "a")
         self.completions_file = open(self.dir / "completions.jsonl", "a")
         from mmgrpo.runstate.trackers import make_trackers
 
-        self.trackers = make_trackers(self.dir, cfg, resume_step)  # --report_to: tensorboard, wandb, mlflow
+        self.trackers = make_trackers(self.dir, options, report_to, resume_step)  # --report_to: tensorboard, wandb, mlflow
 
     def log_step(self, metrics: dict, records: list[dict] = (), print_it: bool = True) -> None:
         metrics = {k: _jsonable(v) for k, v in metrics.items()}

@@ -68,7 +68,7 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, options: dict, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         # resuming: the crashed run's events after the resumed step are hidden (purge_step)
@@ -83,11 +83,11 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, options: dict, resume_step: int | None = None):
         wandb = _require("wandb", "wandb")
         self.wandb = wandb
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mmgrpo"), name=Path(output_dir).name,
-                              dir=str(output_dir), config=cfg.to_dict(), reinit="finish_previous")
+                              dir=str(output_dir), config=options, reinit="finish_previous")
 
     def log(self, metrics: dict, records: list[dict], step: int) -> None:
         payload = dict(_scalars(metrics))
@@ -120,7 +120,7 @@ def _flatten(options: dict, prefix: str = "") -> dict[str, str]:
 
 
 class MlflowTracker:
-    def __init__(self, output_dir: Path, cfg, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, options: dict, resume_step: int | None = None):
         mlflow = _require("mlflow", "mlflow-skinny")
         self.mlflow = mlflow
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -132,7 +132,7 @@ class MlflowTracker:
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "mmgrpo"))
         self.run = mlflow.start_run(run_name=Path(output_dir).name)
-        mlflow.log_params(_flatten(cfg.to_dict()))
+        mlflow.log_params(_flatten(options))
 
     def log(self, metrics: dict, records: list[dict], step: int) -> None:
         self.mlflow.log_metrics({mlflow_metric_name(k): v for k, v in _scalars(metrics).items()}, step=step)
@@ -154,14 +154,15 @@ def _require(module: str, package: str):
                           "(pinned in requirements.txt)") from None
 
 
-def make_trackers(output_dir: Path, cfg, resume_step: int | None = None) -> list:
-    """The trackers --report_to names. A resumed run (resume_step) starts a new W&B / MLflow run
-    whose steps continue from the resumed one; TensorBoard hides the crashed run's later events."""
+def make_trackers(output_dir: Path, options: dict, report_to: str | list[str], resume_step: int | None = None) -> list:
+    """The trackers --report_to names, each given the run's options (a nested dict: W&B's config,
+    MLflow's params). A resumed run (resume_step) starts a new W&B / MLflow run whose steps continue
+    from the resumed one; TensorBoard hides the crashed run's later events."""
     classes = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
     trackers = []
-    for name in report_targets(getattr(cfg, "report_to", "tensorboard")):
+    for name in report_targets(report_to):
         try:
-            trackers.append(classes[name](output_dir, cfg, resume_step))
+            trackers.append(classes[name](output_dir, options, resume_step))
         except ImportError:  # tensorboard (the default) is optional outside the pinned set
             if name != "tensorboard":
                 raise

@@ -214,8 +214,8 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
     steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.world_size)
     if strategy.is_main:  # a disk too small for the checkpoints the run keeps: said now, not at the first save
-        warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None),
-                      checkpoints_kept(cfg, steps))
+        kept = checkpoints_kept(steps, cfg.save_steps, cfg.save_total_limit, keeps_best=bool(cfg.eval.eval_dataset))
+        warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None), kept)
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
     policy = Policy(
