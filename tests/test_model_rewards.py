@@ -122,4 +122,4 @@ def test_reward_weights_must_cover_the_reward_models_too():
                                  "--reward_weights", "1.0"])
     cfg.validate()  # the count is checked where the rewards are built, once, before any reward model loads
     with pytest.raises(ConfigError, match=r"1 values for 2 rewards \(1 functions: format; 1 --reward_model\)"):
-        build_rewards(cfg, dataset=None)
+        build_rewards(cfg.algo, None, cfg.rollout.max_completion_length)

@@ -80,4 +80,4 @@ def test_reward_kwargs_for_a_reward_not_in_the_run_is_a_start_up_error(tmp_path)
 
     cfg = TrainConfig.from_args([*FAST, "--reward_funcs", "format", "--reward_kwargs", '{"cosine": {}}'])
     with pytest.raises(ConfigError, match="--reward_kwargs names cosine"):
-        bound_rewards(cfg, cfg.algo.reward_funcs)
+        bound_rewards(cfg.algo, cfg.algo.reward_funcs, cfg.rollout.max_completion_length)

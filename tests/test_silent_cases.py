@@ -72,19 +72,20 @@ def test_rows_without_a_solution_stop_the_run_at_start_up_naming_them(tmp_path):
     cfg = train_config(tmp_path, "--dataset", str(data), "--reward_funcs", *NEED_SOLUTION, "format")
     cfg.validate()
     with pytest.raises(DataError) as raised:
-        build_rewards(cfg, resolve_dataset(str(data)))  # what build_run does first, before any model loads
+        build_rewards(cfg.algo, resolve_dataset(str(data)), cfg.rollout.max_completion_length)  # what build_run does first, before any model loads
     message = str(raised.value)
     assert message.startswith("dataset gaps (split train): 2 of 8 rows have no solution (gaps/train/2, gaps/train/5)")
     assert "vqa_accuracy, exact_match, iou, math_accuracy need to grade" in message and "--missing_solution skip" in message
     # a run whose rewards need no solution takes the same rows
-    build_rewards(train_config(tmp_path, "--dataset", str(data), "--reward_funcs", "format"), resolve_dataset(str(data)))
+    cfg = train_config(tmp_path, "--dataset", str(data), "--reward_funcs", "format")
+    build_rewards(cfg.algo, resolve_dataset(str(data)), cfg.rollout.max_completion_length)
 
 
 def test_with_skip_every_reward_scores_a_missing_solution_none_and_the_step_counts_them(tmp_path):
     data = rows_with_gaps(tmp_path)
     cfg = train_config(tmp_path, "--dataset", str(data), "--reward_funcs", *NEED_SOLUTION, "answer_format",
                        "--missing_solution", "skip")
-    rewards = build_rewards(cfg, resolve_dataset(str(data)))
+    rewards = build_rewards(cfg.algo, resolve_dataset(str(data)), cfg.rollout.max_completion_length)
     answers = ["<answer>[0, 0, 10, 10]</answer>", "<answer>[1, 2, 3, 4]</answer>", "<answer>[0, 0, 10, 5]</answer>"]
     columns = {"solution": [[0, 0, 10, 10], None, [0, 0, 10, 10]], "sample_id": ["gaps/train/0", "gaps/train/2", "gaps/train/3"]}
     per_func, total = rewards(answers, columns)  # [5, 3], [3]

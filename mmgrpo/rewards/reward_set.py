@@ -1,6 +1,6 @@
 """The run's reward functions and weights, called as one.
 
-    rewards = build_rewards(cfg, dataset)         # --reward_funcs (or each dataset's defaults), weights, options
+    rewards = build_rewards(cfg.algo, dataset, max_completion_length)  # --reward_funcs or the datasets' own
     per_func, total = rewards(completions, columns)   # [F, N] (NaN = skipped), [N] the weighted sum
 
 A mixture whose datasets name different default rewards is routed: each sample is scored only by
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmgrpo.config import AlgoConfig, RolloutConfig
 from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.judge import JudgeReward
@@ -78,11 +79,13 @@ class RewardSet:
         return counters
 
 
-def build_rewards(cfg, dataset) -> RewardSet:
-    """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample)."""
+def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, judge_vllm: dict | None = None) -> RewardSet:
+    """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample).
+    max_completion_length: the run's (--max_completion_length), bound to the rewards that take it;
+    judge_vllm: the judge's vLLM engine options (`judge_vllm_options`), which --judge_use_vllm needs."""
     routes = None
-    if cfg.algo.reward_funcs:
-        names = cfg.algo.reward_funcs
+    if algo_cfg.reward_funcs:
+        names = algo_cfg.reward_funcs
     else:
         sources = getattr(dataset, "sources", [dataset])
         routes = {source.name: list(source.reward_funcs) for source in sources}
@@ -94,62 +97,65 @@ def build_rewards(cfg, dataset) -> RewardSet:
             f"no reward functions: dataset {getattr(dataset, 'name', '')} names none; pass --reward_funcs "
             "(e.g. --reward_funcs vqa_accuracy format)."
         )
-    num_models = len(cfg.algo.reward_model) + (1 if cfg.algo.judge_model else 0)
-    weights = cfg.algo.reward_weights or [1.0] * (len(names) + num_models)
+    num_models = len(algo_cfg.reward_model) + (1 if algo_cfg.judge_model else 0)
+    weights = algo_cfg.reward_weights or [1.0] * (len(names) + num_models)
     if len(weights) != len(names) + num_models:  # before any reward model loads
         raise ConfigError(
             f"--reward_weights has {len(weights)} values for {len(names) + num_models} rewards ({len(names)} functions: "
-            f"{', '.join(names)}; {len(cfg.algo.reward_model)} --reward_model{', 1 --judge_model' if cfg.algo.judge_model else ''}); "
+            f"{', '.join(names)}; {len(algo_cfg.reward_model)} --reward_model"
+            f"{', 1 --judge_model' if algo_cfg.judge_model else ''}); "
             "give one weight per reward, in that order."
         )
-    funcs = bound_rewards(cfg, names)
+    funcs = bound_rewards(algo_cfg, names, max_completion_length)
     specs = list(names)
     # reward models and the judge (build_model_rewards below): after the functions, for every sample
-    for model_reward in build_model_rewards(cfg):
+    for model_reward in build_model_rewards(algo_cfg, judge_vllm):
         funcs.append(model_reward)
         specs.append(model_reward.reward_name)
         for route in (routes or {}).values():
             route.append(model_reward.reward_name)
-    rewards = RewardSet([reward_name(f) for f in funcs], funcs, list(weights), cfg.algo.reward_errors, routes, specs,
-                        cfg.algo.reward_timeout, cfg.algo.missing_solution)
-    check_solutions(dataset, rewards, cfg.algo.missing_solution)  # rows without a reference answer: named now
+    rewards = RewardSet([reward_name(f) for f in funcs], funcs, list(weights), algo_cfg.reward_errors, routes, specs,
+                        algo_cfg.reward_timeout, algo_cfg.missing_solution)
+    check_solutions(dataset, rewards, algo_cfg.missing_solution)  # rows without a reference answer: named now
     return rewards
 
 
-def bound_rewards(cfg, names: list[str]) -> list:
+def bound_rewards(algo_cfg: AlgoConfig, names: list[str], max_completion_length: int) -> list:
     """Each reward with its --reward_kwargs options bound (and the run's max_completion_length where it takes it)."""
-    options = parse_reward_kwargs(cfg.algo.reward_kwargs)
+    options = parse_reward_kwargs(algo_cfg.reward_kwargs)
     stray = sorted(set(options) - set(names))
     if stray:
         raise ConfigError(f"--reward_kwargs names {', '.join(stray)}, not among the run's rewards ({', '.join(names)}).")
-    run_defaults = {"max_completion_length": cfg.rollout.max_completion_length}
+    run_defaults = {"max_completion_length": max_completion_length}
     return [bind_options(get_reward(name), name, options.get(name, {}), run_defaults) for name in names]
 
 
-def build_model_rewards(cfg) -> list:
+def build_model_rewards(algo_cfg: AlgoConfig, judge_vllm: dict | None = None) -> list:
     """The run's reward models (--reward_model, in order) and judge (--judge_model), loaded now so a
-    checkpoint that does not fit fails at start-up."""
-    algo = cfg.algo
+    checkpoint that does not fit fails at start-up. judge_vllm: the options of the judge's own vLLM
+    engine (`judge_vllm_options`), used with --judge_use_vllm."""
+    if algo_cfg.judge_model and algo_cfg.judge_use_vllm and judge_vllm is None:
+        raise ValueError("--judge_use_vllm: build_model_rewards needs the judge's engine options (judge_vllm_options)")
     rewards = [
-        RewardModelReward(path, device=algo.reward_model_device, batch_size=algo.reward_model_batch_size)
-        for path in algo.reward_model
+        RewardModelReward(path, device=algo_cfg.reward_model_device, batch_size=algo_cfg.reward_model_batch_size)
+        for path in algo_cfg.reward_model
     ]
-    if algo.judge_model:
+    if algo_cfg.judge_model:
         rewards.append(JudgeReward(
-            algo.judge_model, model_type=algo.judge_model_type, device=algo.reward_model_device,
-            prompt_file=algo.judge_prompt, parse=algo.judge_parse, score_max=algo.judge_score_max,
-            max_new_tokens=algo.judge_max_new_tokens, batch_size=algo.reward_model_batch_size,
-            vllm=judge_vllm_options(cfg) if algo.judge_use_vllm else None,
+            algo_cfg.judge_model, model_type=algo_cfg.judge_model_type, device=algo_cfg.reward_model_device,
+            prompt_file=algo_cfg.judge_prompt, parse=algo_cfg.judge_parse, score_max=algo_cfg.judge_score_max,
+            max_new_tokens=algo_cfg.judge_max_new_tokens, batch_size=algo_cfg.reward_model_batch_size,
+            vllm=judge_vllm if algo_cfg.judge_use_vllm else None,
         ))
     return rewards
 
 
-def judge_vllm_options(cfg) -> dict:
-    """The judge's colocated vLLM engine: room for the policy's prompt and completion, the judge's
-    own words and its reply; memory as the --vllm_* flags say."""
-    rollout = cfg.rollout
+def judge_vllm_options(algo_cfg: AlgoConfig, rollout_cfg: RolloutConfig, max_prompt_length: int, seed: int) -> dict:
+    """The judge's colocated vLLM engine: room for the policy's prompt (`max_prompt_length`,
+    --max_prompt_length) and completion, the judge's own words and its reply; memory as the
+    --vllm_* flags say."""
     return dict(
-        max_model_len=cfg.data.max_prompt_length + rollout.max_completion_length + cfg.algo.judge_max_new_tokens + 256,
-        seed=cfg.seed, gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-        kv_cache_memory_bytes=rollout.vllm_kv_cache_memory_bytes,
+        max_model_len=max_prompt_length + rollout_cfg.max_completion_length + algo_cfg.judge_max_new_tokens + 256,
+        seed=seed, gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=rollout_cfg.vllm_kv_cache_memory_bytes,
     )

@@ -32,7 +32,7 @@ from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.saving import save_model_folder
 from mmgrpo.models.train_type import load_trainable_model, reference_copy
 from mmgrpo.parallel import Strategy, build_strategy
-from mmgrpo.rewards.reward_set import RewardSet, build_rewards
+from mmgrpo.rewards.reward_set import RewardSet, build_rewards, judge_vllm_options
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams, sampling_params
 from mmgrpo.runstate.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
@@ -191,7 +191,8 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     reference is still the starting --model."""
     evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
-    rewards = build_rewards(cfg, dataset)
+    judge_vllm = judge_vllm_options(cfg.algo, cfg.rollout, cfg.data.max_prompt_length, cfg.seed)
+    rewards = build_rewards(cfg.algo, dataset, cfg.rollout.max_completion_length, judge_vllm)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
     check_modalities(dataset, template)  # audio for a vision-only family: an error before loading
     check_completion_budgets(cfg, dataset, model_context(path))
