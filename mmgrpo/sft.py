@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mmgrpo.config import SFTConfig
+from mmgrpo.config import DistConfig, SFTConfig
 from mmgrpo.config.checks import parse_stop_at
 from mmgrpo.data.catalog import mix_datasets
 from mmgrpo.data.prompt_batches import prompt_stream
@@ -108,8 +108,8 @@ def sft(cfg: SFTConfig) -> Path:
     check_modalities(dataset, template)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    strategy = build_strategy(cfg)
-    model, peft_model = load_trainable_model(cfg, path, template, strategy, cfg.seed)
+    strategy = build_strategy(DistConfig(), cfg.optim, cfg.bf16)  # one process
+    model, peft_model = load_trainable_model(cfg.model, cfg.optim, path, template, strategy, cfg.seed)
     policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
     seed_everything(cfg.seed)
     out = Path(cfg.output_dir)

@@ -83,7 +83,7 @@ def test_deepspeed_json_autos_are_filled(tmp_path):
                                  "--gradient_accumulation_steps", "2", "--bf16", "--offload_optimizer"])
     cfg.validate()
     assert cfg.dist.strategy == "zero3"
-    config = deepspeed_config(cfg, world_size=2, hidden_size=128)
+    config = deepspeed_config(cfg.dist, cfg.optim, world_size=2, hidden_size=128, bf16=cfg.bf16)
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 2
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
     zero = config["zero_optimization"]

@@ -27,6 +27,7 @@ import copy
 import torch
 from torch import nn
 
+from mmgrpo.config import ModelConfig, OptimConfig
 from mmgrpo.errors import ConfigError
 from mmgrpo.fusion.attach import FUSION_ATTR, check_fusion_model, fusion_for_training
 from mmgrpo.models.loading import load_model, model_skeleton
@@ -55,12 +56,12 @@ def part_of(name: str, components: dict[str, str]) -> str | None:
     return None
 
 
-def frozen_parts(model_cfg) -> set[str]:
+def frozen_parts(model_cfg: ModelConfig) -> set[str]:
     flags = {"vision": model_cfg.freeze_vit, "aligner": model_cfg.freeze_aligner, "llm": model_cfg.freeze_llm}
     return {part for part, frozen in flags.items() if frozen}
 
 
-def lora_targets(model: nn.Module, components: dict[str, str], model_cfg) -> list[str]:
+def lora_targets(model: nn.Module, components: dict[str, str], model_cfg: ModelConfig) -> list[str]:
     """Full names of the nn.Linear modules --target_modules selects; a ConfigError if none."""
     frozen = frozen_parts(model_cfg)
     wanted_parts, suffixes = set(), []
@@ -92,7 +93,7 @@ def lora_targets(model: nn.Module, components: dict[str, str], model_cfg) -> lis
     return targets
 
 
-def freeze(model: nn.Module, components: dict[str, str], model_cfg) -> int:
+def freeze(model: nn.Module, components: dict[str, str], model_cfg: ModelConfig) -> int:
     """Full training: no gradient for the frozen parts' weights. Returns the parameters left training."""
     frozen = frozen_parts(model_cfg)
     for name, param in model.named_parameters():
@@ -107,7 +108,7 @@ def freeze(model: nn.Module, components: dict[str, str], model_cfg) -> int:
     return trainable
 
 
-def check_trainable(model_cfg, skeleton: nn.Module, components: dict[str, str]) -> None:
+def check_trainable(model_cfg: ModelConfig, skeleton: nn.Module, components: dict[str, str]) -> None:
     """The checks of `apply_train_type`, on a weightless (meta device) model, before loading weights."""
     if model_cfg.train_type == "lora":
         lora_targets(skeleton, components, model_cfg)
@@ -115,7 +116,7 @@ def check_trainable(model_cfg, skeleton: nn.Module, components: dict[str, str]) 
         freeze(skeleton, components, model_cfg)
 
 
-def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, seed: int = 0):
+def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg: ModelConfig, seed: int = 0):
     """Freeze parts (full) or inject LoRA adapters (lora). Returns (model, peft_model or None).
 
     `model` stays the object the policy uses (peft injects its layers in place); the PeftModel
@@ -140,20 +141,20 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg, se
     return model, peft_model
 
 
-def load_trainable_model(cfg, path: str, template, strategy, seed: int):
+def load_trainable_model(model_cfg: ModelConfig, optim_cfg: OptimConfig, path: str, template, strategy, seed: int):
     """The model to train (train mode, checkpointing, frozen parts, LoRA, fusion modules) on the
     strategy's load device, with its LoRA wrapper (or None). LoRA targets, --freeze_*,
-    --fusion_layers and the per-component rates are checked on a weightless skeleton first, so a
-    typo fails before the weights load."""
+    --fusion_layers and the per-component rates (`optim_cfg`: --vit_lr ...) are checked on a
+    weightless skeleton first, so a typo fails before the weights load."""
     skeleton = model_skeleton(path, template)
-    check_trainable(cfg.model, skeleton, template.components)
-    check_fusion_model(cfg.model, cfg.optim, skeleton, template, path)
+    check_trainable(model_cfg, skeleton, template.components)
+    check_fusion_model(model_cfg, optim_cfg, skeleton, template, path)
     model = load_model(path, template=template).to(strategy.load_device)  # with a checkpoint's fusion modules
     model.train()
-    if cfg.model.gradient_checkpointing:
+    if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model, peft_model = apply_train_type(model, template.components, cfg.model, seed=seed)
-    fusion_for_training(model, template, cfg.model, seed=seed)  # --fusion_module (mmgrpo/fusion/)
+    model, peft_model = apply_train_type(model, template.components, model_cfg, seed=seed)
+    fusion_for_training(model, template, model_cfg, seed=seed)  # --fusion_module (mmgrpo/fusion/)
     return model, peft_model
 
 

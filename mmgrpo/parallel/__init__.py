@@ -1,7 +1,7 @@
 """Training beyond one process: `--parallel none | fsdp2 | zero3` (docs/distributed.md).
 
-`build_strategy(cfg)` opens the process group and returns the strategy the training step calls;
-see mmgrpo/parallel/base.py for the interface.
+`build_strategy(cfg.dist, cfg.optim, cfg.bf16)` opens the process group and returns the strategy
+the training step calls; see mmgrpo/parallel/base.py for the interface.
 
     base.py      the Strategy interface, its collectives, Prepared, the Wrapper module
     single.py    one process          fsdp2.py   PyTorch FSDP2          zero3.py   DeepSpeed ZeRO-3
@@ -10,6 +10,7 @@ see mmgrpo/parallel/base.py for the interface.
     media.py     the blank medium that keeps ranks' tower calls equal
 """
 
+from mmgrpo.config import DistConfig, OptimConfig
 from mmgrpo.parallel.base import Prepared, Strategy
 from mmgrpo.parallel.compatibility import validate_parallel
 from mmgrpo.parallel.launch import configure_precision, init_process_group, pick_device, rank_errors
@@ -17,22 +18,23 @@ from mmgrpo.parallel.launch import configure_precision, init_process_group, pick
 __all__ = ["Prepared", "Strategy", "build_strategy", "rank_errors", "validate_parallel"]
 
 
-def build_strategy(cfg) -> Strategy:
-    """The strategy the flags name (`cfg.dist.strategy`; one process for a config without `dist`,
-    such as SFT's), with the process group up and the device chosen."""
-    name = cfg.dist.strategy if hasattr(cfg, "dist") else "none"
-    rank, world_size, local_rank, created = init_process_group(getattr(getattr(cfg, 'dist', None), 'ddp_timeout', 1800), sharded=name != "none")
+def build_strategy(dist_cfg: DistConfig, optim_cfg: OptimConfig, bf16: bool) -> Strategy:
+    """The strategy the flags name (`dist_cfg.strategy`; SFT, one process, passes `DistConfig()`),
+    with the process group up and the device chosen. optim_cfg: the batch sizes and clipping ZeRO-3's
+    config repeats; bf16: --bf16, on where the device supports it."""
+    name = dist_cfg.strategy
+    rank, world_size, local_rank, created = init_process_group(dist_cfg.ddp_timeout, sharded=name != "none")
     device = pick_device(local_rank)
     kwargs = dict(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=created,
-                  bf16=configure_precision(device, cfg.bf16))
+                  bf16=configure_precision(device, bf16))
     if name == "fsdp2":
         from mmgrpo.parallel.fsdp2 import FSDP2
 
-        return FSDP2(cfg, **kwargs)
+        return FSDP2(dist_cfg, **kwargs)
     if name == "zero3":
         from mmgrpo.parallel.zero3 import ZeRO3
 
-        return ZeRO3(cfg, **kwargs)
+        return ZeRO3(dist_cfg, optim_cfg, **kwargs)
     from mmgrpo.parallel.single import SingleProcess
 
-    return SingleProcess(cfg, **kwargs)
+    return SingleProcess(dist_cfg, **kwargs)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmgrpo.config import DistConfig
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.parallel.media import add_dummy_medium
 
@@ -83,9 +84,10 @@ class Strategy:
     name = ""
 
     def __init__(
-        self, cfg, *, rank: int, world_size: int, local_rank: int, device: torch.device, owns_group: bool, bf16: bool
+        self, dist_cfg: DistConfig, *, rank: int, world_size: int, local_rank: int, device: torch.device,
+        owns_group: bool, bf16: bool
     ):
-        self.cfg = cfg
+        self.dist_cfg = dist_cfg  # --offload_param, --gather_for_generation ... (what a sharding strategy reads)
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
         self.owns_group = owns_group

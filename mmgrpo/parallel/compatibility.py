@@ -52,4 +52,4 @@ def validate_parallel(cfg) -> None:
     if dist_cfg.strategy == "zero3":
         from mmgrpo.parallel.zero3 import deepspeed_config
 
-        deepspeed_config(cfg, world_size)  # a contradicting JSON is an error now
+        deepspeed_config(dist_cfg, cfg.optim, world_size, bf16=cfg.bf16)  # a contradicting JSON is an error now

@@ -66,7 +66,7 @@ class FSDP2(Strategy):
             mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         else:
             mp_policy = MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if self.cfg.dist.offload_param else OffloadPolicy()
+        offload = CPUOffloadPolicy() if self.dist_cfg.offload_param else OffloadPolicy()
         self.wrapper = shard(model, mp_policy, offload)
         ref_call = shard(ref_model, mp_policy, OffloadPolicy()) if ref_model is not None else plain_call
         return Prepared(
@@ -74,7 +74,7 @@ class FSDP2(Strategy):
             call=self.wrapper,
             ref_call=ref_call,
             rollout_call=self.wrapper,
-            rollout_scope=self.blocks_gathered if self.cfg.dist.gather_for_generation else nullcontext,
+            rollout_scope=self.blocks_gathered if self.dist_cfg.gather_for_generation else nullcontext,
         )
 
     @contextmanager

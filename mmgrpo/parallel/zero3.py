@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from mmgrpo.config import DistConfig, OptimConfig
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
@@ -49,27 +50,28 @@ def _is_set(value) -> bool:
     return value is not None and value != "auto"
 
 
-def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None, bf16: bool | None = None) -> dict:
-    """The DeepSpeed config for this run: --deepspeed's JSON (if a path) with the flags filled in.
+def deepspeed_config(dist_cfg: DistConfig, optim_cfg: OptimConfig, world_size: int, hidden_size: int | None = None,
+                     *, bf16: bool) -> dict:
+    """The DeepSpeed config for this run: --deepspeed's JSON (if a path) with the flags filled in
+    (the batch sizes and clipping of `optim_cfg`, the offloads of `dist_cfg`).
 
-    bf16: whether bf16 is on (default --bf16; the strategy passes what the device allows).
+    bf16: whether bf16 is on (--bf16 before the model loads; the strategy passes what the device allows).
 
     >>> from mmgrpo.config import TrainConfig
     >>> cfg = TrainConfig.from_args(["--per_device_train_batch_size", "4", "--num_generations", "4", "--bf16"])
-    >>> ds = deepspeed_config(cfg, world_size=2)
+    >>> ds = deepspeed_config(cfg.dist, cfg.optim, world_size=2, bf16=cfg.bf16)
     >>> ds["train_batch_size"], ds["bf16"], ds["zero_optimization"]["stage"]
     (8, {'enabled': True}, 3)
     """
-    spec = cfg.dist.deepspeed
-    bf16 = cfg.bf16 if bf16 is None else bf16
+    spec = dist_cfg.deepspeed
     user = {} if spec in (None, "zero3") else _load_json(spec)
     source = f"--deepspeed {spec}"
-    micro, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
+    micro, accumulation = optim_cfg.per_device_train_batch_size, optim_cfg.gradient_accumulation_steps
     ours = {
         "train_micro_batch_size_per_gpu": (micro, "--per_device_train_batch_size"),
         "gradient_accumulation_steps": (accumulation, "--gradient_accumulation_steps"),
         "train_batch_size": (micro * accumulation * world_size, f"--per_device_train_batch_size x --gradient_accumulation_steps x {world_size} ranks"),
-        "gradient_clipping": (float(cfg.optim.max_grad_norm), "--max_grad_norm"),
+        "gradient_clipping": (float(optim_cfg.max_grad_norm), "--max_grad_norm"),
     }
     for key, (value, flag) in ours.items():
         if _is_set(user.get(key)) and float(user[key]) != float(value):
@@ -99,7 +101,7 @@ def deepspeed_config(cfg, world_size: int, hidden_size: int | None = None, bf16:
                 del zero[key]
     for key in [k for k, v in zero.items() if v == "auto"]:
         del zero[key]
-    for flag, key in ((cfg.dist.offload_optimizer, "offload_optimizer"), (cfg.dist.offload_param, "offload_param")):
+    for flag, key in ((dist_cfg.offload_optimizer, "offload_optimizer"), (dist_cfg.offload_param, "offload_param")):
         device = zero.get(key, {}).get("device", "none")
         if flag and device == "none":
             zero[key] = {**zero.get(key, {}), "device": "cpu"}
@@ -117,13 +119,14 @@ DEEPSPEED_TAG = "deepspeed"  # DeepSpeed's checkpoint folder inside checkpoint-N
 class ZeRO3(Strategy):
     name = "zero3"
 
-    def __init__(self, cfg, **kwargs):
-        super().__init__(cfg, **kwargs)
+    def __init__(self, dist_cfg: DistConfig, optim_cfg: OptimConfig, **kwargs):
+        super().__init__(dist_cfg, **kwargs)
         import deepspeed
 
+        self.optim_cfg = optim_cfg  # the batch sizes and clipping DeepSpeed's config repeats
         # Takes over the process group mmgrpo opened (gloo on CPU, NCCL on GPUs).
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
-                                   timeout=_timedelta(cfg.dist.ddp_timeout))
+                                   timeout=_timedelta(dist_cfg.ddp_timeout))
         self.engine = None
 
     @property
@@ -134,7 +137,7 @@ class ZeRO3(Strategy):
         import deepspeed
 
         hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
-        config = deepspeed_config(self.cfg, self.world_size, hidden_size, bf16=self.bf16)
+        config = deepspeed_config(self.dist_cfg, self.optim_cfg, self.world_size, hidden_size, bf16=self.bf16)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=Wrapper(model), model_parameters=trainable, optimizer=make_optimizer, config=config
@@ -150,7 +153,7 @@ class ZeRO3(Strategy):
             call=self.engine,  # the engine's forward also gathers weights read outside their module (the LM head)
             ref_call=ref_call,
             # Rollouts call the module itself: each submodule gathers its weights (or all are gathered at once).
-            rollout_scope=self.all_gathered if self.cfg.dist.gather_for_generation else nullcontext,
+            rollout_scope=self.all_gathered if self.dist_cfg.gather_for_generation else nullcontext,
         )
 
     @contextmanager

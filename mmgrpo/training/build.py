@@ -198,8 +198,8 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     check_completion_budgets(cfg, dataset, model_context(path))
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    strategy = build_strategy(cfg)  # process group up (torchrun), device and precision picked
-    model, peft_model = load_trainable_model(cfg, path, template, strategy, cfg.seed)
+    strategy = build_strategy(cfg.dist, cfg.optim, cfg.bf16)  # process group up (torchrun), device and precision picked
+    model, peft_model = load_trainable_model(cfg.model, cfg.optim, path, template, strategy, cfg.seed)
     if cfg.rollout.use_vllm and fusion_of(model) is not None:
         raise ConfigError(
             f"--model {cfg.model.model} holds fusion modules and --use_vllm runs the model's stock architecture "

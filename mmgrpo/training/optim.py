@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from mmgrpo.config import OptimConfig
 from mmgrpo.errors import ConfigError
 
 # The HF schedule names mmgrpo accepts (transformers.SchedulerType values).
@@ -38,7 +39,7 @@ GROUP_OF_PART = {"vision": "vit", "aligner": "aligner"}
 FUSION_PREFIX = "fusion_modules."  # mmgrpo/fusion/attach.py's FUSION_ATTR
 
 
-def component_rates(optim_cfg) -> dict[str, float]:
+def component_rates(optim_cfg: OptimConfig) -> dict[str, float]:
     """{group: peak rate} of the per-component flags given, e.g. {"vit": 2e-6}; {} if none is."""
     rates = {group: getattr(optim_cfg, flag, None) for group, flag in GROUP_FLAGS.items()}
     return {group: rate for group, rate in rates.items() if rate is not None}
@@ -59,7 +60,7 @@ def group_of(name: str, components: dict[str, str]) -> str:
     return GROUP_OF_PART.get(part_of(name, components), "llm")
 
 
-def make_optimizer(optim_cfg, model=None, components: dict[str, str] | None = None):
+def make_optimizer(optim_cfg: OptimConfig, model=None, components: dict[str, str] | None = None):
     """`params -> AdamW` as the optim flags say. Fused (default): one kernel updates every tensor
     in place, on CPU and CUDA; the update is the same as the for-loop's to float rounding.
 
@@ -107,7 +108,7 @@ def group_rates(optimizer, scheduler) -> dict[str, float]:
     return {f"learning_rate/{group['name']}": rate for group, rate in zip(optimizer.param_groups, rates) if "name" in group}
 
 
-def scheduler_kwargs(optim_cfg) -> dict:
+def scheduler_kwargs(optim_cfg: OptimConfig) -> dict:
     """--lr_scheduler_kwargs (a JSON string, or a mapping from YAML) checked against the schedule's options.
 
     >>> from mmgrpo.config import OptimConfig
@@ -147,12 +148,12 @@ def scheduler_kwargs(optim_cfg) -> dict:
     return dict(value)
 
 
-def warmup_steps(optim_cfg, total_steps: int) -> int:
+def warmup_steps(optim_cfg: OptimConfig, total_steps: int) -> int:
     """ceil(warmup_ratio x total steps), as the HF Trainer counts them."""
     return math.ceil(optim_cfg.warmup_ratio * total_steps)
 
 
-def make_scheduler(optim_cfg, optimizer, total_steps: int):
+def make_scheduler(optim_cfg: OptimConfig, optimizer, total_steps: int):
     """transformers' schedule named by --lr_scheduler_type, stepped once per optimizer step.
 
     >>> from mmgrpo.config import OptimConfig
