@@ -367,7 +367,7 @@ def train(cfg: TrainConfig) -> Path:
                 metrics["nonfinite_steps"] = state.nonfinite_steps
                 final = step == run.total_steps
                 with loop("eval"):
-                    metrics.update(run.evaluator.maybe_evaluate(run, step, state, final=final))  # eval/<metric>
+                    metrics.update(run.evaluate(run.evaluator, step, state, final=final))  # eval/<metric>
                 with loop("save"):
                     stopping = not final and stop.agreed(run.strategy, step)  # a signal on any rank: all save now
                     due = final or (cfg.save_steps and step % cfg.save_steps == 0)  # the final save is awaited

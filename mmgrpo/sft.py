@@ -25,7 +25,6 @@ from mmgrpo.config.checks import parse_stop_at
 from mmgrpo.data.catalog import mix_datasets
 from mmgrpo.data.prompt_batches import prompt_stream
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.eval.in_training import TrainingEval
 from mmgrpo.forward.policy import Policy, autocast
 from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.train_type import load_trainable_model
@@ -33,7 +32,7 @@ from mmgrpo.parallel import build_strategy
 from mmgrpo.rollout import build_rollout_engine
 from mmgrpo.runstate.runlog import RunLogger, console, progress_bar
 from mmgrpo.runstate.state import TrainState, deterministic_kernels, seed_everything
-from mmgrpo.training.build import ModelRun, check_modalities, total_steps
+from mmgrpo.training.build import ModelRun, check_modalities, total_steps, training_eval
 from mmgrpo.training.optim import group_rates, make_optimizer, make_scheduler
 
 STOP_FILE = "stop.json"  # output_dir/stop.json: where --stop_at ended the run, and why
@@ -96,7 +95,7 @@ def sft(cfg: SFTConfig) -> Path:
     """Supervised training as configured (one process); returns the final HF folder."""
     cfg.validate()
     deterministic_kernels(cfg.full_determinism)
-    evaluator = TrainingEval(cfg)  # the eval datasets and metrics resolve before any model loads
+    evaluator = training_eval(cfg)  # the eval datasets and metrics resolve before any model loads
     stop_at = parse_stop_at(cfg.stop_at) if cfg.stop_at is not None else None  # (metric, ">=" | "<=", value)
     if stop_at is not None and stop_at[0] not in evaluator.metric_names():
         raise ConfigError(
@@ -119,7 +118,7 @@ def sft(cfg: SFTConfig) -> Path:
     batch_size, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
     total = total_steps(cfg, len(dataset), batch_size * accumulation, world_size=1)
     scheduler = make_scheduler(cfg.optim, optimizer, total)
-    batches = prompt_stream(cfg, dataset, template, batch_size, strategy)
+    batches = prompt_stream(cfg.data, cfg.model, dataset, template, batch_size, strategy, seed=cfg.seed)
     run = ModelRun(cfg=cfg, processor=processor, template=template, model=model, peft_model=peft_model,
                    strategy=strategy, rollout=build_rollout_engine(policy, strategy))
     eos = template.eos_token_ids[0]
@@ -151,7 +150,7 @@ def sft(cfg: SFTConfig) -> Path:
             metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **group_lrs}
             started = time.perf_counter()
             state.step = step
-            scores = evaluator.maybe_evaluate(run, step, state, final=step == total)
+            scores = run.evaluate(evaluator, step, state, final=step == total)
             if scores:
                 metrics.update(scores, **{"time/eval": time.perf_counter() - started})
             metrics["time/step"] = time.perf_counter() - step_started  # as in GRPO: evaluation included

@@ -10,7 +10,7 @@ from mmgrpo.config import SFTConfig, TrainConfig
 from mmgrpo.config.checks import parse_stop_at
 from mmgrpo.config.flags import build_parser, config_from_namespace
 from mmgrpo.data.catalog import mix_datasets
-from mmgrpo.eval.in_training import TrainingEval
+from mmgrpo.training.build import training_eval
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -21,6 +21,6 @@ def test_a_shipped_config_passes_its_commands_start_up_checks(path):
     cfg = config_from_namespace(cls, build_parser(cls).parse_args(["--config", str(path)]))
     cfg.validate()
     assert len(mix_datasets(cfg.data.dataset, split=cfg.data.split, extra_files=cfg.data.dataset_registry)) > 0
-    evaluator = TrainingEval(cfg)  # resolves every eval dataset and metric
+    evaluator = training_eval(cfg)  # resolves every eval dataset and metric
     if getattr(cfg, "stop_at", None):
         assert parse_stop_at(cfg.stop_at)[0] in evaluator.metric_names()

@@ -172,30 +172,28 @@ def test_train_evaluates_and_keeps_the_best_checkpoint(tmp_path, tiny_qwen2_vl_p
     assert not (out / "checkpoint-best.tmp").exists()
 
 
-class _FakeRun:
-    """What TrainingEval.keep_best touches of a Run: save()."""
-
-    def save(self, path):
-        path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/runstate/checkpoint.py)
-        (path / "weights").write_text("saved")
+def _save(path):
+    """What TrainingEval.keep_best is handed to write the model's folder (a Run's save)."""
+    path.mkdir(parents=True, exist_ok=True)  # a staging folder that exists already (mmgrpo/runstate/checkpoint.py)
+    (path / "weights").write_text("saved")
 
 
 def _evaluator(tmp_path, **options):
     from mmgrpo.config import TrainConfig
-    from mmgrpo.eval.in_training import TrainingEval
+    from mmgrpo.training.build import training_eval
 
     cfg = TrainConfig(output_dir=str(tmp_path))
     cfg.eval.eval_dataset = "shapes-color"
     for key, value in options.items():
         setattr(cfg.eval, key, value)
-    return TrainingEval(cfg)
+    return training_eval(cfg)
 
 
 @pytest.mark.parametrize("greater, best_step", [(True, 2), (False, 1)])
 def test_best_checkpoint_follows_greater_is_better(tmp_path, greater, best_step):
     evaluator = _evaluator(tmp_path, metric_for_best_model="eval/vqa_accuracy", greater_is_better=greater)
     assert evaluator.metrics == ["answer_format", "vqa_accuracy"]  # the eval dataset's rewards
-    run, state = _FakeRun(), TrainState()
+    state = TrainState()
     for step, value in [
         (1, 0.5),
         (2, 0.7),
@@ -203,7 +201,7 @@ def test_best_checkpoint_follows_greater_is_better(tmp_path, greater, best_step)
         (4, 0.7),
         (5, None),
     ]:  # a tie or None keeps the earlier one
-        evaluator.keep_best(run, step, state, {"answer_format": 1.0, "vqa_accuracy": value})
+        evaluator.keep_best(step, state, {"answer_format": 1.0, "vqa_accuracy": value}, _save)
     best = json.loads((tmp_path / "checkpoint-best" / "best.json").read_text())
     assert (best["step"], best["metric"]) == (best_step, "vqa_accuracy")
     assert (state.best_step, state.best_metric) == (best_step, 0.7 if greater else 0.5)  # what a checkpoint saves
@@ -220,7 +218,7 @@ def test_eval_options_fail_before_training(tmp_path):
     with pytest.raises(ConfigError, match="no split 'dev'"):
         _evaluator(tmp_path, eval_dataset="shapes-color:dev")
     with pytest.raises(ConfigError, match="not an eval metric"):
-        _evaluator(tmp_path, metric_for_best_model="accuracy").keep_best(_FakeRun(), 1, TrainState(), {"vqa_accuracy": 1.0})
+        _evaluator(tmp_path, metric_for_best_model="accuracy").keep_best(1, TrainState(), {"vqa_accuracy": 1.0}, _save)
     assert _evaluator(tmp_path).due(4, final=False) is False  # eval_steps 0: only after the last step
     assert _evaluator(tmp_path, eval_steps=2).due(4, final=False) and _evaluator(tmp_path).due(7, final=True)
     assert not TrainConfig().eval.eval_dataset and not _evaluator(tmp_path, eval_dataset=None).due(

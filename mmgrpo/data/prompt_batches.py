@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from mmgrpo.config import DataConfig, ModelConfig
 from mmgrpo.data.lifetime import WorkerInit, stop_signals_blocked
 from mmgrpo.errors import ConfigError, DataError, MMGRPOError
 
@@ -370,15 +371,17 @@ class PromptEncoder:
         return encoded
 
 
-def prompt_stream(cfg, dataset, template, batch_size: int, strategy):
-    """Batches of (Sample, PromptInputs) forever, reshuffled each epoch, each rank its own share."""
+def prompt_stream(data_cfg: DataConfig, model_cfg: ModelConfig, dataset, template, batch_size: int, strategy, seed: int):
+    """Batches of (Sample, PromptInputs) forever, reshuffled each epoch (from `seed`), each rank its
+    own share: prompts encoded under --max_prompt_length by --dataloader_num_workers workers, media
+    decoded as `model_cfg` says (`media_options`)."""
     loader = make_prompt_loader(
         dataset,
         batch_size=batch_size,
-        encode_fn=PromptEncoder(template, cfg.data.max_prompt_length),
-        seed=cfg.seed,
-        num_workers=cfg.data.dataloader_num_workers,
-        media_kwargs=media_options(template, cfg.model),
+        encode_fn=PromptEncoder(template, data_cfg.max_prompt_length),
+        seed=seed,
+        num_workers=data_cfg.dataloader_num_workers,
+        media_kwargs=media_options(template, model_cfg),
         rank=strategy.rank,
         world_size=strategy.world_size,
     )

@@ -56,7 +56,8 @@ def build_rollout_engine(
     Elsewhere HF generate, in lockstep across sharded ranks (`synced_gpus`).
     asynchronous: the engine samples from its own copy of the model (LoRA: with the adapters
     merged), which `update_weights` refreshes, so rollouts can run while the policy trains.
-    vllm: (cfg, model_path) where --use_vllm: vLLM colocated or as a server (its own weights, always).
+    vllm: where --use_vllm, a function (template, strategy) -> the vLLM engine, colocated or as a server
+    (its own weights, always): `build_vllm_engine` with the run's options bound.
     max_turns > 1: the chosen engine samples each turn of episodes with `tools` (MultiTurnRollout).
     """
     engine = choose_engine(
@@ -72,10 +73,7 @@ def choose_engine(policy, strategy, prepared, *, gather_for_generation, asynchro
     """The engine that samples one turn (see build_rollout_engine)."""
     model, template = policy.model, policy.template
     if vllm is not None:
-        from mmgrpo.rollout.vllm_engine import build_vllm_engine
-
-        cfg, model_path = vllm
-        return build_vllm_engine(cfg, model_path, template, strategy)
+        return vllm(template, strategy)
     hooks = {}
     if prepared is not None:
         hooks = dict(call=prepared.rollout_call, scope=prepared.rollout_scope)

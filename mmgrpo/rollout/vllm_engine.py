@@ -1,6 +1,7 @@
 """The vLLM rollout engine a run asks for (`--use_vllm`), built once in `build_rollout_engine`.
 
-    engine = build_vllm_engine(cfg, model_path, template, strategy)
+    engine = build_vllm_engine(cfg.rollout, model_path, template, strategy,
+                               max_prompt_length=cfg.data.max_prompt_length, seed=cfg.seed, output_dir=cfg.output_dir)
 
 `--vllm_mode colocate`: a vLLM engine in this process (mmgrpo/rollout/vllm_colocate.py), one per rank
 under torchrun. `--vllm_mode server`: every rank a client of one or several `mmgrpo rollout-server`s
@@ -12,12 +13,13 @@ under torchrun. `--vllm_mode server`: every rank a client of one or several `mmg
 
 from __future__ import annotations
 
+from mmgrpo.config import RolloutConfig
 from mmgrpo.errors import ConfigError
 
 
-def max_model_len(cfg) -> int:
-    """--vllm_max_model_len, or the longest prompt + completion the run allows."""
-    return cfg.rollout.vllm_max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+def max_model_len(rollout_cfg: RolloutConfig, max_prompt_length: int) -> int:
+    """--vllm_max_model_len, or the longest prompt (--max_prompt_length) + completion the run allows."""
+    return rollout_cfg.vllm_max_model_len or max_prompt_length + rollout_cfg.max_completion_length
 
 
 def server_addresses(hosts, ports) -> list[tuple[str, int]]:
@@ -41,29 +43,32 @@ def server_addresses(hosts, ports) -> list[tuple[str, int]]:
     return servers
 
 
-def build_vllm_engine(cfg, model_path: str, template, strategy):
-    rollout = cfg.rollout
-    if rollout.vllm_mode == "server":
+def build_vllm_engine(rollout_cfg: RolloutConfig, model_path: str, template, strategy, *, max_prompt_length: int,
+                      seed: int, output_dir: str):
+    """The engine --vllm_mode names, loading `model_path` itself. max_prompt_length (--max_prompt_length)
+    sizes a colocated engine's context and `seed` seeds it; in output_dir, where the run's checkpoints
+    go, a server that fails finds the newest one to resume from, which its error names."""
+    if rollout_cfg.vllm_mode == "server":
         from mmgrpo.rollout.vllm_client import VLLMServerRollout
 
         return VLLMServerRollout(
-            server_addresses(rollout.vllm_server_host, rollout.vllm_server_port), model_path, template,
+            server_addresses(rollout_cfg.vllm_server_host, rollout_cfg.vllm_server_port), model_path, template,
             rank=strategy.rank if strategy is not None else 0,
             world_size=strategy.world_size if strategy is not None else 1,
             device=strategy.device if strategy is not None else "cpu",
-            timeout=rollout.vllm_server_timeout, bucket_bytes=rollout.vllm_weight_bucket_mb << 20,
-            transfer=rollout.vllm_weight_transfer, group_host=rollout.vllm_group_host,
-            group_port=rollout.vllm_group_port, checkpoint_dir=cfg.output_dir,
+            timeout=rollout_cfg.vllm_server_timeout, bucket_bytes=rollout_cfg.vllm_weight_bucket_mb << 20,
+            transfer=rollout_cfg.vllm_weight_transfer, group_host=rollout_cfg.vllm_group_host,
+            group_port=rollout_cfg.vllm_group_port, checkpoint_dir=output_dir,
         )
     from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout
 
     distributed = strategy is not None and strategy.world_size > 1
     return VLLMColocateRollout(
-        model_path, template, max_model_len=max_model_len(cfg), seed=cfg.seed,
+        model_path, template, max_model_len=max_model_len(rollout_cfg, max_prompt_length), seed=seed,
         dtype="bfloat16" if strategy is not None and strategy.bf16 else "float32",
-        gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-        tensor_parallel_size=rollout.vllm_tensor_parallel_size, enable_sleep_mode=rollout.vllm_enable_sleep_mode,
-        kv_cache_memory_bytes=rollout.vllm_kv_cache_memory_bytes, distributed=distributed,
+        gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
+        tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size, enable_sleep_mode=rollout_cfg.vllm_enable_sleep_mode,
+        kv_cache_memory_bytes=rollout_cfg.vllm_kv_cache_memory_bytes, distributed=distributed,
         rank=strategy.rank if strategy is not None else 0,
     )
 
@@ -100,8 +105,8 @@ def validate_vllm(cfg) -> None:
             raise ConfigError(f"--vllm_group_port {rollout.vllm_group_port}: give a port in 1-65535, or 0 for a free one.")
         if rollout.vllm_server_timeout <= 0:
             raise ConfigError(f"--vllm_server_timeout {rollout.vllm_server_timeout}: give a positive number of seconds.")
-    if max_model_len(cfg) <= rollout.max_completion_length:
+    if max_model_len(rollout, cfg.data.max_prompt_length) <= rollout.max_completion_length:
         raise ConfigError(
-            f"--vllm_max_model_len {max_model_len(cfg)} leaves no room for a prompt before --max_completion_length "
+            f"--vllm_max_model_len {max_model_len(rollout, cfg.data.max_prompt_length)} leaves no room for a prompt before --max_completion_length "
             f"{rollout.max_completion_length}: raise it."
         )

@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from mmgrpo.config import TrainConfig
+from mmgrpo.config import SFTConfig, TrainConfig
 from mmgrpo.config.checks import parse_modality_weights
 from mmgrpo.data.catalog import mix_datasets
 from mmgrpo.data.prompt_batches import media_options, prompt_stream
@@ -35,6 +36,7 @@ from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards, judge_vllm_options
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
 from mmgrpo.rollout.base import SamplingParams, sampling_params
+from mmgrpo.rollout.vllm_engine import build_vllm_engine
 from mmgrpo.runstate.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
 from mmgrpo.runstate.runlog import console
 from mmgrpo.training.optim import make_optimizer, make_scheduler
@@ -74,6 +76,13 @@ class ModelRun:
             save_model_folder(path, self.model, self.peft_model, self.processor, self.template, state_dict)
         self.strategy.barrier()
 
+    def evaluate(self, evaluator: TrainingEval, step: int, state, final: bool = False) -> dict[str, float]:
+        """`evaluator.maybe_evaluate` on this model, its rollout engine, and `save` for checkpoint-best."""
+        return evaluator.maybe_evaluate(
+            step, state, final, model=self.model, rollout=self.rollout, template=self.template,
+            strategy=self.strategy, media_kwargs=self.media_options(), save=self.save,
+        )
+
 
 @dataclass(frozen=True)
 class Run(ModelRun):
@@ -92,7 +101,8 @@ class Run(ModelRun):
 
     def prompt_batches(self):
         """An endless stream of lists of (Sample, PromptInputs), reshuffled each epoch."""
-        return prompt_stream(self.cfg, self.dataset, self.template, self.prompts_per_step, self.strategy)
+        return prompt_stream(self.cfg.data, self.cfg.model, self.dataset, self.template, self.prompts_per_step,
+                             self.strategy, seed=self.cfg.seed)
 
     def sampling(self, prompts: list, seed: int | None = None) -> SamplingParams:
         """The rollout options for these (Sample, PromptInputs): each prompt's budget is its
@@ -107,6 +117,18 @@ def total_steps(cfg, dataset_rows: int, prompts_per_step: int, world_size: int) 
         return cfg.max_steps
     rows_per_rank = dataset_rows // world_size  # each rank reads its own share
     return max(1, math.floor(rows_per_rank * cfg.num_train_epochs / prompts_per_step))
+
+
+def training_eval(cfg: TrainConfig | SFTConfig) -> TrainingEval:
+    """The evaluations during training --eval_* ask for, their datasets and metrics resolved now.
+    GRPO: the run's completion budget, and its rewards for an eval dataset that names none; SFT
+    (no rewards): its own budget."""
+    if isinstance(cfg, TrainConfig):
+        budget, fallback_metrics = cfg.rollout.max_completion_length, cfg.algo.reward_funcs
+    else:
+        budget, fallback_metrics = cfg.max_completion_length, []
+    return TrainingEval(cfg.eval, cfg.output_dir, budget, fallback_metrics=fallback_metrics,
+                        dataset_registry=cfg.data.dataset_registry)
 
 
 def check_modalities(dataset, template) -> None:
@@ -185,11 +207,17 @@ def reference_scope(model, peft_model):
     return scope
 
 
+def vllm_engine_factory(cfg: TrainConfig, model_path: str):
+    """--use_vllm: (template, strategy) -> the vLLM engine that loads `model_path`, with the run's options."""
+    return partial(build_vllm_engine, cfg.rollout, model_path, max_prompt_length=cfg.data.max_prompt_length,
+                   seed=cfg.seed, output_dir=cfg.output_dir)
+
+
 def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     """The run of a validated config (`cfg.validate()`, which `engine.train` calls first).
     resume_from: a checkpoint whose weights the policy takes (mmgrpo/training/resume.py); the
     reference is still the starting --model."""
-    evaluator = TrainingEval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
+    evaluator = training_eval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
     judge_vllm = judge_vllm_options(cfg.algo, cfg.rollout, cfg.data.max_prompt_length, cfg.seed)
     rewards = build_rewards(cfg.algo, dataset, cfg.rollout.max_completion_length, judge_vllm)
@@ -228,7 +256,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     rollout = build_rollout_engine(
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
         asynchronous=cfg.rollout.staleness_bound > 0, peft_model=peft_model,
-        vllm=(cfg, str(path)) if cfg.rollout.use_vllm else None,  # --use_vllm: vLLM loads `path` itself, then syncs
+        vllm=vllm_engine_factory(cfg, str(path)) if cfg.rollout.use_vllm else None,  # vLLM loads `path` itself, then syncs
         max_turns=cfg.rollout.max_turns, tools=cfg.rollout.tools, tool_timeout=cfg.rollout.tool_timeout,
     )
     return Run(
