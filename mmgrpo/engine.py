@@ -50,6 +50,7 @@ from mmgrpo.training.build import Run, build_run
 from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import resume_run, save_run
+from mmgrpo.training.startup_checks import check_train_flags
 
 
 class Timers:
@@ -333,7 +334,7 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
 
 def train(cfg: TrainConfig) -> Path:
     """Run GRPO as configured; returns the output folder."""
-    cfg.validate()  # every flag, once, before anything else
+    check_train_flags(cfg)  # every flag, once, before anything else
     plan = preflight(cfg)  # --output_dir and --resume_from_checkpoint, before any model loads
     deterministic_kernels(cfg.full_determinism)
     run = build_run(cfg, resume_from=plan.resume_from)  # rewards and data checked before any model loads

@@ -34,6 +34,7 @@ from mmgrpo.runstate.runlog import RunLogger, console, progress_bar
 from mmgrpo.runstate.state import TrainState, deterministic_kernels, seed_everything
 from mmgrpo.training.build import ModelRun, check_modalities, total_steps, training_eval
 from mmgrpo.training.optim import group_rates, make_optimizer, make_scheduler
+from mmgrpo.training.startup_checks import check_sft_flags
 
 STOP_FILE = "stop.json"  # output_dir/stop.json: where --stop_at ended the run, and why
 
@@ -93,7 +94,7 @@ def stop_reached(stop: tuple[str, str, float], scores: dict[str, float]) -> bool
 
 def sft(cfg: SFTConfig) -> Path:
     """Supervised training as configured (one process); returns the final HF folder."""
-    cfg.validate()
+    check_sft_flags(cfg)
     deterministic_kernels(cfg.full_determinism)
     evaluator = training_eval(cfg)  # the eval datasets and metrics resolve before any model loads
     stop_at = parse_stop_at(cfg.stop_at) if cfg.stop_at is not None else None  # (metric, ">=" | "<=", value)

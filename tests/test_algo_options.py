@@ -14,6 +14,7 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.grpo.losses import LossConfig, policy_loss
 from mmgrpo.models.tiny import resolve_model_path
 from mmgrpo.training.optim import make_scheduler
+from mmgrpo.training.startup_checks import check_train_flags
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--dataloader_num_workers", "0",
@@ -44,10 +45,10 @@ def test_delta_caps_the_ratio_for_negative_advantages_only():
 
 def test_delta_flag_is_checked_at_start_up():
     with pytest.raises(ConfigError, match="--delta 1.1"):
-        TrainConfig.from_args([*FAST, "--delta", "1.1"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--delta", "1.1"]))
     with pytest.raises(ConfigError, match="cispo"):
-        TrainConfig.from_args([*FAST, "--delta", "3", "--loss_type", "cispo"]).validate()
-    TrainConfig.from_args([*FAST, "--delta", "3"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--delta", "3", "--loss_type", "cispo"]))
+    check_train_flags(TrainConfig.from_args([*FAST, "--delta", "3"]))
 
 
 def _rates(name, total=10, warmup_ratio=0.0, kwargs=None):
@@ -87,16 +88,16 @@ def test_the_default_schedule_keeps_the_old_cosine_to_ten_percent():
 
 def test_bad_schedule_names_and_options_are_start_up_errors():
     with pytest.raises(ConfigError, match="choose one of linear, cosine"):
-        TrainConfig.from_args([*FAST, "--lr_scheduler_type", "cosine_to_zero"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--lr_scheduler_type", "cosine_to_zero"]))
     with pytest.raises(ConfigError, match="min_lr_rate is not an option of 'linear'"):
-        TrainConfig.from_args([*FAST, "--lr_scheduler_type", "linear", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--lr_scheduler_type", "linear", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']))
     with pytest.raises(ConfigError, match="not valid JSON"):
-        TrainConfig.from_args([*FAST, "--lr_scheduler_kwargs", "min_lr_rate=0.1"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--lr_scheduler_kwargs", "min_lr_rate=0.1"]))
 
 
 def test_dr_grpo_without_scale_rewards_none_is_said():
     with pytest.warns(UserWarning, match="--scale_rewards none"):
-        TrainConfig.from_args([*FAST, "--loss_type", "dr_grpo"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--loss_type", "dr_grpo"]))
 
 
 def test_training_runs_with_delta_and_a_linear_schedule(tmp_path):
@@ -135,5 +136,5 @@ def test_entropy_coeff_is_the_only_gradient_when_every_group_is_equal(coeff, tmp
 def test_entropy_coeff_is_checked_at_start_up():
     for bad in ("-0.1", "nan", "inf"):
         with pytest.raises(ConfigError, match="--entropy_coeff"):
-            TrainConfig.from_args([*FAST, "--entropy_coeff", bad]).validate()
-    TrainConfig.from_args([*FAST, "--entropy_coeff", "0.01"]).validate()
+            check_train_flags(TrainConfig.from_args([*FAST, "--entropy_coeff", bad]))
+    check_train_flags(TrainConfig.from_args([*FAST, "--entropy_coeff", "0.01"]))

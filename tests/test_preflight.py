@@ -16,6 +16,7 @@ from mmgrpo.runstate.checkpoint import save_atomically
 from mmgrpo.runstate.state import TrainState
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import STATE_FILE
+from mmgrpo.training.startup_checks import check_train_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def test_resume_errors(tmp_path):
     with pytest.raises(CheckpointError, match="checkpoint-8 is incomplete .*the newest complete one is .*checkpoint-4"):
         preflight(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-8")))
     with pytest.raises(ConfigError, match="pass one of them"):
-        config(tmp_path, "--resume_from_checkpoint", "latest", "--overwrite_output_dir").validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest", "--overwrite_output_dir"))
 
 
 def test_output_folders_that_cannot_be_written(tmp_path):
@@ -118,25 +119,25 @@ def test_output_folders_that_cannot_be_written(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--max_completion_length", "0"], "--max_completion_length 0: must be at least 1."),
-    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1."),
-    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be at least 1."),
-    (["--learning_rate", "nan"], r"--learning_rate nan: must be a finite number > 0"),
-    (["--learning_rate", "inf"], r"--learning_rate inf: must be a finite number > 0"),
-    (["--learning_rate", "-0.001"], r"--learning_rate -0.001: must be a finite number > 0"),
-    (["--learning_rate", "0"], r"--learning_rate 0.0: must be a finite number > 0"),
+    (["--max_completion_length", "0"], "--max_completion_length 0: give an integer >= 1."),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: give an integer >= 1."),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: give an integer >= 1."),
+    (["--learning_rate", "nan"], r"--learning_rate nan: give a finite number > 0 \(e.g. 1e-6\)."),
+    (["--learning_rate", "inf"], r"--learning_rate inf: give a finite number > 0"),
+    (["--learning_rate", "-0.001"], r"--learning_rate -0.001: give a finite number > 0"),
+    (["--learning_rate", "0"], r"--learning_rate 0.0: give a finite number > 0"),
     (["--min_pixels", "50000", "--max_pixels", "1000"], "--min_pixels 50000 is above --max_pixels 1000: no image size satisfies both."),
-    (["--max_pixels", "0"], "--max_pixels 0: must be a positive number of pixels."),
+    (["--max_pixels", "0"], "--max_pixels 0: give a number of pixels >= 1."),
     (["--reward_timeout", "-1"], r"--reward_timeout -1.0: give seconds >= 0 \(0: no limit\)."),
-    (["--save_total_limit", "0"], "--save_total_limit 0: keep at least 1 checkpoint"),
-    (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: must be at least 1."),
+    (["--save_total_limit", "0"], r"--save_total_limit 0: give a number of checkpoints >= 1 \(or leave it unset to keep all\)."),
+    (["--max_nonfinite_steps", "0"], "--max_nonfinite_steps 0: give an integer >= 1."),
     (["--top_p", "2"], r"--top_p 2.0: give a probability in \(0, 1\]"),
     (["--top_p", "0"], r"--top_p 0.0: give a probability in \(0, 1\]"),
     (["--top_k", "-5"], r"--top_k -5: give a number of tokens >= 0 \(0: no top-k filter\)."),
 ])
 def test_flags_that_cannot_work_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig.from_args(["--num_generations", "2", "--per_device_train_batch_size", "4", *flags]).validate()
+        check_train_flags(TrainConfig.from_args(["--num_generations", "2", "--per_device_train_batch_size", "4", *flags]))
 
 
 def train_cli(*flags):
@@ -145,8 +146,8 @@ def train_cli(*flags):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--max_completion_length", "0"], "mmgrpo train: error: --max_completion_length 0: must be at least 1."),
-    (["--learning_rate", "nan"], "mmgrpo train: error: --learning_rate nan: must be a finite number > 0 (e.g. 1e-6)."),
+    (["--max_completion_length", "0"], "mmgrpo train: error: --max_completion_length 0: give an integer >= 1."),
+    (["--learning_rate", "nan"], "mmgrpo train: error: --learning_rate nan: give a finite number > 0 (e.g. 1e-6)."),
     (["--min_pixels", "50000", "--max_pixels", "1000"], "mmgrpo train: error: --min_pixels 50000 is above --max_pixels 1000"),
     (["--learning", "1e-3"], "mmgrpo train: error: unrecognized arguments: --learning 1e-3"),  # no prefix expansion
     (["--per_device", "4"], "mmgrpo train: error: unrecognized arguments: --per_device 4"),

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from mmgrpo.config import TrainConfig
+from mmgrpo.config.domains import flag
 from mmgrpo.config.flags import _leaves
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
@@ -26,6 +27,7 @@ from mmgrpo.training.resume_flags import (
     group_peaks,
     retarget_schedule,
 )
+from mmgrpo.training.startup_checks import check_train_flags, fill_model_type
 
 BASE = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "vqa_accuracy", "answer_format",
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",
@@ -37,16 +39,22 @@ def config(out, *flags):
 
 
 def test_every_flag_is_refused_allowed_or_not_compared():
+    """Each flag's kind is declared beside it (mmgrpo/config/schema.py), refused unless said otherwise."""
     names = [path[-1] for path, _, _ in _leaves(TrainConfig)]
     kinds = [set(REFUSED), set(SCHEDULE), set(STALENESS), set(OPERATIONAL), set(NOT_COMPARED)]
     unclassified = [name for name in names if not any(name in kind for kind in kinds)]
-    assert not unclassified, f"classify these flags in mmgrpo/training/resume_flags.py: {unclassified}"
-    assert sum(len(kind) for kind in kinds) == len(set().union(*kinds))  # each in one kind only
+    assert not unclassified, f"declare these flags' resume kind in mmgrpo/config/schema.py: {unclassified}"
+    assert sum(len(kind) for kind in kinds) == len(set().union(*kinds)) == len(names)  # each in one kind only
+    assert {"seed", "model", "loss_type"} <= kinds[0] and {"learning_rate", "max_steps"} <= kinds[1]
+    with pytest.raises(ValueError, match="resume='sometimes'"):
+        flag(0, resume="sometimes")
 
 
 def checkpoint_of(out, *flags, step=4, in_flight=0):
-    """A complete checkpoint whose run had these flags (what preflight and validate read of it)."""
-    state = TrainState(step=step, flags=config(out, *flags).to_dict(), rollout_in_flight=in_flight)
+    """A complete checkpoint whose run had these flags (what preflight and check_train_flags read of it)."""
+    cfg = config(out, *flags)
+    fill_model_type(cfg.model)  # as train() records them: --model_type from a tiny: name
+    state = TrainState(step=step, flags=cfg.to_dict(), rollout_in_flight=in_flight)
     save_atomically(out / f"checkpoint-{step}", lambda d: (d / STATE_FILE).write_text(json.dumps(state.__dict__)))
 
 
@@ -64,7 +72,7 @@ def checkpoint_of(out, *flags, step=4, in_flight=0):
 def test_a_change_that_breaks_the_run_is_refused_naming_the_flag(tmp_path, flags, refused):
     checkpoint_of(tmp_path)
     with pytest.raises(ConfigError) as raised:
-        config(tmp_path, "--resume_from_checkpoint", "latest", *flags).validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest", *flags))
     assert str(raised.value) == (
         f"--resume_from_checkpoint {tmp_path / 'checkpoint-4'}: {refused}: a resumed run keeps the flags that decide what "
         "it computes and the order it reads data in (docs/training.md lists those that may change); resume with the "
@@ -74,24 +82,24 @@ def test_a_change_that_breaks_the_run_is_refused_naming_the_flag(tmp_path, flags
 def test_max_steps_below_the_checkpoint_is_refused(tmp_path):
     checkpoint_of(tmp_path, "--max_steps", "12", step=8)
     with pytest.raises(ConfigError, match=r"--max_steps 6: the checkpoint .*checkpoint-8 is at step 8, past it"):
-        config(tmp_path, "--resume_from_checkpoint", "latest", "--max_steps", "6").validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest", "--max_steps", "6"))
 
 
 def test_a_component_rate_given_or_dropped_is_refused_and_a_new_one_is_allowed(tmp_path):
     checkpoint_of(tmp_path)
     with pytest.raises(ConfigError, match=r"--vit_lr None -> 0.0001: the optimizer's parameter groups would differ"):
-        config(tmp_path, "--resume_from_checkpoint", "latest", "--vit_lr", "1e-4").validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest", "--vit_lr", "1e-4"))
     checkpoint_of(tmp_path / "vit", "--vit_lr", "1e-4")
-    config(tmp_path / "vit", "--resume_from_checkpoint", "latest", "--vit_lr", "5e-5").validate()  # the schedule's rule
+    check_train_flags(config(tmp_path / "vit", "--resume_from_checkpoint", "latest", "--vit_lr", "5e-5"))  # the schedule's rule
 
 
 def test_a_synchronous_resume_of_rollouts_in_flight_is_refused_and_another_k_allowed(tmp_path):
     checkpoint_of(tmp_path, "--max_staleness", "2", in_flight=2)
     with pytest.raises(ConfigError, match=r"saved by asynchronous training with 2 rollout\(s\) in flight; resume with "
                                           r"--max_staleness 2"):
-        config(tmp_path, "--resume_from_checkpoint", "latest").validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest"))
     for k in ("1", "3"):  # a smaller K generates the rollouts too stale again (tests/test_async.py)
-        config(tmp_path, "--resume_from_checkpoint", "latest", "--max_staleness", k).validate()
+        check_train_flags(config(tmp_path, "--resume_from_checkpoint", "latest", "--max_staleness", k))
 
 
 def test_a_new_learning_rate_moves_its_groups_and_leaves_a_component_rate_alone():

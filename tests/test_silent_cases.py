@@ -19,6 +19,7 @@ from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.reward_set import build_rewards
 from mmgrpo.rewards.solutions import needs_solution, rows_without_solution
+from mmgrpo.training.startup_checks import check_train_flags
 
 NEED_SOLUTION = ["vqa_accuracy", "exact_match", "iou", "math_accuracy"]  # four behaviours before: 0.0, 0.0, raise, skip
 
@@ -70,7 +71,7 @@ def test_rows_without_a_solution_stop_the_run_at_start_up_naming_them(tmp_path):
     data = rows_with_gaps(tmp_path)
     assert rows_without_solution(resolve_dataset(str(data))) == [2, 5]
     cfg = train_config(tmp_path, "--dataset", str(data), "--reward_funcs", *NEED_SOLUTION, "format")
-    cfg.validate()
+    check_train_flags(cfg)
     with pytest.raises(DataError) as raised:
         build_rewards(cfg.algo, resolve_dataset(str(data)), cfg.rollout.max_completion_length)  # what build_run does first, before any model loads
     message = str(raised.value)

@@ -21,7 +21,6 @@ from pathlib import Path
 import yaml
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.models.tiny import built_model_family
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -147,6 +146,4 @@ def config_from_namespace(cls, ns: argparse.Namespace):
     for dotted, value in vars(ns).items():
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)
-    if cfg.model.model_type is None:
-        cfg.model.model_type = built_model_family(cfg.model.model)  # tiny: and random: names say their family
     return cfg

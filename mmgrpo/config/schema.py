@@ -1,9 +1,12 @@
 """Every option of `mmgrpo train` and `mmgrpo sft`, in one place.
 
 Nested dataclasses are the single source of truth. The docstring under each field is its
-`--help` text. A YAML file (`--config run.yaml`, nested by section or flat) overrides the
-defaults, and command-line flags override the YAML. Flag names follow TRL and ms-swift.
-Turning them into flags is mmgrpo/config/flags.py; checking them, mmgrpo/config/checks.py.
+`--help` text; `flag(default, domain, resume=...)` beside it declares the values it may take and
+what a resumed run may do with it (mmgrpo/config/domains.py). A YAML file (`--config run.yaml`,
+nested by section or flat) overrides the defaults, and command-line flags override the YAML. Flag
+names follow TRL and ms-swift. Turning them into flags is mmgrpo/config/flags.py; the rules
+between flags, mmgrpo/config/checks.py; the checks that need a part (a registered loss, vLLM
+installed, the world size), mmgrpo/training/startup_checks.py.
 
     >>> cfg = TrainConfig.from_args(["--num_generations", "8", "--beta", "0"])
     >>> cfg.rollout.num_generations, cfg.algo.beta
@@ -17,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from mmgrpo.config.checks import validate_sft, validate_train
+from mmgrpo.config.domains import Number, OneOf, above, at_least, check_domains, count, flag
 from mmgrpo.config.flags import build_parser, config_from_namespace
 
 DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
-
+UNSET_RATE = "or leave it unset for --learning_rate"  # a part's own learning rate
 
 
 @dataclass
@@ -30,31 +35,31 @@ class ModelConfig:
     model_type: str | None = None
     """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). None: inferred from `tiny:<family>`, a training checkpoint's
     mmgrpo.json, or the checkpoint's config.json `model_type`."""
-    max_pixels: int | None = None
+    max_pixels: int | None = flag(None, count(1, what="a number of pixels"))
     """Upper bound on an image's pixels after resizing (fewer visual tokens, less memory)."""
-    min_pixels: int | None = None
+    min_pixels: int | None = flag(None, count(1, what="a number of pixels"))
     """Lower bound on an image's pixels after resizing."""
-    video_fps: float = 2.0
+    video_fps: float = flag(2.0, above(0, what="frames per second"))
     """Frames per second sampled from a video file."""
-    video_nframes: int | None = None
+    video_nframes: int | None = flag(None, count(1, what="a number of frames"))
     """A fixed number of frames per video (overrides `video_fps`)."""
     use_audio_in_video: bool = False
     """Qwen2.5-Omni: decode each video's sound track and feed it interleaved with the frames (every video needs sound)."""
     template_plugin: list[str] = field(default_factory=list)
     """Python files (`my_template.py`) or modules (`my_pkg.templates`) that register templates, imported before `--model_type` is looked up."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = flag(False, resume="operational")
     """Recompute activations in backward: about 20% slower, much less activation memory."""
-    shared_prefix: bool = True
+    shared_prefix: bool = flag(True, resume="operational")
     """Run each prompt and its media once per group of G (rollout and log-probs); exact, faster."""
     # ---- which weights train (mmgrpo/models/train_type.py) ----
-    train_type: str = "full"
+    train_type: str = flag("full", OneOf("full", "lora", "fusion"))
     """`full` (every weight not frozen), `lora` (peft adapters only; the reference model is the base) or `fusion`
     (only the --fusion_module modules; the reference is the model without them, no copy)."""
-    lora_rank: int = 8
+    lora_rank: int = flag(8, count(1))
     """LoRA rank r."""
-    lora_alpha: int = 32
+    lora_alpha: int = flag(32, above(0))
     """LoRA scaling alpha (the update is scaled by alpha / r)."""
-    lora_dropout: float = 0.05
+    lora_dropout: float = flag(0.05, Number(0, 1, high_open=True, what="a probability"))
     """Dropout on the LoRA input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """LoRA targets: all-linear | llm | vision | aligner (parts, via the template) or layer names (q_proj v_proj)."""
@@ -83,24 +88,24 @@ class DataConfig:
     """Extra dataset registry YAML files (also read from $MMGRPO_DATASET_REGISTRY)."""
     split: str = "train"
     """Split to train on when a dataset spec names none."""
-    max_prompt_length: int = 2048
+    max_prompt_length: int = flag(2048, count(1), resume="operational")
     """Longest prompt in tokens, media tokens included. Longer prompts are an error."""
-    dataloader_num_workers: int = 2
+    dataloader_num_workers: int = flag(2, count(0), resume="operational")
     """Worker processes that decode media and encode prompts ahead of the training step."""
 
 
 @dataclass
 class RolloutConfig:
-    num_generations: int = 8
+    num_generations: int = flag(8, count(2, what="a group size", hint="GRPO compares the completions of a prompt"))
     """G: completions sampled per prompt. Advantages are computed within each group of G."""
-    max_completion_length: int = 256
+    max_completion_length: int = flag(256, count(1))
     """Longest completion in tokens; longer ones are cut (and count as truncated). With --max_turns > 1 it bounds
     the whole episode after the prompt: the model's turns and the tool turns between them (image tokens included)."""
-    temperature: float = 1.0
+    temperature: float = flag(1.0, above(0, hint="log-probs are divided by it"))
     """Sampling temperature (log-probs are computed at the same temperature)."""
-    top_p: float = 1.0
+    top_p: float = flag(1.0, Number(0, 1, low_open=True, what="a probability", hint="1: no nucleus filter"))
     """Nucleus sampling threshold."""
-    top_k: int = 0
+    top_k: int = flag(0, count(0, what="a number of tokens", hint="0: no top-k filter"))
     """Top-k sampling (0 = off)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length from the loss (DAPO)."""
@@ -108,19 +113,21 @@ class RolloutConfig:
     """For benchmarks and memory checks, not for learning: EOS ids are never sampled (suppressed like the
     placeholder ids), so every completion is --max_completion_length tokens (TRL users pass
     `generation_kwargs={"suppress_tokens": [...]}` for the same)."""
-    max_turns: int = 1
+    max_turns: int = flag(1, count(1, hint="1: single turn"))
     """Model turns per episode (ms-swift's name). 1: single-turn rollouts. More: a turn that calls a tool
     (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) gets the tool's answer and another turn, up to
     this many; only the model's own tokens are trained (docs/tools.md). Needs --tools."""
     tools: list[str] = field(default_factory=list)
     """Tools the model may call: registered names (`image_zoom_in_tool`) or `path/file.py:fn` plugins."""
-    tool_timeout: float = 10.0
+    tool_timeout: float = flag(10.0, above(0, what="seconds", finite=False), resume="operational")
     """Seconds a tool call may run; a slower one is answered with an error message (counted in tools/errors)."""
-    async_generate: bool = False
+    async_generate: bool = flag(False, resume="staleness")
     """Generate the next step's completions while this step trains (one-step off-policy, ms-swift's name): the
     same as --max_staleness 1. The rollout engine samples from its own copy of the weights, one optimizer step
     old; see --vllm_importance_sampling_correction."""
-    max_staleness: int | None = None
+    max_staleness: int | None = flag(None, count(1, what="K", hint=(
+        "the most optimizer steps a rollout's weights may lag behind the policy it trains; 1: one step off-policy, "
+        "as --async_generate; leave it out to train synchronously")), resume="staleness")
     """Asynchronous training with bounded staleness: rollouts are generated up to K steps ahead of the trainer,
     step t's on the weights of step t - 1 - K (so K steps stale; 1 is --async_generate), and a rollout staler than
     K is never trained on (dropped and generated again, rollout/dropped_stale). Larger K absorbs rollouts that
@@ -129,7 +136,7 @@ class RolloutConfig:
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
     prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""
-    max_resample_times: int = 3
+    max_resample_times: int = flag(3, count(0))
     """--dynamic_sample: extra rollout rounds per step at most; then the step goes on with what it has (said once)."""
     first_stage_generations: int = 0
     """Two-stage generation: K < G completions per prompt first; only prompts whose K disagree or fail get the
@@ -137,36 +144,38 @@ class RolloutConfig:
     # ---- vLLM (mmgrpo/rollout/vllm_*.py, docs/vllm.md) ----
     use_vllm: bool = False
     """Roll out with vLLM (TRL / ms-swift name): `pip install mmgrpo[vllm]` on GPUs. Off: the in-process engines."""
-    vllm_mode: str = "colocate"
+    vllm_mode: str = flag("colocate", OneOf("colocate", "server"))
     """`colocate`: a vLLM engine in the training process (one per rank); `server`: a `mmgrpo rollout-server` elsewhere."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float = flag(0.3, Number(0, 1, low_open=True, what="a share"), resume="operational")
     """Colocate on GPUs: the share of GPU memory vLLM takes for its weights and KV cache."""
-    vllm_max_model_len: int | None = None
+    vllm_max_model_len: int | None = flag(None, count(1), resume="operational")
     """Longest prompt + completion vLLM holds. None: --max_prompt_length + --max_completion_length."""
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = flag(1, count(1), resume="operational")
     """Colocate on GPUs: ranks that share one vLLM engine by tensor parallelism."""
-    vllm_enable_sleep_mode: bool = False
+    vllm_enable_sleep_mode: bool = flag(False, resume="operational")
     """Colocate on GPUs: vLLM releases its KV cache and moves its weights to host memory between rollouts."""
-    vllm_kv_cache_memory_bytes: int | None = None
+    vllm_kv_cache_memory_bytes: int | None = flag(None, count(1, what="a number of bytes", hint="e.g. 268435456"),
+                                                  resume="operational")
     """vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB; on GPUs it overrides --vllm_gpu_memory_utilization)."""
-    vllm_server_host: list[str] = field(default_factory=lambda: ["127.0.0.1"])
+    vllm_server_host: list[str] = flag(factory=lambda: ["127.0.0.1"], resume="operational")
     """Server mode: the host of each `mmgrpo rollout-server` (one host for all ports, or one per port)."""
-    vllm_server_port: list[int] = field(default_factory=lambda: [8000])
+    vllm_server_port: list[int] = flag(factory=lambda: [8000], resume="operational")
     """Server mode: the port of each server (one port for all hosts, or one per host). Rank r of W sends its
     prompts to server r mod S (with more servers than ranks: spread over servers r, r + W, ...)."""
-    vllm_server_timeout: float = 240.0
+    vllm_server_timeout: float = flag(240.0, above(0, what="seconds", finite=False), resume="operational")
     """Server mode: seconds to wait for the servers at start-up, for any one request, and for any collective of
     the weight group, before the run stops with a line naming the server."""
-    vllm_weight_transfer: str = "collective"
+    vllm_weight_transfer: str = flag("collective", OneOf("collective", "http"), resume="operational")
     """Server mode: how weights reach the servers. `collective`: broadcast from trainer rank 0 over a process
     group of their own (NCCL where trainer and servers are all on GPUs, gloo otherwise); `http`: safetensors
     chunks (through /dev/shm to a server on this host)."""
-    vllm_weight_bucket_mb: int = 256
+    vllm_weight_bucket_mb: int = flag(256, count(1, what="MB", hint="a bucket always holds at least one fused layer's weights"),
+                                      resume="operational")
     """Server mode: weights travel in buckets of about this many MB (a fused layer's weights never split)."""
-    vllm_group_host: str | None = None
+    vllm_group_host: str | None = flag(None, resume="operational")
     """Server mode, collective transfer: the address of trainer rank 0 that every server reaches. None: the
     address of this host on the route to the servers (127.0.0.1 when they all run here)."""
-    vllm_group_port: int = 0
+    vllm_group_port: int = flag(0, Number(0, 65535, integer=True, what="a port", hint="0: a free one"), resume="operational")
     """Server mode, collective transfer: the port of the weight group's store on trainer rank 0. 0: a free one."""
 
     @property
@@ -185,9 +194,9 @@ class AlgoConfig:
     """One weight per reward (default 1.0 each), in the order: --reward_funcs, then --reward_model(s), then the judge."""
     reward_model: list[str] = field(default_factory=list)
     """HF sequence-classification reward models (folders; `tiny:reward-qwen2` for a tiny one) scoring prompt + completion."""
-    reward_model_device: str | None = None
+    reward_model_device: str | None = flag(None, resume="operational")
     """Device of the reward models and the judge (e.g. `cuda:1`). None: this process's GPU, else the CPU."""
-    reward_model_batch_size: int = 16
+    reward_model_batch_size: int = flag(16, count(1), resume="operational")
     """Completions per forward of a reward model, and per generate call of the judge."""
     judge_model: str | None = None
     """A vision-language model as a generative judge (docs/rewards.md): it sees the images, question, reference and
@@ -196,43 +205,43 @@ class AlgoConfig:
     """The judge's template (inferred from its checkpoint when not given)."""
     judge_prompt: str | None = None
     """A text file: the judge's prompt with {question}, {reference} and {completion}. None: the built-in one."""
-    judge_parse: str = "score"
+    judge_parse: str = flag("score", OneOf("score", "verdict"))
     """How the judge's reply becomes a reward: `score` (the last "Score: N" / --judge_score_max) or `verdict`
     ("Verdict: correct|incorrect" -> 1|0). Unparsable: None for that sample, counted as judge/unparsed."""
-    judge_score_max: float = 10.0
+    judge_score_max: float = flag(10.0, above(0))
     """The top of the judge's score scale (`score` parsing)."""
-    judge_max_new_tokens: int = 64
+    judge_max_new_tokens: int = flag(64, count(1))
     """Longest judge reply in tokens (greedy)."""
     judge_use_vllm: bool = False
     """Run the judge on a colocated vLLM engine of its own (sized by the --vllm_* flags) instead of HF/shared-prefix."""
     reward_kwargs: str | None = None
     """Options of named rewards, JSON: `{"cosine": {"cosine_max_len": 512}, "repetition": {"repetition_n_grams": 4}}`
     (docs/rewards.md lists each reward's options)."""
-    reward_errors: str = "raise"
+    reward_errors: str = flag("raise", OneOf("raise", "none"), resume="operational")
     """What a raising reward, a NaN/inf reward or one past --reward_timeout does: `raise` stops with the reward and sample named; `none` skips those samples (with a warning)."""
-    missing_solution: str = "error"
+    missing_solution: str = flag("error", OneOf("error", "skip"))
     """Rows with no `solution` (None or absent) where a reward needs one to grade (vqa_accuracy, exact_match, iou,
     giou, iou@0.5, math_accuracy, number_closeness, cosine, a plugin with a required `solution` argument): `error` stops
     at start-up naming the dataset and rows; `skip` scores those samples None for such rewards (skipped, as a reward's
     own None), counted each step as reward/missing_solution."""
-    reward_timeout: float = 300.0
+    reward_timeout: float = flag(300.0, at_least(0, what="seconds", hint="0: no limit"), resume="operational")
     """Seconds one reward call (a batch) may take before it is stopped and counts as an error (--reward_errors). 0: no limit."""
     loss_type: str = "dapo"
     """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md), or a loss registered with `register_loss`."""
-    beta: float = 0.04
+    beta: float = flag(0.04, at_least(0))
     """KL coefficient to the reference model (k3 estimator). 0 loads no reference model."""
-    epsilon: float = 0.2
+    epsilon: float = flag(0.2, above(0))
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = 0.28
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
     delta: float | None = None
     """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = flag(0.0, at_least(0, what="a bonus", hint="e.g. 0.001; 0 turns it off"))
     """Entropy bonus (verl's name): the loss minus entropy_coeff x the policy's mean entropy over the update's
     completion tokens, so sampling stays spread out (e.g. 0.001-0.01). 0: off (the entropy is still logged)."""
-    scale_rewards: str = "group"
+    scale_rewards: str = flag("group", OneOf("group", "batch", "none"))
     """Advantage scaling: group (divide by group std) | batch | none (what Dr. GRPO prescribes: use it with --loss_type dr_grpo)."""
-    num_iterations: int = 1
+    num_iterations: int = flag(1, count(1))
     """Optimisation passes over each rollout batch (mu); >1 uses old log-probs in the ratio."""
     importance_sampling_level: str = "token"
     """`token` (GRPO) or `sequence` (GSPO)."""
@@ -245,16 +254,16 @@ class AlgoConfig:
     vllm_importance_sampling_mode: str = "token_truncate"
     """token_truncate | token_mask | sequence_truncate | sequence_mask: per token or per completion; ratios above
     --vllm_importance_sampling_cap are cut to it (truncate) or zeroed (mask)."""
-    vllm_importance_sampling_cap: float = 3.0
+    vllm_importance_sampling_cap: float = flag(3.0, above(0, what="a ratio", finite=False))
     """Upper bound of the importance sampling ratio (TRL's name; its newer name is vllm_importance_sampling_clip_max)."""
     modality_weights: list[str] = field(default_factory=list)
     """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
     dynamic_modality_weights: bool = False
     """Advantage weights from the training signal (mmgrpo/grpo/dynamic_weights.py): each modality's weight moves its
     mean |advantage| towards the others', within [1/4, 4], logged as weights/<name>; on top of --modality_weights."""
-    dynamic_weights_by: str = "modality"
+    dynamic_weights_by: str = flag("modality", OneOf("modality", "dataset"))
     """--dynamic_modality_weights per `modality` or per `dataset` of a mixture."""
-    max_tokens_per_microbatch: int = 0
+    max_tokens_per_microbatch: int = flag(0, count(0, hint="0: fixed micro-batches"))
     """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
     prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
     each rollout batch is one optimizer update. 0: micro-batches of per_device_train_batch_size rows."""
@@ -262,37 +271,37 @@ class AlgoConfig:
 
 @dataclass
 class OptimConfig:
-    optim: str = "adamw_torch_fused"
+    optim: str = flag("adamw_torch_fused", OneOf("adamw_torch_fused", "adamw_torch"))
     """`adamw_torch_fused` (one kernel per step over all tensors, no temporaries: 2.5x faster on CPU,
     lower peak memory) or `adamw_torch` (torch's for-each/for-loop AdamW). Same update either way."""
-    learning_rate: float = 1e-6
+    learning_rate: float = flag(1e-6, above(0, hint="e.g. 1e-6"), resume="schedule")
     """Peak learning rate of AdamW."""
-    vit_lr: float | None = None
+    vit_lr: float | None = flag(None, above(0, hint=UNSET_RATE), resume="schedule")
     """Peak learning rate of the vision (and audio) tower, the aligner excluded (ms-swift's name); its own parameter
     group on the same schedule, logged as learning_rate/vit. None: --learning_rate."""
-    aligner_lr: float | None = None
+    aligner_lr: float | None = flag(None, above(0, hint=UNSET_RATE), resume="schedule")
     """Peak learning rate of the aligner (the projector into the LLM), logged as learning_rate/aligner. None: --learning_rate."""
-    fusion_lr: float | None = None
+    fusion_lr: float | None = flag(None, above(0, hint=UNSET_RATE), resume="schedule")
     """Peak learning rate of the --fusion_module modules, logged as learning_rate/fusion. None: --learning_rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = flag(0.0, at_least(0))
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = flag(0.9, Number(0, 1, high_open=True))
     """AdamW beta1."""
-    adam_beta2: float = 0.99
+    adam_beta2: float = flag(0.99, Number(0, 1, high_open=True))
     """AdamW beta2 (0.99 reacts faster than 0.999 to the shifting RL gradients)."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = flag(0.0, Number(0, 1, what="a fraction of the steps"), resume="schedule")
     """Fraction of max_steps with a linear warm-up from 0 (ceil(ratio x steps) steps, as in HF)."""
-    lr_scheduler_type: str = "cosine_with_min_lr"
+    lr_scheduler_type: str = flag("cosine_with_min_lr", resume="schedule")
     """HF's schedules by name: linear | cosine (to 0) | cosine_with_min_lr (to --lr_scheduler_kwargs min_lr_rate of the
     peak, default 0.1) | constant (no warm-up) | constant_with_warmup | warmup_stable_decay (the peak, then a cosine
     over the last --lr_scheduler_kwargs num_decay_steps to min_lr_ratio of it)."""
-    lr_scheduler_kwargs: str | None = None
+    lr_scheduler_kwargs: str | None = flag(None, resume="schedule")
     """The schedule's options as JSON, e.g. `{"min_lr_rate": 0.05}` (cosine_with_min_lr), `{"num_cycles": 1.0}` (cosine)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = flag(1.0, at_least(0, hint="0: no clipping"))
     """Gradient clipping by global norm (0 = off)."""
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: int = flag(8, count(1))
     """Completions per micro-batch (as in TRL: must be a multiple of num_generations... per step)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = flag(1, count(1))
     """Micro-batches per optimizer update. A rollout batch is batch_size x accumulation completions."""
 
 
@@ -300,24 +309,24 @@ class OptimConfig:
 class EvalConfig:
     eval_dataset: list[str] = field(default_factory=list)
     """Evaluate during training on these `NAME[:split]` (split default: test) or data files. Empty: never."""
-    eval_steps: int = 0
+    eval_steps: int = flag(0, count(0, hint="0: only after the last step"), resume="operational")
     """Evaluate every N steps, and after the last step. 0: only after the last step."""
     eval_metrics: list[str] = field(default_factory=list)
     """Metrics, as `mmgrpo eval --metrics` takes them. Empty: the eval dataset's reward functions."""
-    eval_limit: int | None = None
+    eval_limit: int | None = flag(None, count(1, hint="or leave it unset for the whole split"))
     """Evaluate on the first N samples of the split only. None: all of them."""
-    per_device_eval_batch_size: int = 32
+    per_device_eval_batch_size: int = flag(32, count(1), resume="operational")
     """Prompts per generate call during evaluation (greedy, one completion each)."""
     metric_for_best_model: str | None = None
     """Keep output_dir/checkpoint-best at the best value of this eval metric. None: the first eval metric."""
     greater_is_better: bool = True
     """Whether a larger metric_for_best_model is better."""
-    fusion_probe_steps: int = 0
+    fusion_probe_steps: int = flag(0, count(0, hint="0: off"))
     """Every N steps, measure on a few of the step's completions how much the policy relies on each modality:
     the mean token log-prob with the medium against with it blanked (fusion/reliance/<modality>), and the share of
     attention the completion gives each modality's tokens per layer band (fusion/attention/<modality>/<band>).
     0: never (docs/fusion.md)."""
-    fusion_probe_rows: int = 4
+    fusion_probe_rows: int = flag(4, count(1))
     """Completions the probe reads (one per prompt, the first prompts of the step)."""
 
 
@@ -325,17 +334,17 @@ class EvalConfig:
 class DistConfig:
     """Beyond one process (mmgrpo/parallel/, docs/distributed.md): launch with torchrun."""
 
-    parallel: str = "none"
+    parallel: str = flag("none", OneOf("none", "fsdp2", "zero3"))
     """none (one process) | fsdp2 (PyTorch FSDP2) | zero3 (DeepSpeed ZeRO-3). Under torchrun pick fsdp2 or zero3."""
     deepspeed: str | None = None
     """As in ms-swift: `zero3` or a DeepSpeed JSON path ("auto" values filled from the flags). Implies --parallel zero3."""
-    offload_optimizer: bool = False
+    offload_optimizer: bool = flag(False, resume="operational")
     """ZeRO-3: keep optimizer states (and the step) on the CPU."""
-    offload_param: bool = False
+    offload_param: bool = flag(False, resume="operational")
     """ZeRO-3: keep parameters on the CPU between uses. FSDP2: CPUOffloadPolicy (parameters, gradients, optimizer)."""
-    ddp_timeout: int = 1800
+    ddp_timeout: int = flag(1800, above(0, what="seconds"), resume="operational")
     """Seconds a collective waits for the other ranks before failing (a dead or hung rank stops the run)."""
-    gather_for_generation: bool = True
+    gather_for_generation: bool = flag(True, resume="operational")
     """FSDP2 / ZeRO-3 rollouts gather the full weights once per rollout (fast); false: every decoding step gathers (less memory)."""
 
     @property
@@ -348,34 +357,35 @@ class DistConfig:
 class RunOptions:
     """Options every command that trains has (GRPO and SFT): where the run goes, how long, how it is logged."""
 
-    output_dir: str = "runs/latest"
+    output_dir: str = flag("runs/latest", resume="not_compared")
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
-    max_steps: int = 100
+    max_steps: int = flag(100, resume="schedule")
     """Rollout steps (each: generate, reward, num_iterations optimizer updates). -1: by epochs."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = flag(1.0, resume="schedule")
     """Epochs over the prompts, used when max_steps is -1."""
-    save_steps: int = 0
+    save_steps: int = flag(0, count(0, hint="0: only at the end"), resume="operational")
     """Save a checkpoint every N steps (0: only at the end)."""
-    save_total_limit: int | None = None
+    save_total_limit: int | None = flag(None, count(1, what="a number of checkpoints", hint="or leave it unset to keep all"),
+                                        resume="operational")
     """Keep only the newest N complete checkpoint-N folders (checkpoint-best is kept apart). None: keep all."""
-    resume_from_checkpoint: str | None = None
+    resume_from_checkpoint: str | None = flag(None, resume="not_compared")
     """`latest` (the newest complete checkpoint in --output_dir) or a checkpoint folder: continue that run exactly (weights, optimizer, schedule, RNGs, data position); the reference model stays --model."""
-    save_in_background: bool = False
+    save_in_background: bool = flag(False, resume="operational")
     """Write checkpoints from a thread after copying them to memory (one process; the final save is awaited). See docs/training.md."""
-    overwrite_output_dir: bool = False
+    overwrite_output_dir: bool = flag(False, resume="not_compared")
     """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
-    logging_steps: int = 1
+    logging_steps: int = flag(1, count(1), resume="operational")
     """Print and log every N steps."""
-    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    report_to: list[str] = flag(factory=lambda: ["tensorboard"], resume="operational")
     """Trackers beside metrics.jsonl: any of `tensorboard` `wandb` `mlflow` (with the completions table), or `none`
     (docs/training.md; WANDB_MODE=offline and MLflow's file store need no network)."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
-    full_determinism: bool = False
+    full_determinism: bool = flag(False, resume="operational")
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace, cuDNN): two runs with one seed, or a resumed run and the uninterrupted one, then agree on a GPU as they do on the CPU; some kernels get slower (HF's name)."""
     bf16: bool = False
     """bfloat16 autocast (fp32 master weights). Use on GPUs that support it."""
-    torch_threads: int | None = None
+    torch_threads: int | None = flag(None, count(1), resume="operational")
     """torch intra-op threads (CPU). Default: torch's choice."""
 
     # ---- loading ---------------------------------------------------------------------------
@@ -402,34 +412,24 @@ class TrainConfig(RunOptions):
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    log_completions: int = 4
+    log_completions: int = flag(4, count(0), resume="operational")
     """Prompts per step written to completions.jsonl (all G completions of each)."""
-    max_nonfinite_steps: int = 5
+    max_nonfinite_steps: int = flag(5, count(1), resume="operational")
     """Stop after this many steps with a NaN/inf loss or gradient norm (each one is skipped with a warning)."""
-    save_strategy: str = "steps"
+    save_strategy: str = flag("steps", OneOf("steps", "no"), resume="operational")
     """`steps`: a checkpoint every --save_steps and after the last step; `no`: no checkpoint-N at all (HF's name;
     for benchmarks and throwaway runs: --eval_dataset's checkpoint-best is still kept, and a --save_on_signal
     signal still saves the step it stops at)."""
-    save_on_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    save_on_signal: list[str] = flag(factory=lambda: ["SIGTERM", "SIGUSR1"], resume="operational")
     """Signals that stop the run cleanly (what Slurm and cloud schedulers send before they kill): the step in progress
     finishes, a checkpoint of it is saved, and the run exits with status 75 and a line saying how to resume; a second
     signal exits at once (status 128 + its number), earlier checkpoints intact. `none`: their default effect (docs/training.md)."""
 
     def validate(self) -> None:
-        """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config.checks import validate_train
-
+        """Each flag against its domain, then the rules between flags: checks only, no part needed.
+        `mmgrpo.training.startup_checks.check_train_flags` runs these and the checks that need a part."""
+        check_domains(self)
         validate_train(self)
-
-    def loss_config(self):
-        """The policy loss's options (`mmgrpo.grpo.losses.LossConfig`, which checks them when made)."""
-        from mmgrpo.grpo.losses import LossConfig
-
-        return LossConfig(
-            loss_type=self.algo.loss_type, epsilon=self.algo.epsilon, epsilon_high=self.algo.epsilon_high,
-            beta=self.algo.beta, max_completion_length=self.rollout.max_completion_length,
-            importance_sampling_level=self.algo.importance_sampling_level, delta=self.algo.delta,
-        )
 
 
 @dataclass
@@ -440,21 +440,21 @@ class SFTConfig(RunOptions):
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-3, per_device_train_batch_size=32))
     eval: EvalConfig = field(default_factory=EvalConfig)
-    max_steps: int = 200
+    max_steps: int = flag(200, resume="schedule")
     """Optimizer steps of supervised training (each: per_device_train_batch_size x gradient_accumulation_steps samples). -1: by epochs."""
-    max_completion_length: int = 64
+    max_completion_length: int = flag(64, count(1))
     """Tokens generated per answer by the evaluations during SFT (a dataset's own budget in the registry wins)."""
     stop_at: str | None = None
     """Stop at the first evaluation where an eval metric reaches a value, `METRIC>=VALUE` or `METRIC<=VALUE`
     (e.g. `shapes-color/vqa_accuracy>=0.5`): a warm start that reads the task yet leaves GRPO room to lift it.
     Needs --eval_dataset and --eval_steps. None: train all --max_steps."""
-    loss_normalization: str = "token"
+    loss_normalization: str = flag("token", OneOf("token", "sample"))
     """How the answer tokens' losses become one: `token`, the mean over all target tokens of the step
     (a 27-token box then outweighs a 5-token count answer 5 to 1); `sample`, each answer's mean, then
     the mean over answers, so every sample of a mixture weighs the same whatever its length."""
 
     def validate(self) -> None:
-        """Contradictions that would fail later are errors now, before any model loads. Checks only."""
-        from mmgrpo.config.checks import validate_sft
-
+        """Each flag against its domain, then the rules between flags: checks only, no part needed.
+        `mmgrpo.training.startup_checks.check_sft_flags` runs these and the checks that need a part."""
+        check_domains(self)
         validate_sft(self)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmgrpo.config import ModelConfig
 from mmgrpo.errors import CheckpointError, ConfigError
 from mmgrpo.fusion.modules import get_fusion
 
@@ -280,30 +281,16 @@ def decoder_fusion(decoder: nn.Module) -> Fusion | None:
 # ---- from the flags ---------------------------------------------------------------------------
 
 
-def check_fusion_flags(cfg) -> None:
-    """The fusion and per-component rate flags, before any model loads: plugins imported, the module
-    name registered, the layers readable, each rate a number > 0, --train_type fusion with modules."""
-    import math
-
-    from mmgrpo.fusion.modules import get_fusion
+def check_fusion_flags(model_cfg: ModelConfig) -> None:
+    """The fusion flags, before any model loads: plugins imported, the module name registered, the
+    layers readable (each rate's range and the rules between flags are mmgrpo/config's)."""
     from mmgrpo.registry import import_plugin
 
-    model_cfg = cfg.model
     for plugin in model_cfg.fusion_plugin:
         import_plugin(plugin, "fusion plugin")
     if model_cfg.fusion_module is not None:
         get_fusion(model_cfg.fusion_module)
-    elif model_cfg.fusion_layers:
-        raise ConfigError("--fusion_layers needs --fusion_module (gated_xattn, coattn or a registered one).")
     parse_layers(model_cfg.fusion_layers)
-    for flag in ("vit_lr", "aligner_lr", "fusion_lr"):
-        rate = getattr(cfg.optim, flag)
-        if rate is not None and not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-            raise ConfigError(f"--{flag} {rate}: must be a finite number > 0 (or leave it unset for --learning_rate).")
-    if cfg.optim.vit_lr is not None and model_cfg.freeze_vit:
-        raise ConfigError("--vit_lr with --freeze_vit: the frozen tower has no rate; drop one of them.")
-    if cfg.optim.aligner_lr is not None and model_cfg.freeze_aligner:
-        raise ConfigError("--aligner_lr with --freeze_aligner: the frozen aligner has no rate; drop one of them.")
 
 
 def check_fusion_model(model_cfg, optim_cfg, skeleton: nn.Module, template, model_path) -> None:

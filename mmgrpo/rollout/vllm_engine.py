@@ -73,40 +73,26 @@ def build_vllm_engine(rollout_cfg: RolloutConfig, model_path: str, template, str
     )
 
 
-def validate_vllm(cfg) -> None:
-    """The --use_vllm checks that need no model: vLLM importable (colocated: a server's trainer needs
-    none), sizes that make sense, servers listed once."""
+def validate_vllm(rollout_cfg: RolloutConfig, max_prompt_length: int) -> None:
+    """The --use_vllm checks that need no model (each flag's own range is declared beside it in
+    mmgrpo/config/schema.py): vLLM importable (colocated: a server's trainer needs none), sleep mode
+    on a GPU, servers listed once, room for a prompt (--max_prompt_length) before the completion."""
     import importlib.util
 
     from mmgrpo.rollout.vllm_requests import INSTALL_HINT
 
-    rollout = cfg.rollout
-    if rollout.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
+    if rollout_cfg.vllm_mode != "server" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(INSTALL_HINT + ".")
-    if not 0 < rollout.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError(f"--vllm_gpu_memory_utilization {rollout.vllm_gpu_memory_utilization}: give a share in (0, 1].")
-    if rollout.vllm_enable_sleep_mode:
+    if rollout_cfg.vllm_enable_sleep_mode:
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--vllm_enable_sleep_mode needs a CUDA GPU (vLLM on CPU has no sleep mode): drop the flag.")
-    if rollout.vllm_tensor_parallel_size < 1:
-        raise ConfigError("--vllm_tensor_parallel_size must be at least 1.")
-    if rollout.vllm_kv_cache_memory_bytes is not None and rollout.vllm_kv_cache_memory_bytes <= 0:
-        raise ConfigError("--vllm_kv_cache_memory_bytes must be a positive number of bytes (e.g. 268435456).")
-    if rollout.vllm_mode == "server":
-        server_addresses(rollout.vllm_server_host, rollout.vllm_server_port)
-        if rollout.vllm_weight_transfer not in ("collective", "http"):
-            raise ConfigError(f"--vllm_weight_transfer {rollout.vllm_weight_transfer!r}: give collective or http.")
-        if rollout.vllm_weight_bucket_mb < 1:
-            raise ConfigError(f"--vllm_weight_bucket_mb {rollout.vllm_weight_bucket_mb}: give at least 1 (MB); "
-                              "a bucket always holds at least one fused layer's weights.")
-        if not 0 <= rollout.vllm_group_port < 65536:
-            raise ConfigError(f"--vllm_group_port {rollout.vllm_group_port}: give a port in 1-65535, or 0 for a free one.")
-        if rollout.vllm_server_timeout <= 0:
-            raise ConfigError(f"--vllm_server_timeout {rollout.vllm_server_timeout}: give a positive number of seconds.")
-    if max_model_len(rollout, cfg.data.max_prompt_length) <= rollout.max_completion_length:
+    if rollout_cfg.vllm_mode == "server":
+        server_addresses(rollout_cfg.vllm_server_host, rollout_cfg.vllm_server_port)
+    longest = max_model_len(rollout_cfg, max_prompt_length)
+    if longest <= rollout_cfg.max_completion_length:
         raise ConfigError(
-            f"--vllm_max_model_len {max_model_len(rollout, cfg.data.max_prompt_length)} leaves no room for a prompt before --max_completion_length "
-            f"{rollout.max_completion_length}: raise it."
+            f"--vllm_max_model_len {longest} leaves no room for a prompt before --max_completion_length "
+            f"{rollout_cfg.max_completion_length}: raise it."
         )

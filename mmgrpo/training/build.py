@@ -41,6 +41,7 @@ from mmgrpo.runstate.disk_space import checkpoint_bytes, checkpoints_kept, warn_
 from mmgrpo.runstate.runlog import console
 from mmgrpo.training.optim import make_optimizer, make_scheduler
 from mmgrpo.training.resume import restore_weights
+from mmgrpo.training.startup_checks import loss_config
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,6 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         cfg=cfg, dataset=dataset, rewards=rewards, processor=processor, template=template, model=model,
         peft_model=peft_model, strategy=strategy, policy=policy, rollout=rollout, optimizer=prepared.optimizer,
         scheduler=make_scheduler(cfg.optim, prepared.optimizer, steps), evaluator=evaluator,
-        loss_config=cfg.loss_config(), modality_weights=parse_modality_weights(cfg.algo.modality_weights),
+        loss_config=loss_config(cfg.algo, cfg.rollout), modality_weights=parse_modality_weights(cfg.algo.modality_weights),
         prompts_per_step=prompts_per_step, total_steps=steps,
     )

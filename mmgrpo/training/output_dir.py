@@ -85,7 +85,7 @@ class OutputPlan:
 
 def preflight(cfg) -> OutputPlan:
     """Check --output_dir, --resume_from_checkpoint and --overwrite_output_dir together (after
-    `cfg.validate()`, which checks every other flag).
+    `check_train_flags(cfg)`, mmgrpo/training/startup_checks.py, which checks every other flag).
 
     Rank 0 takes the folder's lock first (a live run there is refused; mmgrpo/runstate/run_lock.py)
     and is the only rank that repairs what a killed save left; the other ranks only read, and

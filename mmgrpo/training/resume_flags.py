@@ -2,9 +2,12 @@
 (`TrainState.flags`, the resolved TrainConfig); a resumed run compares its own flags with them, and
 each flag that differs is either refused or allowed on purpose, never taken silently.
 
-    check_resume_flags(cfg)                   # in cfg.validate(): ConfigError naming every refused change
+    check_resume_flags(cfg)                   # first of check_train_flags: ConfigError naming every refused change
     changes = flag_changes(state.flags, cfg)  # {flag: (old, new)}; allowed_lines(changes) says each in one line
     retarget_schedule(optimizer, scheduler, old_rates, new_rates)   # the schedule rule below
+
+Each flag's kind is declared beside it in mmgrpo/config/schema.py (`flag(..., resume="schedule")`;
+refused unless said otherwise), and read here:
 
 | kind | flags | on resume |
 |---|---|---|
@@ -28,45 +31,19 @@ import math
 import sys
 from pathlib import Path
 
+from mmgrpo.config import TrainConfig
+from mmgrpo.config.domains import resume_kinds
 from mmgrpo.errors import ConfigError
 
-SCHEDULE = ("max_steps", "num_train_epochs", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",
-            "vit_lr", "aligner_lr", "fusion_lr")
-OPERATIONAL = (
-    "save_steps", "save_total_limit", "save_in_background", "logging_steps", "report_to", "log_completions",
-    "max_nonfinite_steps", "full_determinism", "torch_threads", "dataloader_num_workers", "max_prompt_length",
-    "gradient_checkpointing", "shared_prefix", "offload_optimizer", "offload_param", "gather_for_generation", "ddp_timeout",
-    "reward_timeout", "reward_errors", "tool_timeout", "reward_model_device", "reward_model_batch_size",
-    "eval_steps", "per_device_eval_batch_size",
-    "vllm_gpu_memory_utilization", "vllm_max_model_len", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
-    "vllm_kv_cache_memory_bytes", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
-    "vllm_weight_transfer", "vllm_weight_bucket_mb", "vllm_group_host", "vllm_group_port",
-    "save_on_signal", "save_strategy",
-)
-STALENESS = ("max_staleness", "async_generate")
+
+def flags_of_kind(kind: str) -> tuple[str, ...]:
+    """The flags of `mmgrpo train` whose declared resume kind is `kind`."""
+    return tuple(name for name, declared in resume_kinds(TrainConfig).items() if declared == kind)
+
+
+REFUSED, SCHEDULE, STALENESS, OPERATIONAL, NOT_COMPARED = (
+    flags_of_kind(kind) for kind in ("refused", "schedule", "staleness", "operational", "not_compared"))
 GROUP_RATES = ("vit_lr", "aligner_lr", "fusion_lr")  # the schedule's, each its parameter group's peak
-NOT_COMPARED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
-REFUSED = (
-    "model", "model_type", "max_pixels", "min_pixels", "video_fps", "video_nframes", "use_audio_in_video", "template_plugin",
-    "train_type", "lora_rank", "lora_alpha", "lora_dropout", "target_modules", "freeze_vit", "freeze_aligner", "freeze_llm",
-    "dataset", "dataset_registry", "split",
-    "num_generations", "max_completion_length", "suppress_eos", "temperature", "top_p", "top_k", "mask_truncated_completions",
-    "max_turns", "tools", "dynamic_sample", "max_resample_times", "first_stage_generations",
-    "use_vllm", "vllm_mode",
-    "reward_funcs", "reward_weights", "reward_model", "judge_model", "judge_model_type", "judge_prompt", "judge_parse",
-    "judge_score_max", "judge_max_new_tokens", "judge_use_vllm", "reward_kwargs", "missing_solution",
-    "loss_type", "beta", "epsilon", "epsilon_high", "delta", "entropy_coeff", "scale_rewards", "num_iterations",
-    "importance_sampling_level", "advantage_estimator", "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "modality_weights", "dynamic_modality_weights",
-    "dynamic_weights_by", "max_tokens_per_microbatch",
-    "optim", "weight_decay", "adam_beta1", "adam_beta2", "max_grad_norm", "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "eval_dataset", "eval_metrics", "eval_limit", "metric_for_best_model", "greater_is_better",
-    "parallel", "deepspeed", "seed", "bf16",
-    "fusion_module", "fusion_layers", "fusion_plugin",
-    # the probe's forwards run in training mode before the update: LoRA's dropout draws from the step's random stream
-    "fusion_probe_steps", "fusion_probe_rows",
-)
 
 
 def leaves(flags: dict) -> dict:

@@ -1,0 +1,98 @@
+"""Every flag of `mmgrpo train` and `mmgrpo sft`, checked once before anything is built.
+
+    check_train_flags(cfg)   # engine.train's first line
+    check_sft_flags(cfg)     # sft.sft's first line
+
+Each runs the config's own checks (`TrainConfig.validate`: each flag against the domain declared
+beside it, then the rules between flags; mmgrpo/config/) and the checks that need a part, which
+config/ cannot import: the names the parts' registries resolve (loss type, advantage estimator,
+tools, fusion modules, the learning-rate schedule), vLLM installed, the launched world size against
+--parallel, a --deepspeed JSON, and, when resuming, the checkpoint's flags. Each raises a ConfigError
+that names the flag and says what to give instead.
+
+>>> from mmgrpo.config import TrainConfig
+>>> cfg = TrainConfig.from_args(["--model", "tiny:qwen2-vl", "--num_generations", "4", "--loss_type", "cispo"])
+>>> check_train_flags(cfg)
+>>> cfg.model.model_type, loss_config(cfg.algo, cfg.rollout).loss_type
+('qwen2-vl', 'cispo')
+"""
+
+from __future__ import annotations
+
+from mmgrpo.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from mmgrpo.config.domains import OneOf
+from mmgrpo.errors import ConfigError
+from mmgrpo.fusion.attach import check_fusion_flags
+from mmgrpo.grpo import get_advantage
+from mmgrpo.grpo.importance import IS_MODES
+from mmgrpo.grpo.losses import LossConfig
+from mmgrpo.models.tiny import built_model_family
+from mmgrpo.parallel import validate_parallel
+from mmgrpo.parallel.launch import env_world_size
+from mmgrpo.tools import get_tool
+from mmgrpo.training.optim import scheduler_kwargs
+from mmgrpo.training.resume_flags import check_resume_flags
+
+
+def check_train_flags(cfg: TrainConfig) -> None:
+    """`mmgrpo train`'s flags: a resumed run's refused changes first, then the parts shared with SFT and
+    the launch (--parallel, --deepspeed, the world size), then each flag's domain and the rules between
+    flags, then the names and options the GRPO parts resolve. Fills --model_type from a tiny:/random:
+    --model name first (`fill_model_type`)."""
+    fill_model_type(cfg.model)
+    check_resume_flags(cfg)  # resuming: a changed flag the run must keep is named first
+    check_common_parts(cfg.model, cfg.optim)
+    validate_parallel(cfg.dist, cfg.model, cfg.optim, cfg.rollout.num_generations)
+    if cfg.dist.strategy == "zero3":
+        from mmgrpo.parallel.zero3 import deepspeed_config
+
+        deepspeed_config(cfg.dist, cfg.optim, env_world_size(), bf16=cfg.bf16)  # a contradicting JSON is an error now
+    cfg.validate()
+    get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
+    problem = OneOf(*IS_MODES).problem("vllm_importance_sampling_mode", cfg.algo.vllm_importance_sampling_mode)
+    if problem:
+        raise ConfigError(problem)
+    loss_config(cfg.algo, cfg.rollout)  # --loss_type, --importance_sampling_level, --delta: checked by the loss's own config
+    if cfg.rollout.use_vllm:  # vLLM installed, flags that fit
+        from mmgrpo.rollout.vllm_engine import validate_vllm
+
+        validate_vllm(cfg.rollout, cfg.data.max_prompt_length)
+    for spec in cfg.rollout.tools:  # a tool's typo fails now
+        get_tool(spec)
+    if cfg.save_in_background and env_world_size() > 1:
+        raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
+
+
+def check_sft_flags(cfg: SFTConfig) -> None:
+    """`mmgrpo sft`'s flags: the parts shared with GRPO, each flag's domain and the rules between flags,
+    and one process. Fills --model_type from a tiny:/random: --model name first."""
+    fill_model_type(cfg.model)
+    check_common_parts(cfg.model, cfg.optim)
+    cfg.validate()
+    if env_world_size() > 1:
+        raise ConfigError("mmgrpo sft runs in one process: launch it without torchrun.")
+
+
+def check_common_parts(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> None:
+    """What GRPO and SFT resolve alike: the schedule's name and options (a typo fails before any model
+    loads) and the fusion flags (plugins, module name, layers)."""
+    scheduler_kwargs(optim_cfg)
+    check_fusion_flags(model_cfg)
+
+
+def fill_model_type(model_cfg: ModelConfig) -> None:
+    """--model_type, when not given, from a `tiny:` or `random:` --model name, which says its family.
+    Loading infers it anyway (mmgrpo/models/loading.py); filled here so that config.yaml and every
+    checkpoint's flags name the family, which a resumed run compares (runs have always recorded it)."""
+    if model_cfg.model_type is None:
+        model_cfg.model_type = built_model_family(model_cfg.model)
+
+
+def loss_config(algo_cfg: AlgoConfig, rollout_cfg: RolloutConfig) -> LossConfig:
+    """The policy loss's options (`LossConfig`, which checks them when made) from --loss_type, --epsilon,
+    --epsilon_high, --beta, --importance_sampling_level, --delta and --max_completion_length."""
+    return LossConfig(
+        loss_type=algo_cfg.loss_type, epsilon=algo_cfg.epsilon, epsilon_high=algo_cfg.epsilon_high,
+        beta=algo_cfg.beta, max_completion_length=rollout_cfg.max_completion_length,
+        importance_sampling_level=algo_cfg.importance_sampling_level, delta=algo_cfg.delta,
+    )
