@@ -142,8 +142,9 @@ def prepared_run(cfg, fixed_completions: bool):
 
     from mmgrpo.runstate.state import seed_everything
     from mmgrpo.training.build import build_run
+    from mmgrpo.training.startup_checks import check_train_flags
 
-    cfg.validate()
+    check_train_flags(cfg)
     run = build_run(cfg)
     seed_everything(cfg.seed)
     if fixed_completions:

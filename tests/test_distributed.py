@@ -21,6 +21,7 @@ import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import ConfigError
+from mmgrpo.training.startup_checks import check_train_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -41,14 +42,14 @@ def test_world_size_must_keep_groups_whole(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = TrainConfig.from_args(["--parallel", "fsdp2", "--per_device_train_batch_size", "4", "--num_generations", "8"])
     with pytest.raises(ConfigError, match="2 ranks.*not a multiple of --num_generations 8"):
-        cfg.validate()
+        check_train_flags(cfg)
 
 
 def test_launched_ranks_need_a_parallel_strategy(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = TrainConfig.from_args(["--num_generations", "4", "--per_device_train_batch_size", "4"])
     with pytest.raises(ConfigError, match="--parallel fsdp2 or --parallel zero3"):
-        cfg.validate()
+        check_train_flags(cfg)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_deepspeed_json_contradicting_the_flags(tmp_path, json_config, match):
     path.write_text(json.dumps(json_config))
     cfg = TrainConfig.from_args(["--deepspeed", str(path), "--per_device_train_batch_size", "4", "--num_generations", "4"])
     with pytest.raises(ConfigError, match=match):
-        cfg.validate()
+        check_train_flags(cfg)
 
 
 def test_deepspeed_json_autos_are_filled(tmp_path):
@@ -81,7 +82,7 @@ def test_deepspeed_json_autos_are_filled(tmp_path):
     }))
     cfg = TrainConfig.from_args(["--deepspeed", str(path), "--per_device_train_batch_size", "4", "--num_generations", "4",
                                  "--gradient_accumulation_steps", "2", "--bf16", "--offload_optimizer"])
-    cfg.validate()
+    check_train_flags(cfg)
     assert cfg.dist.strategy == "zero3"
     config = deepspeed_config(cfg.dist, cfg.optim, world_size=2, hidden_size=128, bf16=cfg.bf16)
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 2

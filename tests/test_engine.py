@@ -13,6 +13,7 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny import resolve_model_path
+from mmgrpo.training.startup_checks import check_train_flags
 
 FAST = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--dataloader_num_workers", "0"]
@@ -166,7 +167,7 @@ def test_unregistered_names_are_start_up_errors_and_registered_ones_work(tmp_pat
     assert "unknown loss type 'nope' (--loss_type)" in err and "dapo" in err
     register_loss("token_sum_for_test")(lambda per_token_loss, mask, **_: (per_token_loss * mask).sum())
     try:  # a loss a plugin registers can be chosen
-        TrainConfig.from_args([*FAST, "--loss_type", "token_sum_for_test"]).validate()
+        check_train_flags(TrainConfig.from_args([*FAST, "--loss_type", "token_sum_for_test"]))
     finally:
         losses.LOSSES.unregister("token_sum_for_test")
 

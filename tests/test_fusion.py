@@ -268,7 +268,7 @@ def test_the_reliance_probe(tiny_qwen2_vl_path, template):
     (["--train_type", "fusion"], "--train_type fusion trains fusion modules only: give --fusion_module"),
     (["--fusion_module", "gated_xattn", "--use_vllm"], "--fusion_module gated_xattn with --use_vllm: vLLM runs the model's stock"),
     (["--fusion_module", "coattn", "--max_turns", "2", "--tools", "image_zoom_in_tool"], "--fusion_module with --max_turns 2"),
-    (["--vit_lr", "0"], "--vit_lr 0.0: must be a finite number > 0"),
+    (["--vit_lr", "0"], "--vit_lr 0.0: give a finite number > 0"),
     (["--vit_lr", "1e-5", "--freeze_vit"], "--vit_lr with --freeze_vit"),
     (["--fusion_lr", "1e-3"], "--fusion_lr 0.001: no weight that trains is in the fusion modules"),
 ])

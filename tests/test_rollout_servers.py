@@ -26,6 +26,7 @@ from mmgrpo.rollout.weight_group import (
     send_bucket,
     send_end,
 )
+from mmgrpo.training.startup_checks import check_train_flags
 
 WEIGHTS = {  # names as a model has them: sibling groups of mixed dtypes and odd sizes
     "model.layers.0.self_attn.q_proj.weight": torch.randn(33, 17),
@@ -134,12 +135,12 @@ def _cfg(*extra):
 ])
 def test_server_flags_that_cannot_work_are_errors_naming_the_flag(flags, named):
     with pytest.raises(ConfigError, match=named):
-        _cfg(*flags).validate()
+        check_train_flags(_cfg(*flags))
 
 
 def test_several_servers_are_accepted():
     cfg = _cfg("--vllm_server_host", "10.0.0.1", "10.0.0.2", "--vllm_server_port", "8000")
-    cfg.validate()  # a trainer in server mode needs no vLLM installed
+    check_train_flags(cfg)  # a trainer in server mode needs no vLLM installed
     assert cfg.rollout.vllm_server_host == ["10.0.0.1", "10.0.0.2"] and cfg.rollout.vllm_server_port == [8000]
 
 

@@ -145,7 +145,7 @@ def test_flags_off_leave_the_step_alone(tmp_path):
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--max_resample_times", "-1"], "--max_resample_times must be >= 0"),
+    (["--max_resample_times", "-1"], "--max_resample_times -1: give an integer >= 0"),
     (["--first_stage_generations", "4"], "--first_stage_generations 4: give 0 .* from 1 to --num_generations - 1 \\(3\\)"),
     (["--dynamic_weights_by", "task"], "dynamic_weights_by"),
 ])  # fmt: skip

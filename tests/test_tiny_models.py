@@ -118,12 +118,15 @@ def test_vision_init_gain_redraws_the_vision_tower_only(tmp_path, family):
 
 def test_a_tiny_name_takes_dimension_overrides(tmp_path, monkeypatch):
     from mmgrpo.config import SFTConfig
+    from mmgrpo.training.startup_checks import check_sft_flags
 
     monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path))
     name = "tiny:qwen2-vl?vision_init_gain=3&seed=1"
     assert resolve_model_path(name) == str(build_tiny("qwen2-vl", vision_init_gain=3, seed=1))
     assert resolve_model_path(name) != resolve_model_path("tiny:qwen2-vl")
-    assert SFTConfig.from_args(["--model", name]).model.model_type == "qwen2-vl"
+    cfg = SFTConfig.from_args(["--model", name])
+    check_sft_flags(cfg)  # what sft() runs first: --model_type from the tiny: name
+    assert cfg.model.model_type == "qwen2-vl"
     for bad in ("tiny:qwen2-vl?vision_gain=3", "tiny:qwen2-vl?seed=one"):
         with pytest.raises(ConfigError, match="not DIM=INTEGER.*vision_init_gain"):
             resolve_model_path(bad)

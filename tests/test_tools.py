@@ -13,6 +13,7 @@ from mmgrpo.models import load_processor
 from mmgrpo.templates import get_template
 from mmgrpo.tools import ToolContext, ToolEnvironment, get_tool, parse_tool_calls, tool_names, zoom
 from mmgrpo.tools.environment import ERROR_KINDS
+from mmgrpo.training.startup_checks import check_train_flags
 
 ZOOM = "image_zoom_in_tool"
 
@@ -152,7 +153,7 @@ def test_a_tool_plugin_loads_from_its_file_and_bad_specs_name_the_choices(tmp_pa
 def test_tool_flags_are_checked_at_start_up(flags, message):
     cfg = TrainConfig.from_args(["--model", "tiny:qwen2-vl", "--dataset", "shapes-zoom", *flags])
     with pytest.raises(ConfigError, match=message):
-        cfg.validate()
+        check_train_flags(cfg)
 
 
 # ---- the family's tool turn --------------------------------------------------------------------

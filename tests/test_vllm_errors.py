@@ -14,6 +14,7 @@ import torch
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.errors import ConfigError, DataError
+from mmgrpo.training.startup_checks import check_train_flags
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,13 +36,13 @@ def test_use_vllm_without_vllm_says_how_to_install(tmp_path):
 
 def test_bad_vllm_flags_fail_before_any_model_loads(tmp_path):
     with pytest.raises(ConfigError, match="vllm_mode"):
-        TrainConfig.from_args(args(tmp_path, "--vllm_mode", "remote")).validate()
+        check_train_flags(TrainConfig.from_args(args(tmp_path, "--vllm_mode", "remote")))
     if HAS_VLLM:
         with pytest.raises(ConfigError, match="vllm_max_model_len 8 leaves no room"):
-            TrainConfig.from_args(args(tmp_path, "--vllm_max_model_len", "8")).validate()
+            check_train_flags(TrainConfig.from_args(args(tmp_path, "--vllm_max_model_len", "8")))
         if not torch.cuda.is_available():
             with pytest.raises(ConfigError, match="--vllm_enable_sleep_mode needs a CUDA GPU"):
-                TrainConfig.from_args(args(tmp_path, "--vllm_enable_sleep_mode")).validate()
+                check_train_flags(TrainConfig.from_args(args(tmp_path, "--vllm_enable_sleep_mode")))
 
 
 @pytest.mark.vllm
