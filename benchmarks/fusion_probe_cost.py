@@ -30,22 +30,21 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    import mmgrpo.engine as engine
     from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import grpo_step
+    from mmgrpo.eval.reliance import probe_step
     from mmgrpo.training.build import build_run
 
     torch.set_num_threads(1)
     cpu_seconds: list[float] = []
-    probe = engine.probe_step
 
     def timed_probe(*a, **k):  # the probe's CPU seconds beside its wall seconds (time/probe)
         start = time.process_time()
         try:
-            return probe(*a, **k)
+            return probe_step(*a, **k)
         finally:
             cpu_seconds.append(time.process_time() - start)
 
-    engine.probe_step = timed_probe
     out = tempfile.mkdtemp(prefix="probe_cost_")
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     cfg = TrainConfig.from_args([
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     probe_s, rest_s, rest_cpu = [], [], []
     for step in range(1, args.steps + 1):
         process = time.process_time()
-        metrics, _ = engine.grpo_step(run, next(batches), step)
+        metrics, _ = grpo_step(run, next(batches), step, probe=timed_probe)
         step_cpu = time.process_time() - process
         if step == 1:
             cpu_seconds.clear()

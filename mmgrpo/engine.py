@@ -3,26 +3,38 @@
     mmgrpo train --model tiny:qwen2-vl --dataset shapes-color \\
         --reward_funcs vqa_accuracy format --num_generations 4 --max_steps 3 --output_dir runs/try
 
-One step, each phase under a named timer logged as time/<phase> (each phase timed once):
-    data      the next B prompts from the DataLoader workers          (the rollout pipeline, `next_batch`)
-    rollout   B prompts -> B x G completions (the G of a prompt stay contiguous); async: the wait for them
-    reward    every reward function on every completion, weighted sum, written into the Rollout
-    resample  --dynamic_sample / --first_stage_generations: more rounds
-    plan      the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
-    old/ref   log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
-    adv       advantages by --advantage_estimator, modality weights
-    probe     every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/eval/reliance.py)
-    update    num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
+One step, each phase under a named timer logged as time/<phase> (PHASES below; each phase timed
+once, on the one `Timers` the loop makes for the step and hands to the rollout pipeline and `grpo_step`):
+    data         the next B prompts from the DataLoader workers       (the rollout pipeline, `next_batch`)
+    weight_sync  the newest weights loaded into an engine with its own copy (vLLM, asynchronous rollouts)
+    rollout      B prompts -> B x G completions (the G of a prompt stay contiguous); async: the wait for them
+    reward       every reward function on every completion, weighted sum, written into the Rollout
+    resample     --dynamic_sample / --first_stage_generations: more rounds
+    plan         the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
+    old, ref     log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
+    adv          advantages by --advantage_estimator, modality weights
+    probe        every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/eval/reliance.py)
+    update       num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
     eval, save                                                                    (the loop)
-time/other is the rest of the step's wall time, so the time/* values add up to time/step.
+time/other is the rest of the step's wall time, so the time/* values add up to time/step. Every
+step logs the same columns: a phase that did not run is 0, except the OCCASIONAL ones, logged only
+on the steps that run them.
+
+The step's batch is one object from the rollout to the update, the `Rollout`
+(mmgrpo/rollout/base.py): the completions and their rewards, then the loss mask, old and
+reference log-probs, importance weights and advantages the step adds; each micro-batch's rows
+come from it in one call, `batch.rows(micro_batch)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -32,9 +44,15 @@ from mmgrpo.config import TrainConfig
 from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval.reliance import probe_step
-from mmgrpo.forward.policy import autocast
+from mmgrpo.forward.policy import ForwardBatch, autocast
 from mmgrpo.grpo.advantages import get_advantage
-from mmgrpo.grpo.batching import fixed_micro_batches, pack_micro_batches, pad_fraction, scatter_rows
+from mmgrpo.grpo.batching import (
+    MicroBatch,
+    fixed_micro_batches,
+    pack_micro_batches,
+    pad_fraction,
+    scatter_rows,
+)
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
 from mmgrpo.grpo.importance import logp_gap_by_group, sampling_importance_weights
 from mmgrpo.grpo.losses import policy_loss
@@ -52,20 +70,32 @@ from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import resume_run, save_run
 from mmgrpo.training.startup_checks import check_train_flags
 
+PHASES = ("data", "weight_sync", "rollout", "reward", "resample", "plan", "old", "ref", "adv", "probe", "update",
+          "eval", "save")  # the table above, in its order
+OCCASIONAL = ("resample", "old", "ref", "probe")  # logged only on the steps that run them
+
 
 class Timers:
-    """Named wall-clock timers: `with timers("rollout"): ...` -> {"time/rollout": seconds}."""
+    """The phase timers of one step (PHASES), one object for the whole step: the loop makes it and
+    hands it to the rollout pipeline and to `grpo_step`. `with timers("rollout"): ...` adds the
+    block's wall seconds to {"time/rollout": seconds}."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
+        if name not in PHASES:
+            raise ValueError(f"no phase {name!r} in engine.PHASES (the phases the module docstring lists)")
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[f"time/{name}"] = self.seconds.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+    def every_step(self) -> dict[str, float]:
+        """The seconds so far, and 0 for each phase logged every step that did not run (the same columns every step)."""
+        return {**self.seconds, **{f"time/{p}": 0.0 for p in PHASES if p not in OCCASIONAL and f"time/{p}" not in self.seconds}}
 
 
 def rollout_sampler(run: Run) -> RolloutSampler:
@@ -85,6 +115,107 @@ def rollout_pipeline(run: Run, batches) -> RolloutPipeline:
     return RolloutPipeline(rollout_setup(run), batches, weights, run.total_steps)
 
 
+def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None, *,
+              weights_rule: DynamicWeights | None = None, timers: Timers | None = None,
+              probe: Callable[..., dict] = probe_step) -> tuple[dict, list[dict]]:
+    """One GRPO step on B prompts: their completions `rollout` (generated now if None; scored now
+    if not scored yet, mmgrpo/rollout/rounds.py); `weights_rule` for --dynamic_modality_weights.
+    timers: the step's (the loop's, which timed its data and rollout already); None: this call's own.
+    probe: the --fusion_probe_steps probe, mmgrpo/eval/reliance.py's `probe_step` (a benchmark times it).
+    Returns (metrics, completion records for the log)."""
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    timers = Timers() if timers is None else timers
+    samples = [sample for sample, _ in prompts]
+    encoded = [enc for _, enc in prompts]
+    if rollout is None:
+        with timers("rollout"):
+            rollout = rollout_sampler(run).generate(encoded, run.sampling(prompts))
+    if not rollout.scored:
+        with timers("reward"):
+            score(run.rewards, run.template, prompts, rollout)
+
+    with timers("plan"):
+        batch = training_batch(rollout, cfg.rollout.mask_truncated_completions)  # row i: a completion of prompt i // G
+        plan = plan_forwards(run, encoded, batch)
+
+    # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
+    # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
+    staleness = (step - 1) - batch.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
+    correct = (run.rollout.separate_weights and batch.logps is not None
+               and cfg.algo.vllm_importance_sampling_correction)
+    sampling_metrics = {}
+    if cfg.algo.num_iterations > 1 or correct:
+        with timers("old"):
+            batch.old_logps = completion_logprobs_of(run, batch, plan)
+            if correct:
+                batch.importance_weights, sampling_metrics = sampler_correction(cfg, rollout, batch.old_logps, staleness)
+    if cfg.algo.beta > 0:
+        with timers("ref"):
+            batch.ref_logps = completion_logprobs_of(run, batch, plan, reference=True)
+
+    with timers("adv"):
+        batch.advantages, adv_stats, weight_metrics = advantages_of(run, samples, batch, weights_rule)
+
+    rates = {"learning_rate": run.scheduler.get_last_lr()[0],  # the rate this step's updates use
+             **group_rates(run.optimizer, run.scheduler)}  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
+    probe_metrics = {}
+    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
+        with timers("probe"):
+            probe_metrics = probe(run.policy, encoded, batch, G, rows=cfg.eval.fusion_probe_rows, strategy=run.strategy,
+                                  temperature=cfg.rollout.temperature, bf16=run.bf16)
+    with timers("update"):
+        loss_metrics = update_policy(run, batch, plan)
+
+    metrics = {
+        "step": step,
+        **batch_metrics(batch, adv_stats),
+        **rates,
+        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
+        "pad_fraction": plan.pad_fraction,  # padding tokens / all tokens of the log-prob forwards
+        "micro_batches": len(plan),
+        # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
+        "rollout/staleness": (step - 1) - batch.weight_version,
+        **staleness_shares(staleness, cfg.rollout.staleness_bound),
+        **sampling_metrics,
+        **weight_metrics,
+        **loss_metrics,
+        **run.rewards.stats(),  # e.g. judge/unparsed
+        **batch.metrics,  # multi-turn: tools/calls_per_completion, tools/turns ...
+        **batch.totals,  # multi-turn: tools/errors, tools/seconds
+        **reward_metrics(run.rewards.names, batch, samples, G),
+        **timers.seconds,
+    }
+    metrics = run.strategy.all_reduce_metrics(metrics)  # means over ranks (max of *_max and memory, sum of *_per_s)
+    return metrics, completion_records(samples, batch, run.rewards.names, G, step, cfg.log_completions)
+
+
+def training_batch(rollout: Rollout, mask_truncated: bool) -> Rollout:
+    """The batch the step trains on: `rollout`'s fields (shared, not copied) with `loss_mask` the
+    tokens the loss counts, the model's own, truncated completions' taken out under
+    --mask_truncated_completions. The step writes its own tensors into it (old and reference
+    log-probs, importance weights, advantages), and the update reads them row for row."""
+    loss_mask = rollout.model_mask.clone()  # [N, T]
+    if mask_truncated:
+        loss_mask[rollout.truncated] = 0
+    return dataclasses.replace(rollout, loss_mask=loss_mask)
+
+
+@dataclass
+class ForwardPlan:
+    """The log-prob forwards of a step: its micro-batches of completion rows (mmgrpo/grpo/batching.py),
+    each with its prompts collated once, for the old, ref and update forwards alike."""
+
+    micro_batches: list[MicroBatch]
+    forwards: list[ForwardBatch]  # the prompts of micro_batches[i], collated, media aligned across ranks
+    pad_fraction: float  # padding tokens / all tokens of the forwards
+
+    def __len__(self) -> int:
+        return len(self.micro_batches)
+
+    def __iter__(self) -> Iterator[tuple[MicroBatch, ForwardBatch]]:
+        return iter(zip(self.micro_batches, self.forwards))
+
+
 def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, completion_mask: torch.Tensor):
     """The log-prob forwards' micro-batches (mmgrpo/grpo/batching.py) and their padding fraction."""
     prompt_lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
@@ -97,128 +228,80 @@ def plan_micro_batches(cfg: TrainConfig, shared_prefix: bool, encoded: list, com
     return micro, pad_fraction(micro, prompt_lengths, completion_lengths, shared_prefix=shared_prefix)
 
 
-def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None,
-              weights_rule: DynamicWeights | None = None) -> tuple[dict, list[dict]]:
-    """One GRPO step on B prompts: their completions `rollout` (generated now if None; scored now
-    if not scored yet, mmgrpo/rollout/rounds.py); `weights_rule` for --dynamic_modality_weights.
-    Returns (metrics, completion records for the log)."""
-    cfg, policy, template = run.cfg, run.policy, run.template
-    G = cfg.rollout.num_generations
-    timers = Timers()  # the phases this function runs; the loop times the others (data, rollout, reward ...)
-    samples = [sample for sample, _ in prompts]
-    encoded = [enc for _, enc in prompts]
-    num_rows = len(encoded) * G  # row i of every per-completion tensor belongs to prompt i // G
+def plan_forwards(run: Run, encoded: list, batch: Rollout) -> ForwardPlan:
+    """The step's micro-batches and each one's prompts collated once (with the images inside its
+    completions, multi-turn), their media aligned so all ranks make the same vision-tower calls."""
+    policy = run.policy
+    micro, padding = plan_micro_batches(run.cfg, policy.shared_prefix, encoded, batch.completion_mask)
+    media = batch.completion_media
+    forwards = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts,
+                                     None if media is None else [media[r] for r in mb.rows]) for mb in micro]
+    return ForwardPlan(micro, [run.strategy.align_media(f, run.template) for f in forwards], padding)
 
-    if rollout is None:
-        with timers("rollout"):
-            rollout = rollout_sampler(run).generate(encoded, run.sampling(prompts))
-    if not rollout.scored:
-        with timers("reward"):
-            score(run.rewards, run.template, prompts, rollout)
-    completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask  # [N, T]
-    completions, per_func, rewards = rollout.texts, rollout.reward_per_func, rollout.rewards  # [N], [F, N], [N]
 
-    with timers("plan"):
-        # the model's own tokens: a multi-turn trajectory's tool turns are run by the forwards, never trained
-        model_mask = completion_mask if rollout.loss_mask is None else rollout.loss_mask
-        loss_mask = model_mask.clone()
-        if cfg.rollout.mask_truncated_completions:
-            loss_mask[rollout.truncated] = 0
-        micro, padding = plan_micro_batches(cfg, policy.shared_prefix, encoded, completion_mask)
-        # each micro-batch's prompts, collated once for the old, ref and update forwards
-        media = rollout.completion_media
-        batches = [policy.forward_batch([encoded[p] for p in mb.prompts], mb.counts,
-                                        None if media is None else [media[r] for r in mb.rows]) for mb in micro]
-        batches = [run.strategy.align_media(b, template) for b in batches]  # equal vision-tower calls on all ranks
+def sampler_correction(cfg: TrainConfig, rollout: Rollout, old_logps: torch.Tensor,
+                       staleness: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Importance weights [N, T] for completions another copy of the weights sampled, from the
+    policy's log-probs `old_logps` and the sampler's; measured over every token the model sampled
+    (truncated completions too). With their metrics: sampling/*, and asynchronous, the log-prob gap
+    by the steps a row lags (staleness/logp_diff_mean_<k>)."""
+    sampler_logps = rollout.logps.to(old_logps.device)  # [N, T]
+    weights, stats = sampling_importance_weights(old_logps, sampler_logps, rollout.model_mask,
+                                                 cfg.algo.vllm_importance_sampling_mode, cap=cfg.algo.vllm_importance_sampling_cap)
+    metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
+    if cfg.rollout.staleness_bound:  # asynchronous: how the gap grows with the steps a row lags
+        gaps = logp_gap_by_group(old_logps, sampler_logps, rollout.model_mask, staleness)
+        metrics.update({f"staleness/logp_diff_mean_{k}": gap for k, gap in gaps.items()})
+    return weights.expand_as(old_logps), metrics  # a sequence mode's [N, 1]: the same weight on every token
 
-    # Completions from another copy of the weights (vLLM, async): their log-probs under the policy,
-    # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
-    staleness = (step - 1) - rollout.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
-    correct = (run.rollout.separate_weights and rollout.logps is not None
-               and cfg.algo.vllm_importance_sampling_correction)
-    old_logps = ref_logps = is_weights = None
-    sampling_metrics = {}
-    if cfg.algo.num_iterations > 1 or correct:
-        with timers("old"):
-            old_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask)
-        if correct:
-            is_weights, stats = sampling_importance_weights(
-                old_logps, rollout.logps.to(old_logps.device), model_mask, cfg.algo.vllm_importance_sampling_mode,
-                cap=cfg.algo.vllm_importance_sampling_cap,
-            )
-            sampling_metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
-            if cfg.rollout.staleness_bound:  # asynchronous: how the gap grows with the steps a row lags
-                gaps = logp_gap_by_group(old_logps, rollout.logps.to(old_logps.device), model_mask, staleness)
-                sampling_metrics.update({f"staleness/logp_diff_mean_{k}": gap for k, gap in gaps.items()})
-    if cfg.algo.beta > 0:
-        with timers("ref"):
-            ref_logps = completion_logprobs_of(run, batches, micro, completion_ids, completion_mask, reference=True)
 
+def advantages_of(run: Run, samples: list, batch: Rollout, weights_rule: DynamicWeights | None) -> tuple[torch.Tensor, dict, dict]:
+    """[N] advantages of the batch's rewards (NaN counts as 0) by --advantage_estimator, times
+    --modality_weights and the --dynamic_modality_weights rule; with the estimator's statistics
+    (reward_std, frac_reward_zero_std) and the rule's metrics. Row i is a completion of samples[i // G]."""
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    rewards_known = torch.nan_to_num(batch.rewards, nan=0.0)
+    batch_std = run.strategy.std_across_ranks(rewards_known) if cfg.algo.scale_rewards == "batch" else None
+    estimator = get_advantage(cfg.algo.advantage_estimator)
+    advantages, adv_stats = estimator(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
+    advantages = advantages.to(batch.completion_ids.device)
+    if run.modality_weights:
+        advantages = advantages * torch.tensor(
+            [run.modality_weights.get(samples[i // G].modality, 1.0) for i in range(len(samples) * G)], device=advantages.device
+        )
     weight_metrics = {}
-    with timers("adv"):
-        rewards_known = torch.nan_to_num(rewards, nan=0.0)
-        batch_std = run.strategy.std_across_ranks(rewards_known) if cfg.algo.scale_rewards == "batch" else None
-        estimator = get_advantage(cfg.algo.advantage_estimator)
-        advantages, adv_stats = estimator(rewards_known, G, cfg.algo.scale_rewards, batch_std=batch_std)
-        advantages = advantages.to(completion_ids.device)
-        if run.modality_weights:  # --modality_weights: row i is a completion of samples[i // G]
-            advantages = advantages * torch.tensor(
-                [run.modality_weights.get(samples[i // G].modality, 1.0) for i in range(num_rows)], device=advantages.device
-            )
-        if weights_rule is not None:  # --dynamic_modality_weights (mmgrpo/grpo/dynamic_weights.py)
-            by_dataset = cfg.algo.dynamic_weights_by == "dataset"
-            keys = [dataset_of(s.id) if by_dataset else s.modality for s in samples for _ in range(G)]
-            dynamic, weight_metrics = weights_rule(keys, advantages)
-            advantages = advantages * dynamic
+    if weights_rule is not None:  # mmgrpo/grpo/dynamic_weights.py
+        by_dataset = cfg.algo.dynamic_weights_by == "dataset"
+        keys = [dataset_of(s.id) if by_dataset else s.modality for s in samples for _ in range(G)]
+        dynamic, weight_metrics = weights_rule(keys, advantages)
+        advantages = advantages * dynamic
+    return advantages, adv_stats, weight_metrics
 
-    learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's updates use
-    group_lrs = group_rates(run.optimizer, run.scheduler)  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
-    probe_metrics = {}
-    if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
-        with timers("probe"):
-            probe_metrics = probe_step(run, encoded, completion_ids, completion_mask, G)
-    with timers("update"):
-        loss_metrics = update_policy(run, batches, micro, completion_ids, completion_mask, loss_mask,
-                                     advantages, old_logps, ref_logps, is_weights)
 
-    lengths = completion_mask.sum(1).float()
-    metrics = {
-        "step": step,
-        "reward": float(rewards.nanmean()),
+def batch_metrics(batch: Rollout, adv_stats: dict) -> dict[str, float]:
+    """The batch's rewards and completion lengths as logged."""
+    lengths = batch.completion_mask.sum(1).float()
+    return {
+        "reward": float(batch.rewards.nanmean()),
         "reward_std": adv_stats["reward_std"],
         "frac_reward_zero_std": adv_stats["frac_reward_zero_std"],
         "completion_length": float(lengths.mean()),
         "completion_length_max": float(lengths.max()),
-        "clipped_ratio": float(rollout.truncated.float().mean()),
-        "learning_rate": learning_rate,
-        **group_lrs,
-        **probe_metrics,  # fusion/reliance/<modality>, fusion/attention/<modality>/<band>
-        "pad_fraction": padding,  # padding tokens / all tokens of the log-prob forwards
-        "micro_batches": len(micro),
-        # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
-        "rollout/staleness": (step - 1) - rollout.weight_version,
-        **staleness_shares(staleness, cfg.rollout.staleness_bound),
-        **sampling_metrics,
-        **weight_metrics,
-        **loss_metrics,
-        **run.rewards.stats(),  # e.g. judge/unparsed
-        **rollout.metrics,  # multi-turn: tools/calls_per_completion, tools/turns ...
-        **rollout.totals,  # multi-turn: tools/errors, tools/seconds
+        "clipped_ratio": float(batch.truncated.float().mean()),
     }
-    for name, values in zip(run.rewards.names, per_func):
+
+
+def reward_metrics(names: list[str], batch: Rollout, samples: list, G: int) -> dict[str, float]:
+    """reward/<name> and reward/<name>_std of each reward function (NaN: skipped), and reward/<modality>."""
+    metrics = {}
+    for name, values in zip(names, batch.reward_per_func):
         metrics[f"reward/{name}"] = float(values.nanmean())
         metrics[f"reward/{name}_std"] = float(values[~values.isnan()].std()) if (~values.isnan()).sum() > 1 else 0.0
     modalities = [s.modality for s in samples for _ in range(G)]
     for modality in sorted(set(modalities)):
         rows = torch.tensor([m == modality for m in modalities])
-        metrics[f"reward/{modality}"] = float(rewards[rows].nanmean())
-    metrics.update(timers.seconds)
-    metrics = run.strategy.all_reduce_metrics(metrics)  # means over ranks (max of *_max and memory, sum of *_per_s)
-    records = completion_records(samples, completions, run.rewards.names, per_func, rewards, advantages, G, step, cfg.log_completions)
-    if "trajectory" in rollout.columns:  # multi-turn: the whole episodes too
-        for p, record in enumerate(records):
-            record["trajectories"] = rollout.columns["trajectory"][p * G : (p + 1) * G]
-    return metrics, records
+        metrics[f"reward/{modality}"] = float(batch.rewards[rows].nanmean())
+    return metrics
 
 
 def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, float]:
@@ -232,59 +315,47 @@ def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, f
     return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
 
 
-def completion_logprobs_of(run: Run, batches, micro, completion_ids, completion_mask, reference: bool = False) -> torch.Tensor:
+def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, reference: bool = False) -> torch.Tensor:
     """Log-probs [N, T] of every completion, without gradients: under the policy as it sampled
     them (the ratio's denominator when num_iterations > 1) or under the reference (the KL term)."""
     policy, temperature = run.policy, run.cfg.rollout.temperature
+    per_batch = []
     with torch.no_grad(), autocast(run.bf16, run.device):
-        per_batch = [
-            policy.completion_logprobs(
-                batch, mb.take(completion_ids), mb.take(completion_mask), temperature=temperature, reference=reference
-            )[0]
-            for batch, mb in zip(batches, micro)
-        ]
-    return scatter_rows(per_batch, micro, completion_ids.shape)
+        for mb, forward in plan:
+            rows = batch.rows(mb)
+            logps, _ = policy.completion_logprobs(forward, rows.completion_ids, rows.completion_mask,
+                                                  temperature=temperature, reference=reference)
+            per_batch.append(logps)
+    return scatter_rows(per_batch, plan.micro_batches, batch.completion_ids.shape)
 
 
-def update_policy(run: Run, batches, micro, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
-                  is_weights=None) -> dict:
-    """num_iterations passes of gradient-accumulated updates over the rollout batch.
+def update_policy(run: Run, batch: Rollout, plan: ForwardPlan) -> dict:
+    """num_iterations passes of gradient-accumulated updates over the batch's micro-batches.
 
     A non-finite loss or gradient norm skips the step on every rank (`skipped` 1 in the metrics;
     the loop counts them); the learning-rate schedule advances either way, so it stays in step with the steps.
     """
-    cfg, policy, strategy = run.cfg, run.policy, run.strategy
+    cfg, strategy = run.cfg, run.strategy
     # Packed under a token budget, the micro-batches of a rollout batch vary in number: all of them
     # accumulate into one update (without a budget, accumulation steps x batch size is the rollout batch too).
-    accumulation = len(micro) if cfg.algo.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
-    total_tokens = loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
+    accumulation = len(plan) if cfg.algo.max_tokens_per_microbatch else cfg.optim.gradient_accumulation_steps
+    pairs = list(plan)
+    updates = [pairs[start:start + accumulation] for start in range(0, len(pairs), accumulation)]
+    total_tokens = batch.loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
     token_weighted: dict[str, float] = {}  # metrics averaged over tokens of the whole step
     update_losses, grad_norm, skipped = [], float("nan"), False
     for _ in range(cfg.algo.num_iterations):
-        for start in range(0, len(micro), accumulation):
-            group = range(start, min(start + accumulation, len(micro)))
+        for update in updates:
+            parts = [(batch.rows(mb), forward) for mb, forward in update]
             # Each micro-batch's loss is normalised by the tokens / sequences of the whole update,
             # so the micro-batch losses (and gradients) add up to those of one big batch.
-            update_tokens = sum(micro[i].take(loss_mask).sum() for i in group).clamp(min=1)
+            update_tokens = sum(rows.loss_mask.sum() for rows, _ in parts).clamp(min=1)
             # Ranks average their gradients: normalise by the global count / world size.
             update_tokens = strategy.mean_across_ranks(update_tokens)
-            update_sequences = sum(len(micro[i]) for i in group)
+            update_sequences = sum(len(rows) for rows, _ in parts)
             update_loss = 0.0
-            for i in group:
-                mb = micro[i]
-                with autocast(run.bf16, run.device):
-                    logps, entropy = policy.completion_logprobs(
-                        batches[i], mb.take(completion_ids), mb.take(completion_mask),
-                        temperature=cfg.rollout.temperature, compute_entropy=True,
-                    )
-                    loss, metrics = policy_loss(
-                        logps, None if old_logps is None else mb.take(old_logps), None if ref_logps is None else mb.take(ref_logps),
-                        mb.take(advantages), mb.take(loss_mask), run.loss_config,
-                        num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
-                        importance_weights=None if is_weights is None else mb.take(is_weights),
-                    )
-                    if cfg.algo.entropy_coeff:  # the bonus: mean entropy over the update's tokens, like the dapo loss
-                        loss = loss - cfg.algo.entropy_coeff * (entropy * mb.take(loss_mask)).sum() / update_tokens
+            for rows, forward in parts:
+                loss, metrics = micro_batch_loss(run, rows, forward, update_tokens, update_sequences)
                 if strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
                     warnings.warn(f"non-finite loss ({loss.item()}): update skipped", stacklevel=1)
                     strategy.zero_grad(run.optimizer)
@@ -292,9 +363,7 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
                     break
                 strategy.backward(loss)
                 update_loss += loss.item()
-                tokens = mb.take(loss_mask).bool()
-                metrics["entropy"] = entropy.detach()[tokens].mean() if tokens.any() else 0.0
-                share = float(tokens.sum() / total_tokens)
+                share = float(rows.loss_mask.bool().sum() / total_tokens)
                 for key, value in metrics.items():
                     token_weighted[key] = token_weighted.get(key, 0.0) + float(value) * share
             if skipped:
@@ -312,7 +381,31 @@ def update_policy(run: Run, batches, micro, completion_ids, completion_mask, los
     return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
 
 
-def completion_records(samples, completions, names, per_func, rewards, advantages, G, step, limit) -> list[dict]:
+def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_tokens: torch.Tensor,
+                     update_sequences: int) -> tuple[torch.Tensor, dict]:
+    """One micro-batch's loss (`rows`: its completions, their advantages, old and reference
+    log-probs ...), normalised by the tokens and completions of the whole update, and its metrics
+    (the loss's, and the mean entropy over the tokens the loss counts)."""
+    cfg = run.cfg
+    with autocast(run.bf16, run.device):
+        logps, entropy = run.policy.completion_logprobs(
+            forward, rows.completion_ids, rows.completion_mask, temperature=cfg.rollout.temperature, compute_entropy=True,
+        )
+        loss, metrics = policy_loss(
+            logps, rows.old_logps, rows.ref_logps, rows.advantages, rows.loss_mask, run.loss_config,
+            num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
+            importance_weights=rows.importance_weights,
+        )
+        if cfg.algo.entropy_coeff:  # the bonus: mean entropy over the update's tokens, like the dapo loss
+            loss = loss - cfg.algo.entropy_coeff * (entropy * rows.loss_mask).sum() / update_tokens
+    tokens = rows.loss_mask.bool()
+    metrics["entropy"] = entropy.detach()[tokens].mean() if tokens.any() else 0.0
+    return loss, metrics
+
+
+def completion_records(samples: list, batch: Rollout, names: list[str], G: int, step: int, limit: int) -> list[dict]:
+    """The first `limit` prompts' completions, rewards and advantages, as completions.jsonl records
+    them (multi-turn: the whole episodes too)."""
     records = []
     for p, sample in enumerate(samples[:limit]):
         rows = range(p * G, (p + 1) * G)
@@ -322,13 +415,15 @@ def completion_records(samples, completions, names, per_func, rewards, advantage
             "prompt": sample.messages,
             "images": [ref for ref in sample.images if isinstance(ref, str)],
             "solution": sample.columns.get("solution"),
-            "completions": [completions[r] for r in rows],
-            "rewards": {name: [None if math.isnan(v) else v for v in per_func[f, rows.start:rows.stop].tolist()]
+            "completions": [batch.texts[r] for r in rows],
+            "rewards": {name: [None if math.isnan(v) else v for v in batch.reward_per_func[f, rows.start:rows.stop].tolist()]
                         for f, name in enumerate(names)},
-            "reward": rewards[rows.start:rows.stop].tolist(),
-            "advantage": advantages[rows.start:rows.stop].tolist(),
+            "reward": batch.rewards[rows.start:rows.stop].tolist(),
+            "advantage": batch.advantages[rows.start:rows.stop].tolist(),
             **({"augment": sample.columns["augment"]} if "augment" in sample.columns else {}),  # data/augment.py
         })
+        if "trajectory" in batch.columns:  # multi-turn: the whole episodes too
+            records[-1]["trajectories"] = batch.columns["trajectory"][p * G : (p + 1) * G]
     return records
 
 
@@ -359,27 +454,25 @@ def train(cfg: TrainConfig) -> Path:
                 started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
                 torch.manual_seed(step_seed(cfg.seed, step, run.strategy.rank))  # reproducible per step and rank
-                loop = Timers()
-                batch = pipeline.next_batch(step, loop)  # time/data, weight_sync, rollout, reward, resample
-                metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule)
+                timers = Timers()  # every phase of the step, timed once
+                batch = pipeline.next_batch(step, timers)  # time/data, weight_sync, rollout, reward, resample
+                metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule, timers=timers)
                 metrics.update(run.strategy.all_reduce_metrics(batch.metrics))
                 pipeline.policy_updated(step)
                 state.nonfinite_steps += metrics["skipped"]
                 metrics["nonfinite_steps"] = state.nonfinite_steps
                 final = step == run.total_steps
-                with loop("eval"):
+                with timers("eval"):
                     metrics.update(run.evaluate(run.evaluator, step, state, final=final))  # eval/<metric>
-                with loop("save"):
+                with timers("save"):
                     stopping = not final and stop.agreed(run.strategy, step)  # a signal on any rank: all save now
                     due = final or (cfg.save_steps and step % cfg.save_steps == 0)  # the final save is awaited
                     if stopping or (due and cfg.save_strategy != "no"):
                         save_run(run, out / f"checkpoint-{step}", state, batches, pipeline,
                                  background=cfg.save_in_background and not (final or stopping),
                                  step_log=step_log_lines(metrics, records) if run.strategy.is_main else None)
-                for phase in ("data", "weight_sync", "rollout", "reward", "eval", "save"):  # the same columns every step
-                    loop.seconds.setdefault(f"time/{phase}", 0.0)
                 metrics["cpu/step_s"] = time.process_time() - started_cpu  # this process's CPU seconds (all threads)
-                finish_step_metrics(run, metrics, loop.seconds, time.perf_counter() - started)
+                finish_step_metrics(run, metrics, timers, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
                 if state.nonfinite_steps >= cfg.max_nonfinite_steps:
@@ -401,11 +494,11 @@ def train(cfg: TrainConfig) -> Path:
     return out
 
 
-def finish_step_metrics(run: Run, metrics: dict, loop_seconds: dict, wall_seconds: float) -> None:
-    """Add the loop's phases, time/step (the step's wall time), time/other (what no phase timer
-    covered), samples/s (evaluation excluded) and memory, as means over ranks like the step's.
-    The loop and `grpo_step` time different phases: each phase is timed once."""
-    extra = dict(loop_seconds)
+def finish_step_metrics(run: Run, metrics: dict, timers: Timers, wall_seconds: float) -> None:
+    """Add every phase's seconds (those `grpo_step` logged already, and eval and save), time/step
+    (the step's wall time), time/other (what no phase timer covered), samples/s (evaluation
+    excluded) and memory, as means over ranks like the step's."""
+    extra = timers.every_step()
     named = sum(value for key, value in {**metrics, **extra}.items() if key.startswith("time/"))
     extra["time/step"] = wall_seconds
     extra["time/other"] = max(0.0, wall_seconds - named)

@@ -1,12 +1,14 @@
 """`Rollout` is the one batch type of the step: `select` and `concat` keep every per-completion
-field (multi-turn loss masks, the images inside completions, texts, reward columns, rewards), so
-dynamic sampling and two-stage generation never drop one."""
+field (multi-turn loss masks, the images inside completions, texts, reward columns, rewards, and
+the step's log-probs, importance weights and advantages), so dynamic sampling and two-stage
+generation never drop one, and `rows` gives a micro-batch every field of its rows in one call."""
 
 from dataclasses import fields
 
 import pytest
 import torch
 
+from mmgrpo.grpo.batching import fixed_micro_batches
 from mmgrpo.rollout.base import Rollout
 
 
@@ -21,6 +23,8 @@ def episode_rollout(tag: str, rows: int, width: int, version: int) -> Rollout:
         texts=[f"{tag}{r}" for r in range(rows)], columns={"turns": [r + 1 for r in range(rows)]},
         metrics={"tools/turns": float(rows)}, totals={"tools/errors": 1.0},
         rewards=torch.arange(rows, dtype=torch.float), reward_per_func=torch.arange(2 * rows, dtype=torch.float).view(2, rows),
+        old_logps=-ids.float() / 100, ref_logps=-ids.float() / 10, importance_weights=torch.ones(rows, width) / (ids % 5 + 1),
+        advantages=torch.arange(rows, dtype=torch.float) - 1,
     )
 
 
@@ -34,6 +38,7 @@ def test_select_keeps_every_field_row_for_row():
     assert [m["pixel_values"][0, 0].item() for m in picked.completion_media] == [3.0, 1.0]
     assert picked.texts == ["a3", "a1"] and picked.columns == {"turns": [4, 2]}
     assert picked.weight_version == 5 and picked.metrics == rollout.metrics and picked.totals == rollout.totals
+    assert torch.equal(picked.old_logps, rollout.old_logps[[3, 1]]) and picked.advantages.tolist() == [2.0, 0.0]
     unset = [f.name for f in fields(Rollout) if getattr(picked, f.name) is None]
     assert not unset, f"select dropped {unset}"
 
@@ -62,3 +67,15 @@ def test_concat_of_a_single_turn_part_and_an_episode_part_keeps_the_loss_mask():
     both = Rollout.concat([episode, plain], pad_token_id=0)
     assert both.loss_mask[2:].tolist() == [[1, 1, 0], [1, 1, 0]]  # all of its completion is the model's own
     assert both.texts is None and both.logps is None  # set in one part only: not known for every row
+
+
+def test_rows_give_a_micro_batch_every_field_of_its_rows_cut_to_its_width():
+    rollout = episode_rollout("a", 4, 5, version=2)
+    rollout.completion_mask[:2, 3:] = 0  # rows 0 and 1: 3 tokens, so their micro-batch keeps 3 columns
+    first, second = fixed_micro_batches(rollout.lengths.tolist(), num_generations=2, size=2)
+    part = rollout.rows(first)
+    assert (first.rows, first.width, second.width) == ([0, 1], 3, 5)
+    for name in ("completion_ids", "completion_mask", "loss_mask", "logps", "old_logps", "ref_logps", "importance_weights"):
+        assert torch.equal(getattr(part, name), first.take(getattr(rollout, name))), name  # what take gave field by field
+    assert part.advantages.tolist() == [-1.0, 0.0] and part.rewards.tolist() == [0.0, 1.0] and part.texts == ["a0", "a1"]
+    assert rollout.rows(second).completion_ids.shape == (2, 5) and len(part) == 2

@@ -32,7 +32,9 @@ from contextlib import contextmanager
 
 import torch
 
-from mmgrpo.forward.policy import ForwardBatch, autocast
+from mmgrpo.forward.policy import ForwardBatch, Policy, autocast
+from mmgrpo.parallel.base import Strategy
+from mmgrpo.rollout.base import Rollout
 
 BAND_NAMES = {1: ("all",), 2: ("shallow", "deep"), 3: ("shallow", "middle", "deep")}
 
@@ -95,8 +97,8 @@ def attention_shares(decoder, columns: dict[str, torch.Tensor], queries: torch.T
             handle.remove()
 
 
-def measure_reliance(policy, prompts: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
-                     strategy=None, temperature: float = 1.0, bf16: bool = False) -> dict[str, float]:
+def measure_reliance(policy: Policy, prompts: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
+                     strategy: Strategy | None = None, temperature: float = 1.0, bf16: bool = False) -> dict[str, float]:
     """The probe on R completions, one per prompt (prompts: R PromptInputs; completion_ids, mask [R, T]).
 
     strategy: a sharded run's (its ranks run the same forwards: every modality some rank has).
@@ -159,11 +161,14 @@ def probe_rows(num_prompts: int, group: int, limit: int) -> list[int]:
     return list(range(0, min(num_prompts, limit) * group, group))
 
 
-def probe_step(run, encoded: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor, group: int) -> dict:
-    """The probe on a GRPO step's completions (--fusion_probe_steps), before the step's update."""
-    rows = probe_rows(len(encoded), group, run.cfg.eval.fusion_probe_rows)
-    index = torch.tensor(rows, device=completion_ids.device)
+def probe_step(policy: Policy, encoded: list, batch: Rollout, group: int, *, rows: int, strategy: Strategy | None = None,
+               temperature: float = 1.0, bf16: bool = False) -> dict[str, float]:
+    """The probe on a GRPO step's completions (--fusion_probe_steps), before the step's update: the
+    first completion of each of the first `rows` prompts (--fusion_probe_rows). encoded: the B
+    prompts (PromptInputs); batch: their B x `group` completions; the rest as `measure_reliance`."""
+    picked = probe_rows(len(encoded), group, rows)
+    probed = batch.select(picked)
     return measure_reliance(
-        run.policy, [encoded[r // group] for r in rows], completion_ids[index], completion_mask[index],
-        strategy=run.strategy, temperature=run.cfg.rollout.temperature, bf16=run.bf16,
+        policy, [encoded[r // group] for r in picked], probed.completion_ids, probed.completion_mask,
+        strategy=strategy, temperature=temperature, bf16=bf16,
     )

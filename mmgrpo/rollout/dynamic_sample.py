@@ -8,7 +8,7 @@ with what it has (the first time that happens it says so, then only logs it).
 
 The step calls it with its first round and a function that rolls out and scores the next prompts:
 
-    first = Round(prompts, score(run, prompts, rollout))           # B prompts, their rollout with its rewards
+    first = Round(prompts, score(rewards, template, prompts, rollout))   # B prompts, their rollout with its rewards
     batch, stats = fill_informative(first, draw_next_round,
                                     num_prompts=B, num_generations=G, max_resample_times=3)
     # batch: a Round of at most B groups, all informative (or the last ones drawn, see below);
