@@ -245,50 +245,31 @@ def policy_loss(
             ``ratio_mean``, ``clip_ratio/low``, ``clip_ratio/high``, ``clip_ratio/region``
             (fraction of tokens whose gradient clipping removed: low, high, either).
     """
-    loss_type, beta, epsilon = config.loss_type, config.beta, config.epsilon
-    importance_sampling_level = config.importance_sampling_level
-    if beta != 0.0 and ref_logps is None:
-        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
-    if logps.dim() != 2 or completion_mask.shape != logps.shape:
-        raise ValueError(
-            f"logps {tuple(logps.shape)} and completion_mask {tuple(completion_mask.shape)} must be [N, T]"
-        )
-    if advantages.shape[0] != logps.shape[0]:
-        raise ValueError(f"advantages {tuple(advantages.shape)} do not match logps {tuple(logps.shape)}")
-    epsilon_high = epsilon if config.epsilon_high is None else config.epsilon_high
-    loss_spec = LOSSES.get(loss_type)
+    _check_inputs(logps, ref_logps, advantages, completion_mask, config.beta)
+    epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+    loss_spec = LOSSES.get(config.loss_type)
 
-    counts = completion_mask.bool()  # [N, T]
     mask = completion_mask.to(logps.dtype)  # [N, T]
     if advantages.dim() == 1:
         advantages = advantages[:, None]  # [N, 1]
     advantages = advantages.to(logps.dtype)
-    if old_logps is None:
-        old_logps = logps.detach()
-
-    # where(), not a product: padding may hold any value (even -inf) and must not reach exp()
-    log_ratio = torch.where(counts, logps - old_logps, 0.0)  # [N, T]
-    if importance_sampling_level == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
-    ratio = torch.exp(log_ratio)  # [N, T] or [N, 1]
+    ratio = importance_ratio(logps, logps.detach() if old_logps is None else old_logps, completion_mask,
+                             config.importance_sampling_level)  # [N, T] or [N, 1]
 
     if config.delta is not None:  # checked by LossConfig: the clipped surrogate, delta > 1 + epsilon_high
         surrogate = partial(clipped_surrogate, delta=config.delta)
     else:
         surrogate = loss_spec.surrogate
-    per_token_loss, clipped_low, clipped_high = surrogate(ratio, logps, advantages, epsilon, epsilon_high)
+    per_token_loss, clipped_low, clipped_high = surrogate(ratio, logps, advantages, config.epsilon, epsilon_high)
     per_token_loss = per_token_loss.expand_as(logps)  # [N, T]
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights.detach().to(per_token_loss.dtype)
 
     kl = None
     if ref_logps is not None:
-        with torch.set_grad_enabled(beta != 0.0 and torch.is_grad_enabled()):
-            ref_log_ratio = torch.where(counts, ref_logps - logps, 0.0)
-            ref_log_ratio = ref_log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-            kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1  # [N, T], >= 0
-        if beta != 0.0:
-            per_token_loss = per_token_loss + beta * kl
+        kl = k3_kl(logps, ref_logps, completion_mask, with_grad=config.beta != 0.0 and torch.is_grad_enabled())  # [N, T]
+        if config.beta != 0.0:
+            per_token_loss = per_token_loss + config.beta * kl
 
     loss = loss_spec.aggregate(
         per_token_loss,
@@ -297,14 +278,62 @@ def policy_loss(
         num_items_in_batch=num_items_in_batch,
         num_sequences_in_batch=num_sequences_in_batch,
     )
+    return loss, _loss_metrics(logps, mask, ratio, kl, clipped_low, clipped_high)
 
+
+def _check_inputs(logps: Tensor, ref_logps: Tensor | None, advantages: Tensor, completion_mask: Tensor, beta: float) -> None:
+    """ValueError where the tensors do not fit together (see `policy_loss`)."""
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"beta={beta} needs ref_logps (the reference model's log-probs)")
+    if logps.dim() != 2 or completion_mask.shape != logps.shape:
+        raise ValueError(
+            f"logps {tuple(logps.shape)} and completion_mask {tuple(completion_mask.shape)} must be [N, T]"
+        )
+    if advantages.shape[0] != logps.shape[0]:
+        raise ValueError(f"advantages {tuple(advantages.shape)} do not match logps {tuple(logps.shape)}")
+
+
+def importance_ratio(logps: Tensor, old_logps: Tensor, completion_mask: Tensor, level: str = "token") -> Tensor:
+    """pi / pi_old of each completion token [N, T] (level "token"), or of each completion [N, 1]:
+    the geometric mean of its token ratios (level "sequence", GSPO). Padding gets ratio 1.
+
+    >>> logps, old = torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.2]]))
+    >>> importance_ratio(logps, old, torch.ones(1, 2)).tolist()
+    [[2.0, 1.0]]
+    >>> round(importance_ratio(logps, old, torch.ones(1, 2), "sequence").item(), 4)  # sqrt(2)
+    1.4142
+    """
+    # where(), not a product: padding may hold any value (even -inf) and must not reach exp()
+    log_ratio = torch.where(completion_mask.bool(), logps - old_logps, 0.0)  # [N, T]
+    if level == "sequence":
+        mask = completion_mask.to(logps.dtype)
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [N, 1]
+    return torch.exp(log_ratio)
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor, completion_mask: Tensor, with_grad: bool = True) -> Tensor:
+    """The k3 estimate of KL(pi || pi_ref) per token [N, T], >= 0 (0 on padding); its log-ratio
+    clamped to +-KL_LOG_RATIO_CLAMP so a token the policy all but forbids stays finite. Without
+    `with_grad` (beta 0: the KL is only logged) it is computed outside the autograd graph.
+
+    >>> round(k3_kl(torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]])), torch.ones(1, 1)).item(), 4)
+    0.1931
+    """
+    with torch.set_grad_enabled(with_grad):
+        ref_log_ratio = torch.where(completion_mask.bool(), ref_logps - logps, 0.0)
+        ref_log_ratio = ref_log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        return torch.exp(ref_log_ratio) - ref_log_ratio - 1
+
+
+def _loss_metrics(logps: Tensor, mask: Tensor, ratio: Tensor, kl: Tensor | None, clipped_low: Tensor,
+                  clipped_high: Tensor) -> dict[str, Tensor]:
+    """The loss's metrics: masked means over the completion tokens, detached (see `policy_loss`)."""
     clipped_low = clipped_low.expand_as(logps).to(mask.dtype)
     clipped_high = clipped_high.expand_as(logps).to(mask.dtype)
-    metrics = {
+    return {
         "kl": _masked_mean(kl, mask) if kl is not None else logps.new_zeros(()),
         "ratio_mean": _masked_mean(ratio.expand_as(logps), mask),
         "clip_ratio/low": _masked_mean(clipped_low, mask),
         "clip_ratio/high": _masked_mean(clipped_high, mask),
         "clip_ratio/region": _masked_mean(torch.maximum(clipped_low, clipped_high), mask),
     }
-    return loss, metrics
