@@ -518,8 +518,7 @@ def measure_step_memory(cfg) -> dict:
     """Two real GRPO steps of `cfg` in this process; the peak memory of the second (the first makes
     the optimizer state), of its rollout and of the rest of it (log-probs, update): the GPU's max
     allocated bytes, or on the CPU the `TrackedMemory` peak."""
-    from mmgrpo.engine import grpo_step
-    from mmgrpo.forward.policy import autocast
+    from mmgrpo.engine import grpo_step, rollout_sampler
     from mmgrpo.parallel.tracked_memory import TrackedMemory
     from mmgrpo.runstate.state import seed_everything
     from mmgrpo.training.build import build_run
@@ -553,8 +552,7 @@ def measure_step_memory(cfg) -> dict:
 
         device = "CPU, tracked tensors"
     encoded = [enc for _, enc in prompts]
-    with autocast(run.bf16, run.device):
-        rollout = phase("rollout", lambda: run.rollout.generate(encoded, run.sampling(prompts)))
+    rollout = phase("rollout", lambda: rollout_sampler(run).generate(encoded, run.sampling(prompts)))  # under autocast
     phase("update", lambda given=rollout: grpo_step(run, prompts, step=2, rollout=given))
     lengths = [enc.prompt_ids.shape[-1] for enc in encoded]
     return {"peak_bytes": max(peaks.values()), "phases": peaks, "device": device, "prompt_tokens": lengths}
