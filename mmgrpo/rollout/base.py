@@ -121,6 +121,8 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [B * G] (NaN: every reward skipped the completion)
     reward_per_func: torch.Tensor | None = None  # [F, B * G] (NaN = skipped)
     # Set by the GRPO step (mmgrpo/engine.py) on the batch it trains on, for the update to read row for row.
+    # Here, not in a second batch type: the rewards are here already, and select / concat / rows keep
+    # every field, so a micro-batch gets all of its rows' tensors in one call and none is copied by hand.
     old_logps: torch.Tensor | None = None  # [B * G, T] under the policy that sampled (num_iterations > 1, another sampler)
     ref_logps: torch.Tensor | None = None  # [B * G, T] under the reference (beta > 0)
     importance_weights: torch.Tensor | None = None  # [B * G, T]: the sampler correction (mmgrpo/grpo/importance.py)
