@@ -5,14 +5,14 @@ Pure tensor functions with no model, engine or config inside; docs/algorithm.md 
 
 from mmgrpo.grpo.advantages import get_advantage, group_advantages, register_advantage, rloo_advantages
 from mmgrpo.grpo.logprobs import completion_logprobs, naive_completion_logprobs
-from mmgrpo.grpo.losses import LossConfig, loss_types, policy_loss, register_loss
+from mmgrpo.grpo.losses import LossConfig, loss_names, policy_loss, register_loss
 
 __all__ = [
     "LossConfig",
     "completion_logprobs",
     "get_advantage",
     "group_advantages",
-    "loss_types",
+    "loss_names",
     "naive_completion_logprobs",
     "policy_loss",
     "register_advantage",

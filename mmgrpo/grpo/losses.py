@@ -114,7 +114,7 @@ def register_loss(name: str, surrogate: Surrogate = clipped_surrogate) -> Callab
     return decorator
 
 
-def loss_types() -> list[str]:
+def loss_names() -> list[str]:
     return LOSSES.names()
 
 
@@ -179,7 +179,7 @@ class LossConfig:
     epsilon_high 0.28) live in ``mmgrpo/config/schema.py``, see docs/algorithm.md.
     """
 
-    loss_type: str = "grpo"  # a registered loss type, see ``loss_types()``
+    loss_type: str = "grpo"  # a registered loss type, see ``loss_names()``
     # clip range [1 - epsilon, 1 + epsilon_high]; epsilon_high None means epsilon (symmetric).
     # For cispo only the upper bound 1 + epsilon_high is used.
     epsilon: float = 0.2
