@@ -122,10 +122,10 @@ def test_output_folders_that_cannot_be_written(tmp_path):
     (["--max_completion_length", "0"], "--max_completion_length 0: give an integer >= 1."),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: give an integer >= 1."),
     (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: give an integer >= 1."),
-    (["--learning_rate", "nan"], r"--learning_rate nan: give a finite number > 0 \(e.g. 1e-6\)."),
-    (["--learning_rate", "inf"], r"--learning_rate inf: give a finite number > 0"),
-    (["--learning_rate", "-0.001"], r"--learning_rate -0.001: give a finite number > 0"),
-    (["--learning_rate", "0"], r"--learning_rate 0.0: give a finite number > 0"),
+    (["--learning_rate", "nan"], r"--learning_rate nan: give a finite number >= 0 \(e.g. 1e-6\)."),
+    (["--learning_rate", "inf"], r"--learning_rate inf: give a finite number >= 0"),
+    (["--learning_rate", "-0.001"], r"--learning_rate -0.001: give a finite number >= 0"),
+    (["--learning_rate", "0"], r"--learning_rate 0.0: give a finite number > 0 \(e.g. 1e-6\)."),  # GRPO's; SFT takes 0
     (["--min_pixels", "50000", "--max_pixels", "1000"], "--min_pixels 50000 is above --max_pixels 1000: no image size satisfies both."),
     (["--max_pixels", "0"], "--max_pixels 0: give a number of pixels >= 1."),
     (["--reward_timeout", "-1"], r"--reward_timeout -1.0: give seconds >= 0 \(0: no limit\)."),
@@ -147,7 +147,7 @@ def train_cli(*flags):
 
 @pytest.mark.parametrize("flags, message", [
     (["--max_completion_length", "0"], "mmgrpo train: error: --max_completion_length 0: give an integer >= 1."),
-    (["--learning_rate", "nan"], "mmgrpo train: error: --learning_rate nan: give a finite number > 0 (e.g. 1e-6)."),
+    (["--learning_rate", "nan"], "mmgrpo train: error: --learning_rate nan: give a finite number >= 0 (e.g. 1e-6)."),
     (["--min_pixels", "50000", "--max_pixels", "1000"], "mmgrpo train: error: --min_pixels 50000 is above --max_pixels 1000"),
     (["--learning", "1e-3"], "mmgrpo train: error: unrecognized arguments: --learning 1e-3"),  # no prefix expansion
     (["--per_device", "4"], "mmgrpo train: error: unrecognized arguments: --per_device 4"),

@@ -5,7 +5,7 @@ Each flag's own domain (a number's range, a name from a fixed list) is declared 
 by `check_domains` first; what is here relates two or more flags. The checks that need a part (a
 registered loss, vLLM installed, the world size) are mmgrpo/training/startup_checks.py's. Every check
 raises a ConfigError that names the flag and says what to give instead. The config classes come in
-as arguments; this module does not import mmgrpo.config (which calls it).
+as arguments; this module does not import mmgrpo.config's schema (which calls it).
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import math
 import re
 import warnings
 
+from mmgrpo.config.domains import above
 from mmgrpo.errors import ConfigError
+
+GRPO_LEARNING_RATE = above(0, hint="e.g. 1e-6")  # SFT may measure at rate 0 (tests/test_sft.py); a GRPO run must move
 
 
 def validate_common(cfg) -> None:
@@ -89,6 +92,9 @@ def validate_train(cfg) -> None:
             f"{optim.gradient_accumulation_steps} = {batch} completions per step is not divisible by "
             f"--num_generations {g}: each prompt's {g} completions must stay in one step."
         )
+    rate_problem = GRPO_LEARNING_RATE.problem("learning_rate", optim.learning_rate)
+    if rate_problem:
+        raise ConfigError(rate_problem)
     if not 0 <= rollout.first_stage_generations < g:
         raise ConfigError(f"--first_stage_generations {rollout.first_stage_generations}: give 0 (off) or a K from 1 to "
                           f"--num_generations - 1 ({g - 1}).")

@@ -232,7 +232,7 @@ class AlgoConfig:
     """KL coefficient to the reference model (k3 estimator). 0 loads no reference model."""
     epsilon: float = flag(0.2, above(0))
     """Lower clipping range of the importance ratio."""
-    epsilon_high: float | None = 0.28
+    epsilon_high: float | None = flag(0.28, at_least(0))
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
     delta: float | None = None
     """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
@@ -274,7 +274,7 @@ class OptimConfig:
     optim: str = flag("adamw_torch_fused", OneOf("adamw_torch_fused", "adamw_torch"))
     """`adamw_torch_fused` (one kernel per step over all tensors, no temporaries: 2.5x faster on CPU,
     lower peak memory) or `adamw_torch` (torch's for-each/for-loop AdamW). Same update either way."""
-    learning_rate: float = flag(1e-6, above(0, hint="e.g. 1e-6"), resume="schedule")
+    learning_rate: float = flag(1e-6, at_least(0, hint="e.g. 1e-6"), resume="schedule")  # > 0 for GRPO (checks.py)
     """Peak learning rate of AdamW."""
     vit_lr: float | None = flag(None, above(0, hint=UNSET_RATE), resume="schedule")
     """Peak learning rate of the vision (and audio) tower, the aligner excluded (ms-swift's name); its own parameter
@@ -361,7 +361,7 @@ class RunOptions:
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
     max_steps: int = flag(100, resume="schedule")
     """Rollout steps (each: generate, reward, num_iterations optimizer updates). -1: by epochs."""
-    num_train_epochs: float = flag(1.0, resume="schedule")
+    num_train_epochs: float = flag(1.0, at_least(0), resume="schedule")
     """Epochs over the prompts, used when max_steps is -1."""
     save_steps: int = flag(0, count(0, hint="0: only at the end"), resume="operational")
     """Save a checkpoint every N steps (0: only at the end)."""
