@@ -215,7 +215,8 @@ def vllm_engine_factory(cfg: TrainConfig, model_path: str):
 
 
 def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
-    """The run of a validated config (`cfg.validate()`, which `engine.train` calls first).
+    """The run of a checked config (`check_train_flags`, mmgrpo/training/startup_checks.py, which
+    `engine.train` calls first).
     resume_from: a checkpoint whose weights the policy takes (mmgrpo/training/resume.py); the
     reference is still the starting --model."""
     evaluator = training_eval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
