@@ -189,7 +189,7 @@ class RolloutConfig:
 @dataclass
 class AlgoConfig:
     reward_funcs: list[str] = field(default_factory=list)
-    """Reward names or `path/file.py:fn` plugins. Empty: the dataset's defaults."""
+    """Reward names or `path/file.py:fn` plugins, each for every row; `DATASET:REWARD` (the part before the first colon names one of the run's datasets) scores that dataset's rows only (docs/rewards.md). Empty: each dataset's own defaults."""
     reward_weights: list[float] | None = None
     """One weight per reward (default 1.0 each), in the order: --reward_funcs, then --reward_model(s), then the judge."""
     reward_model: list[str] = field(default_factory=list)

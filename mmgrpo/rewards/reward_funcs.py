@@ -194,7 +194,7 @@ def _call_one_reward(
                 message = (
                     f"reward '{name}' raised on {_sample_label(i, columns)}: {type(exc).__name__}: {exc} "
                     f"(columns given: {', '.join(sorted(columns)) or 'none'}). Fix the reward or the dataset "
-                    "column it reads; on_error='none' scores such samples None (skipped) with a warning"
+                    "column it reads; --reward_errors none scores such samples None (skipped) with a warning"
                 )
                 if on_error == "raise":
                     raise RewardError(message) from exc

@@ -4,7 +4,8 @@
     per_func, total = rewards(completions, columns)   # [F, N] (NaN = skipped), [N] the weighted sum
 
 A mixture whose datasets name different default rewards is routed: each sample is scored only by
-its own dataset's rewards (a colour question is never scored by IoU).
+its own dataset's rewards (a colour question is never scored by IoU). An explicit --reward_funcs
+entry `DATASET:REWARD` is routed the same way: scored on that dataset's rows only (scoped_entries).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError, DataError
 from mmgrpo.rewards.judge import JudgeReward
 from mmgrpo.rewards.options import bind_options, parse_reward_kwargs
-from mmgrpo.rewards.reward_funcs import compute_rewards, get_reward, reward_name
+from mmgrpo.rewards.reward_funcs import compute_rewards, get_reward, reward_name, reward_names
 from mmgrpo.rewards.reward_model import RewardModelReward
 from mmgrpo.rewards.solutions import check_solutions, needs_solution
 
@@ -80,18 +81,24 @@ class RewardSet:
 
 
 def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, judge_vllm: dict | None = None) -> RewardSet:
-    """--reward_funcs for every sample, or else each dataset's own defaults (routed per sample).
+    """--reward_funcs (each for every sample, or a `DATASET:REWARD` entry for that dataset's samples
+    only), or else each dataset's own defaults (routed per sample).
     max_completion_length: the run's (--max_completion_length), bound to the rewards that take it;
     judge_vllm: the judge's vLLM engine options (`judge_vllm_options`), which --judge_use_vllm needs."""
     routes = None
+    entries = list(algo_cfg.reward_funcs)  # as written: they name the rewards in routes and errors
     if algo_cfg.reward_funcs:
-        names = algo_cfg.reward_funcs
+        scoped = scoped_entries(entries, [source.name for source in getattr(dataset, "sources", [dataset])])
+        names = [reward for _, reward in scoped]
+        if any(scope for scope, _ in scoped):
+            routes = explicit_routes(entries, scoped, algo_cfg, dataset)
     else:
         sources = getattr(dataset, "sources", [dataset])
         routes = {source.name: list(source.reward_funcs) for source in sources}
         names = list(dict.fromkeys(name for source in sources for name in source.reward_funcs))
         if len({tuple(r) for r in routes.values()}) <= 1:
             routes = None  # every sample gets the same rewards
+        entries = list(names)
     if not names:
         raise ConfigError(
             f"no reward functions: dataset {getattr(dataset, 'name', '')} names none; pass --reward_funcs "
@@ -102,12 +109,12 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
     if len(weights) != len(names) + num_models:  # before any reward model loads
         raise ConfigError(
             f"--reward_weights has {len(weights)} values for {len(names) + num_models} rewards ({len(names)} functions: "
-            f"{', '.join(names)}; {len(algo_cfg.reward_model)} --reward_model"
+            f"{', '.join(entries)}; {len(algo_cfg.reward_model)} --reward_model"
             f"{', 1 --judge_model' if algo_cfg.judge_model else ''}); "
             "give one weight per reward, in that order."
         )
     funcs = bound_rewards(algo_cfg, names, max_completion_length)
-    specs = list(names)
+    specs = entries
     # reward models and the judge (build_model_rewards below): after the functions, for every sample
     for model_reward in build_model_rewards(algo_cfg, judge_vllm):
         funcs.append(model_reward)
@@ -118,6 +125,49 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
                         algo_cfg.reward_timeout, algo_cfg.missing_solution)
     check_solutions(dataset, rewards, algo_cfg.missing_solution)  # rows without a reference answer: named now
     return rewards
+
+
+def scoped_entries(entries: list[str], datasets: list[str]) -> list[tuple[str | None, str]]:
+    """Each --reward_funcs entry as (dataset or None, reward spec). The part before the first colon
+    scopes the entry to a dataset iff it names one of the run's datasets (`shapes-ground:iou`,
+    `shapes-ground:my_rewards.py:brevity`); a registered reward name, an entry without a colon and a
+    plugin `path/file.py:fn` (the part before the colon ends in .py) apply to every sample. Any other
+    `X:...` is a ConfigError naming X and the run's datasets, never a plugin load that fails later."""
+    registered = set(reward_names())
+    scoped = []
+    for entry in entries:
+        scope, _, rest = entry.partition(":")
+        if entry in registered or not rest:
+            scoped.append((None, entry))
+        elif scope in datasets:
+            scoped.append((scope, rest))
+        elif scope.endswith(".py"):
+            scoped.append((None, entry))
+        else:
+            raise ConfigError(
+                f"--reward_funcs {entry}: {scope!r} is not a dataset of this run ({', '.join(datasets)}); scope a "
+                "reward as DATASET:REWARD with one of them, or name a plugin as path/file.py:function"
+            )
+    return scoped
+
+
+def explicit_routes(entries: list[str], scoped: list[tuple[str | None, str]], algo_cfg: AlgoConfig,
+                    dataset) -> dict[str, list[str]]:
+    """Which --reward_funcs entries score each dataset's samples when some are scoped: the unscoped
+    ones and the dataset's own. A dataset left with no reward at all (no unscoped entry, none scoped
+    to it, no reward model or judge) is a ConfigError: its samples would all score 0."""
+    unscoped = [entry for entry, (scope, _) in zip(entries, scoped) if scope is None]
+    routes = {}
+    for source in getattr(dataset, "sources", [dataset]):
+        own = [entry for entry, (scope, _) in zip(entries, scoped) if scope == source.name]
+        routes[source.name] = [entry for entry in entries if entry in unscoped or entry in own]
+        if not routes[source.name] and not (algo_cfg.reward_model or algo_cfg.judge_model):
+            defaults = " ".join(f"{source.name}:{name}" for name in source.reward_funcs) or f"{source.name}:REWARD"
+            raise ConfigError(
+                f"--reward_funcs scopes no reward to dataset {source.name} and names none for every dataset, so "
+                f"its samples would score nothing; add e.g. {defaults} (its own rewards)"
+            )
+    return routes
 
 
 def bound_rewards(algo_cfg: AlgoConfig, names: list[str], max_completion_length: int) -> list:
