@@ -110,7 +110,8 @@ class ModelShape:
 
 
 def model_config(model: str):
-    """The model's transformers config: `random:` from its published numbers, anything else from its folder."""
+    """The model's transformers config: `random:` from its published numbers, anything else from its
+    folder (a hub id from the HF cache)."""
     from mmgrpo.models.real_configs import RANDOM_PREFIX, parse_random_name, real_config
 
     if model.startswith(RANDOM_PREFIX):
@@ -118,8 +119,16 @@ def model_config(model: str):
     from transformers import AutoConfig
 
     from mmgrpo.models.loading import checkpoint_path
+    from mmgrpo.models.real_configs import REAL_SIZES
 
-    return AutoConfig.from_pretrained(checkpoint_path(model))
+    try:
+        path = checkpoint_path(model)
+    except ConfigError as err:  # a hub id not downloaded: its published size needs no download
+        size = next((size for size, real in REAL_SIZES.items() if real.published == model), None)
+        if size is None:
+            raise
+        raise ConfigError(f"{err}; or estimate the same configuration without it: --model {RANDOM_PREFIX}{size}") from None
+    return AutoConfig.from_pretrained(path)
 
 
 @functools.lru_cache(maxsize=4)

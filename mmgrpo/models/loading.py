@@ -1,4 +1,4 @@
-"""Load a model and its processor from a folder, a hub id or `tiny:<family>`.
+"""Load a model and its processor from a folder, a hub id (looked up in the HF cache) or `tiny:<family>`.
 
 Every command loads in the same order (training, evaluation, attention maps):
 
@@ -23,24 +23,93 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokeniz
 
 
 def checkpoint_path(name_or_path: str, needs: tuple[str, ...] = ("config.json",)) -> str:
-    """A local folder holding one of `needs`, or a hub id (online only); else a ConfigError.
+    """A local folder holding one of `needs` (a hub id in the HF cache -> its snapshot folder), or a
+    hub id not cached while online (transformers downloads it); else a ConfigError.
 
     `tiny:<family>` and `random:<size>` names are built first (mmgrpo/models/tiny.py, real_configs.py).
     """
     path = resolve_model_path(name_or_path)
-    local = os.path.expanduser(path)
+    local = local_model_folder(path)
     if os.path.isdir(local):
         check_model_folder(local, weights="config.json" in needs)  # a truncated or corrupt file: one line naming it
         if not any(os.path.isfile(os.path.join(local, name)) for name in needs):
             raise ConfigError(f"model {name_or_path!r}: the folder {local} has no {' or '.join(needs)}")
         return local
-    is_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not is_hub_id or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if not is_hub_id(path):
         raise ConfigError(
             f"model {name_or_path!r}: no checkpoint folder at {local}; give a folder saved with "
             "save_pretrained, or tiny:<family> for a tiny random model"
         )
+    if hub_offline():
+        raise ConfigError(not_cached_message(path))
     return path
+
+
+def is_hub_id(path: str) -> bool:
+    """`org/name` with no local folder of that spelling (a local folder always wins).
+
+    >>> is_hub_id("Qwen/Qwen2.5-VL-3B-Instruct"), is_hub_id("./runs/x"), is_hub_id("runs/a/b")
+    (True, False, False)
+    """
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path))
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it, at call time (its constant is read once, at import)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache_dir() -> str:
+    """The HF hub cache folder from HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default,
+    read at call time so a changed environment is seen."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+    return constants.HF_HUB_CACHE
+
+
+def hub_snapshot(repo_id: str) -> str | None:
+    """The cached snapshot folder of a hub id's main revision (huggingface_hub's own lookup), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return snapshot_download(repo_id, cache_dir=hub_cache_dir(), local_files_only=True)
+    except (OSError, HFValidationError, ValueError):  # LocalEntryNotFoundError is an OSError
+        return None
+
+
+def local_model_folder(path: str) -> str:
+    """The folder a resolved model name stands for: a hub id found in the HF cache -> its snapshot
+    folder; anything else unchanged (user-expanded)."""
+    if is_hub_id(path):
+        snapshot = hub_snapshot(path)
+        if snapshot:
+            return snapshot
+    return os.path.expanduser(path)
+
+
+def not_cached_message(repo_id: str) -> str:
+    """The one line for a hub id that cannot be fetched: where it was looked for, how to get it."""
+    return (
+        f"model {repo_id!r} is not downloaded: not in the HF cache ({hub_cache_dir()}) and HF_HUB_OFFLINE is set "
+        f"or the hub is unreachable; download it with `hf download {repo_id}`"
+    )
+
+
+def hub_config_file(repo_id: str) -> str:
+    """config.json of a hub id not in the cache, fetched (online); unreachable: the not-cached line."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo_id, "config.json", cache_dir=hub_cache_dir())
+    except Exception:  # offline, unreachable, no such repo: one line, no traceback
+        raise ConfigError(not_cached_message(repo_id)) from None
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, template=None, **kwargs):
@@ -99,7 +168,7 @@ def saved_model_type(path: str) -> str | None:
     """The model type a training run recorded in its checkpoint folder, or None."""
     import json
 
-    info = os.path.join(os.path.expanduser(path), RUN_INFO_FILE)
+    info = os.path.join(local_model_folder(str(path)), RUN_INFO_FILE)
     if not os.path.isfile(info):
         return None
     try:
@@ -122,10 +191,17 @@ def infer_model_type(model: str) -> str:
     recorded = saved_model_type(model)
     if recorded:
         return recorded
-    folder = os.path.expanduser(resolve_model_path(model))
+    path = resolve_model_path(model)
+    folder = local_model_folder(path)
     if os.path.isdir(folder):  # a half-written checkpoint (no mmgrpo.json yet): name what is wrong first
         check_model_folder(folder)
-    config_file = os.path.join(folder, "config.json")
+        config_file = os.path.join(folder, "config.json")
+    elif is_hub_id(path):  # not cached: offline, the not-cached line; online, its config.json alone
+        if hub_offline():
+            raise ConfigError(not_cached_message(path))
+        config_file = hub_config_file(path)
+    else:
+        config_file = os.path.join(folder, "config.json")
     choices = ", ".join(template_names())
     if not os.path.isfile(config_file):
         raise ConfigError(
