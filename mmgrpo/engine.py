@@ -405,15 +405,20 @@ def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_toke
 
 def completion_records(samples: list, batch: Rollout, names: list[str], G: int, step: int, limit: int) -> list[dict]:
     """The first `limit` prompts' completions, rewards and advantages, as completions.jsonl records
-    them (multi-turn: the whole episodes too)."""
+    them (multi-turn: the whole episodes too). Image paths stay as the dataset gives them, with the
+    dataset's media root (absolute) beside them, so `mmgrpo report` finds the files from any folder;
+    images held in memory (bytes, arrays, PIL) are counted, not stored."""
     records = []
     for p, sample in enumerate(samples[:limit]):
         rows = range(p * G, (p + 1) * G)
+        in_memory = sum(not isinstance(ref, str) for ref in sample.images)
         records.append({
             "step": step,
             "sample_id": sample.id,
             "prompt": sample.messages,
             "images": [ref for ref in sample.images if isinstance(ref, str)],
+            **({"media_root": str(Path(sample.media_root).absolute())} if sample.media_root is not None else {}),
+            **({"images_in_memory": in_memory} if in_memory else {}),
             "solution": sample.columns.get("solution"),
             "completions": [batch.texts[r] for r in rows],
             "rewards": {name: [None if math.isnan(v) else v for v in batch.reward_per_func[f, rows.start:rows.stop].tolist()]

@@ -1,5 +1,6 @@
 """Training-run report: built from a fabricated run directory (20 logged steps, completions with a
-real PNG), its embedded images decode, and headless Chromium renders it to a non-blank page.
+real PNG) and from a real tiny training run, its embedded images decode, metrics constant over the
+run are named instead of plotted, and headless Chromium renders it to a non-blank page.
 
 Chromium is required, not optional: `make test` installs it from Debian when missing
 (.ci/ensure_chromium); MMGRPO_SKIP_BROWSER=1 skips this one test where it cannot be installed.
@@ -12,16 +13,22 @@ import os
 import re
 import shutil
 import subprocess
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+from mmgrpo.cli import main as cli_main
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval.report import eval_curves, training_seconds, write_report
 
 CHROMIUM = "/usr/bin/chromium"
 APT_HINT = "apt-get update && apt-get install -y chromium"
+TINY_RUN = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "4",
+            "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--dataloader_num_workers", "0",
+            "--reward_funcs", "vqa_accuracy", "answer_format", "--max_steps", "2"]  # as tests/test_engine.py
 
 
 def _fabricate_run(run_dir, steps=20):
@@ -38,14 +45,14 @@ def _fabricate_run(run_dir, steps=20):
                 "kl": 0.001 * step,
                 "entropy": 1.5 - 0.03 * step,
                 "completion_length": 80 - step,
-                "clip_ratio/low_mean": 0.01,
-                "clip_ratio/high_mean": 0.02,
+                "clip_ratio/low_mean": 0.01 * (step % 3),
+                "clip_ratio/high_mean": 0.02,  # constant, but its panel is drawn for the low clip ratio
                 "clip_ratio/region_mean": 0.03,
                 "time/gen": 3.0,
                 "time/reward": 0.1,
                 "time/update": 1.5,
                 "time/step": 4.8,  # the whole step: drawn as a line over the stacked phases
-                "learning_rate": 1e-6,
+                "learning_rate": 1e-6,  # constant over the run: named under the plots, not drawn
                 "loss": 0.05 * rng.standard_normal(),
                 "grad_norm": 0.5 + 0.1 * rng.random(),
                 "perf/tokens_per_s": 900.0 + step,  # not a known panel: an "other" panel
@@ -106,15 +113,19 @@ def test_report_embeds_every_plot_and_thumbnail(tmp_path):
             formats.append(decoded.format)
             assert decoded.format == {"png": "PNG", "jpeg": "JPEG"}[kind]
             assert decoded.width > 10 and decoded.height > 10
-    # reward, kl, entropy, length, clip, time, eval, loss, grad_norm, lr, perf: 11 plots
-    assert formats.count("PNG") == 11
+    # reward, kl, entropy, length, clip, time, eval, loss, grad_norm, perf: 10 plots; the learning
+    # rate is constant over the run
+    assert formats.count("PNG") == 10
     # 3 steps shown x 2 samples each, one of them without a readable image
     assert formats.count("JPEG") == 3
     assert "image not readable: no/such/image.png" in page
     assert "&lt;image&gt;Where is it?" in page and "solution: [40, 60, 200, 180]" in page
     assert "<th>format</th><th>iou</th><th>reward</th><th>advantage</th>" in page
     pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
-    assert len(pngs) == 11 and "time.png" in pngs and "other_perf.png" in pngs
+    assert len(pngs) == 10 and "time.png" in pngs and "other_perf.png" in pngs and "learning_rate.png" not in pngs
+    # the steady phases of the drawn stack are drawn; the constant clip ratios are not
+    assert "constant over the run (not plotted): clip_ratio/high_mean 0.02, clip_ratio/region_mean 0.03, " \
+        "learning_rate 1e-06</p>" in page
     # completions are escaped, never executed
     assert "<script>alert(1)</script>" not in page and "&lt;script&gt;" in page
     # self-contained: nothing fetched from anywhere
@@ -190,3 +201,62 @@ def test_report_renders_in_headless_chromium(tmp_path):
     # a blank (all-white) page has variance 0; plots and text give plenty
     assert pixels.var() > 100, pixels.var()
     assert (pixels < 128).mean() > 0.005  # some dark pixels: text, axes, lines
+
+
+def test_constant_metrics_get_no_panel_but_are_named(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, "reward": s / 10, "skipped": 0, "micro_batches": 2, "nonfinite_steps": 0,
+             "kl": float("nan"), "eval/acc": 0.5 if s == 4 else None} for s in range(1, 6)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    page = write_report(run_dir).read_text()
+    assert sorted(p.name for p in (run_dir / "report").glob("*.png")) == ["eval.png", "reward.png"]  # one eval: a result
+    assert "constant over the run (not plotted): skipped 0, micro_batches 2, nonfinite_steps 0, kl nan</p>" in page
+    assert len(_embedded_images(page)) == 2
+
+
+def test_thumbnails_resolve_through_the_recorded_media_root(tmp_path, monkeypatch):
+    media = tmp_path / "media"
+    (media / "images").mkdir(parents=True)
+    Image.new("RGB", (64, 48), "red").save(media / "images" / "a.png")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    records = [
+        {"step": 1, "sample_id": "d/train/0", "prompt": "q", "images": ["images/a.png"], "media_root": str(media),
+         "completions": ["a"]},
+        {"step": 1, "sample_id": "d/train/1", "prompt": "q", "images": [], "images_in_memory": 2, "completions": ["a"]},
+    ]
+    (run_dir / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.chdir(tmp_path)  # neither the media root nor the run directory
+    page = write_report(run_dir).read_text()
+    assert [kind for kind, _ in _embedded_images(page)].count("jpeg") == 1
+    assert "image not readable" not in page
+    assert "2 images given in memory by the dataset (bytes, array or PIL): not kept in completions.jsonl" in page
+
+
+def test_report_of_a_real_tiny_run_shows_its_dataset_images(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the report is read from neither the dataset's folder nor the run's
+    run_dir = tmp_path / "run"
+    cli_main(["train", *TINY_RUN, "--output_dir", str(run_dir)])
+    records = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    ref = records[0]["images"][0]
+    media_root = records[0]["media_root"]  # shapes-color: generated files under the dataset cache
+    assert not os.path.isabs(ref) and (Path(media_root) / ref).is_file()
+    assert not (elsewhere / ref).exists() and not (run_dir / ref).exists()
+
+    page = write_report(run_dir).read_text()
+    assert "image not readable" not in page
+    thumbnails = [data for kind, data in _embedded_images(page) if kind == "jpeg"]
+    per_step = Counter(record["step"] for record in records)
+    assert len(thumbnails) == sum(min(2, n) for n in per_step.values()) == 4  # 2 steps, 2 samples each, one image each
+    with Image.open(io.BytesIO(base64.b64decode(thumbnails[0]))) as thumbnail:
+        assert max(thumbnail.size) > 10
+    # metrics logged at both steps with one value each (skipped steps: 0) are named, not plotted
+    constant_line = re.search(r'<p class="constant">constant over the run \(not plotted\): ([^<]*)</p>', page)
+    assert constant_line is not None
+    for named in constant_line.group(1).split(", "):
+        key = named.rsplit(" ", 1)[0]
+        assert not (run_dir / "report" / f"{key}.png").exists(), key

@@ -4,7 +4,7 @@
 
 Reads RUN_DIR/metrics.jsonl (one JSON object per logged step) and, when present,
 RUN_DIR/completions.jsonl (step, sample_id, prompt (text or chat messages), images (paths or
-data URIs), solution, completions, rewards {name: [per completion]}, reward, advantage). Every plot
+data URIs), media_root (what relative paths are relative to), images_in_memory, solution, completions, rewards {name: [per completion]}, reward, advantage). Every plot
 is a PNG under RUN_DIR/report/ and is also embedded in the HTML as a base64 data URI, so the
 one file can be mailed or attached anywhere. A panel appears only if its keys were logged:
 
@@ -19,6 +19,12 @@ one file can be mailed or attached anywhere. A panel appears only if its keys we
     Modality reliance  fusion/reliance/<modality> (--fusion_probe_steps; docs/fusion.md)
     Attention share    fusion/attention/<modality>/<band>
     and one panel per prefix of any other numeric key
+
+A metric whose values are all equal over the run (skipped, micro_batches, a fixed learning rate)
+gets no curve: a flat line is noise among the panels. Such metrics are named, with their value,
+in one line under the plots, so nothing is left out silently. Relative image paths are read
+against the record's media_root (the dataset's media folder, recorded by the engine), then, for
+runs from before it was recorded, against the working directory and the run directory.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import base64
 import html
 import io
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -72,8 +79,10 @@ def write_report(run_dir: str | os.PathLike, *, steps_shown: int = 4, samples_pe
 
     plot_dir = run_dir / "report"
     plot_dir.mkdir(exist_ok=True)
+    keys = _numeric_keys(rows)
+    constants = _left_out(constant_metrics(rows, keys), keys)
     figures = []  # (title, png bytes)
-    for title, stem, png in _panels(rows):
+    for title, stem, png in _panels(rows, skip=constants):
         (plot_dir / f"{stem}.png").write_bytes(png)
         figures.append((title, png))
 
@@ -84,7 +93,7 @@ def write_report(run_dir: str | os.PathLike, *, steps_shown: int = 4, samples_pe
         else []
     )
 
-    page = _html(run_dir, rows, figures, samples)
+    page = _html(run_dir, rows, figures, samples, constants)
     out = run_dir / "report.html"
     out.write_text(page, encoding="utf-8")
     return out
@@ -106,14 +115,45 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _panels(rows: list[dict]):
-    """Yield (title, file stem, PNG bytes) for every panel that has data."""
-    keys = _numeric_keys(rows)
+def constant_metrics(rows: list[dict], keys: list[str]) -> dict[str, float]:
+    """{key: its one value} for each key logged at two steps or more with the same value every
+    time (all NaN counts as the same value). A key logged once is not called constant: one
+    evaluation at the end is a result, not a flat line.
+
+    >>> nan = float("nan")
+    >>> rows = [{"step": 1, "skipped": 0, "loss": 0.5, "kl": nan}, {"step": 2, "skipped": 0, "loss": 0.4, "kl": nan}]
+    >>> constant_metrics(rows, ["skipped", "loss", "kl"])
+    {'skipped': 0, 'kl': nan}
+    """
+    constants = {}
+    for key in keys:
+        _, values = _series(rows, key)
+        distinct = {"nan" if isinstance(v, float) and math.isnan(v) else v for v in values}
+        if len(values) >= 2 and len(distinct) == 1:
+            constants[key] = values[0]
+    return constants
+
+
+def _left_out(constants: dict, keys: list[str]) -> dict:
+    """The constant metrics no panel draws: all but the steady phases of a stack that is drawn."""
+    drawn = set()
+    for _, _, belongs, stacked in PANELS:
+        if stacked and any(belongs(k) and k not in constants for k in keys):
+            drawn.update(k for k in constants if belongs(k))
+    return {k: v for k, v in constants.items() if k not in drawn}
+
+
+def _panels(rows: list[dict], skip=frozenset()):
+    """Yield (title, file stem, PNG bytes) for every panel that has data; keys in `skip` (the
+    constant ones) are left out, except as phases of a stack where another phase varies: the stack
+    shows how each step divides, and a steady phase is part of that."""
+    logged = _numeric_keys(rows)
+    keys = [k for k in logged if k not in skip]
     claimed = set()
     for title, stem, belongs, stacked in PANELS:
-        panel_keys = [k for k in keys if belongs(k)]
+        panel_keys = [k for k in (logged if stacked else keys) if belongs(k)]
         claimed.update(panel_keys)
-        if panel_keys:
+        if any(k not in skip for k in panel_keys):
             yield title, stem, _plot(rows, title, panel_keys, stacked)
         if stem == "time":  # the held-out curve comes right after the seconds per phase
             eval_keys = [k for k in keys if k.startswith("eval/")]
@@ -268,21 +308,27 @@ def thumbnail_data_uri(source: str | os.PathLike | io.BytesIO, size: int = THUMB
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def _image_source(ref: str, run_dir: Path):
+def _image_source(ref: str, run_dir: Path, media_root: str | None = None):
     if ref.startswith("data:"):  # a data URI: data:image/png;base64,....
         return io.BytesIO(base64.b64decode(ref.split(",", 1)[1]))
-    path = Path(ref)
-    if not path.is_absolute() and not path.exists():
-        path = run_dir / path  # relative paths: to the working directory, else to the run directory
-    return path
+    path = Path(ref.removeprefix("file://"))
+    if path.is_absolute():
+        return path
+    # relative paths: to the dataset's media root as training read them; a run from before the
+    # media root was recorded: to the working directory, else to the run directory
+    candidates = ([Path(media_root) / path] if media_root else []) + [path, run_dir / path]
+    return next((c for c in candidates if c.exists()), candidates[0])
 
 
-def _media_html(images, run_dir: Path) -> str:
+def _media_html(images, run_dir: Path, media_root: str | None = None, in_memory: int = 0) -> str:
     parts = []
+    if in_memory:  # bytes, arrays or PIL images in the dataset: completions.jsonl has no file to show
+        parts.append(f'<span class="missing">{in_memory} image{"s" * (in_memory > 1)} given in memory by the '
+                     "dataset (bytes, array or PIL): not kept in completions.jsonl</span>")
     for ref in images or []:
         shown = html.escape(str(ref)[:120])
         try:
-            uri = thumbnail_data_uri(_image_source(str(ref), run_dir))
+            uri = thumbnail_data_uri(_image_source(str(ref), run_dir, media_root))
         except (OSError, ValueError):
             parts.append(f'<span class="missing">image not readable: {shown}</span>')
             continue
@@ -319,7 +365,7 @@ def _sample_html(record: dict, run_dir: Path) -> str:
     title = f"step {record.get('step', '?')} · {record.get('sample_id', '')}"
     return (
         f'<div class="sample"><h3>{html.escape(title)}</h3>'
-        f"{_media_html(record.get('images'), run_dir)}"
+        f"{_media_html(record.get('images'), run_dir, record.get('media_root'), record.get('images_in_memory') or 0)}"
         f'<pre class="prompt">{html.escape(str(prompt))}</pre>{solution}'
         f"<table><tr><th>#</th><th>completion</th>{header}</tr>{''.join(body)}</table></div>"
     )
@@ -344,6 +390,7 @@ pre.prompt { background: #f6f6f6; padding: 6px; margin: 6px 0; }
 .thumb { margin-right: 6px; border: 1px solid #ccc; }
 .missing { color: #a33; }
 .solution { margin: 4px 0; color: #555; }
+.constant { color: #555; font-size: 0.9em; }
 """
 
 
@@ -369,7 +416,14 @@ def _summary_html(rows: list[dict]) -> str:
     )
 
 
-def _html(run_dir: Path, rows: list[dict], figures: list, samples: list[dict]) -> str:
+def _constant_html(constants: dict) -> str:
+    if not constants:
+        return ""
+    named = ", ".join(f"{key} {_fmt(value)}" for key, value in constants.items())
+    return f'<p class="constant">constant over the run (not plotted): {html.escape(named)}</p>'
+
+
+def _html(run_dir: Path, rows: list[dict], figures: list, samples: list[dict], constants: dict | None = None) -> str:
     steps = [row["step"] for row in rows]
     seconds = sum(
         float(v)
@@ -391,7 +445,7 @@ def _html(run_dir: Path, rows: list[dict], figures: list, samples: list[dict]) -
 <h1>Training run {html.escape(str(run_dir))}</h1>
 <p>{len(rows)} logged steps ({steps[0]} to {steps[-1]}); {seconds:.0f} s in timed phases.</p>
 {_summary_html(rows)}
-<h2>Curves</h2><div class="plots">{plots}</div>
+<h2>Curves</h2><div class="plots">{plots}</div>{_constant_html(constants or {})}
 <h2>Sample completions</h2>{sample_html}
 </body></html>
 """
