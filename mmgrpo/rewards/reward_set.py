@@ -88,7 +88,8 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
     routes = None
     entries = list(algo_cfg.reward_funcs)  # as written: they name the rewards in routes and errors
     if algo_cfg.reward_funcs:
-        scoped = scoped_entries(entries, [source.name for source in getattr(dataset, "sources", [dataset])])
+        sources = [] if dataset is None else getattr(dataset, "sources", [dataset])  # None: checking the flags alone
+        scoped = scoped_entries(entries, [source.name for source in sources])
         names = [reward for _, reward in scoped]
         if any(scope for scope, _ in scoped):
             routes = explicit_routes(entries, scoped, algo_cfg, dataset)
