@@ -231,3 +231,18 @@ def test_nonfinite_weights_are_never_saved(tmp_path, tiny_run):
         save_training_checkpoint(tmp_path / "checkpoint-2", CheckpointContents(model, processor, state_dict),
                                  TrainState(step=2))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_rotation_killed_while_deleting_leaves_nothing_the_next_save_keeps(tmp_path):
+    # save checkpoint-1, then rotate it out as a kill during its deletion would leave it: renamed
+    # aside, half deleted, its marker still there
+    checkpoint.save_atomically(tmp_path / "checkpoint-1", lambda d: (d / "w.txt").write_text("one")).wait()
+    doomed = tmp_path / ("checkpoint-1" + checkpoint.DELETING_SUFFIX)
+    (tmp_path / "checkpoint-1").rename(doomed)
+    (doomed / "w.txt").unlink()
+    assert checkpoint.list_checkpoints(tmp_path) == [] and checkpoint.repairable(tmp_path) == {}  # never counted, never restored
+    checkpoint.save_atomically(tmp_path / "checkpoint-2", lambda d: (d / "w.txt").write_text("two"), keep_last=1).wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    # a rotation renames before it deletes, so what it removes is gone whole
+    checkpoint.save_atomically(tmp_path / "checkpoint-3", lambda d: (d / "w.txt").write_text("three"), keep_last=1).wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]

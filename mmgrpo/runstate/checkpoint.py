@@ -49,6 +49,7 @@ from mmgrpo.runstate.disk_space import disk_full_error
 MARKER = "checkpoint_complete.json"
 STAGING_SUFFIX = ".tmp"  # a save in progress (or killed)
 ASIDE_SUFFIX = ".old"  # a replaced checkpoint waiting for deletion (fallback path only)
+DELETING_SUFFIX = ".deleting"  # a rotated-out checkpoint being deleted: never restored, always removed
 NUMBERED = re.compile(r"^checkpoint-(\d+)$")
 FORMAT_VERSION = 1
 logger = logging.getLogger("mmgrpo.runstate.checkpoint")  # one line on stderr, no stack
@@ -235,14 +236,15 @@ def repair_interrupted(folder: str | os.PathLike) -> None:
 
     A complete `<name>.tmp` whose `<name>` is missing (killed between the marker and the rename,
     or between the two renames of the fallback path) is renamed into place; failing that, a
-    complete `<name>.old` is put back. Every other `.tmp` / `.old` folder is deleted.
+    complete `<name>.old` is put back. Every other `.tmp` / `.old` folder is deleted, and so is a
+    `.deleting` one (a rotation killed while it deleted).
     """
     folder = Path(folder)
     if not folder.is_dir():
         return
     restorable = repairable(folder)
     for leftover in sorted(folder.iterdir()):
-        if not leftover.is_dir() or not leftover.name.endswith((STAGING_SUFFIX, ASIDE_SUFFIX)):
+        if not leftover.is_dir() or not leftover.name.endswith((STAGING_SUFFIX, ASIDE_SUFFIX, DELETING_SUFFIX)):
             continue
         target = folder / leftover.name.rsplit(".", 1)[0]
         if restorable.get(target) == leftover:
@@ -275,7 +277,12 @@ def rotate_checkpoints(folder: str | os.PathLike, keep_last: int) -> list[Path]:
     numbered = list_checkpoints(folder, warn=False)
     removed = numbered[:-keep_last] if keep_last > 0 else []
     for old in removed:
-        shutil.rmtree(old)
+        # Renamed first, in one step: a kill during the deletion then leaves `checkpoint-N.deleting`,
+        # which no reader counts and the next save's repair removes, not a half-deleted
+        # `checkpoint-N` that rotation would skip as incomplete for ever.
+        doomed = old.with_name(old.name + DELETING_SUFFIX)
+        os.rename(old, doomed)
+        shutil.rmtree(doomed)
     return removed
 
 
