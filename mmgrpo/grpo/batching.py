@@ -29,7 +29,7 @@ beyond are padding in all of its rows, so dropping them changes no log-prob.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,17 +42,10 @@ class MicroBatch:
     prompts: list[int]  # the prompts of those rows, in order
     counts: list[int]  # rows of each prompt; sum = len(rows)
     width: int  # completion columns kept: the longest completion among the rows
-    _index: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's rows of a per-completion tensor: [N] -> [n], [N, T] -> [n, width]."""
-        if self._index is None or self._index.device != tensor.device:
-            self._index = torch.tensor(self.rows, dtype=torch.long, device=tensor.device)
-        rows = tensor.index_select(0, self._index)
-        return rows if tensor.dim() == 1 else rows[:, : self.width]
 
 
 def _micro_batch(rows: list[int], num_generations: int, completion_lengths: list[int]) -> MicroBatch:
