@@ -47,21 +47,25 @@ def _usage() -> str:
 
 def cmd_train(argv):
     from mmgrpo.config import TrainConfig
+
+    cfg = TrainConfig.from_args(argv, required=("model.model",))  # before the engine's imports: `--help` and flag errors come at once
     from mmgrpo.engine import train
     from mmgrpo.parallel import rank_errors
 
     with rank_errors():  # under torchrun: an error names its rank, a timed-out collective says why
-        out = train(TrainConfig.from_args(argv))
+        out = train(cfg)
     print(f"run written to {out}")
 
 
 def cmd_sft(argv):
     from mmgrpo.config import SFTConfig
     from mmgrpo.config.flags import build_parser, config_from_namespace
-    from mmgrpo.sft import sft
 
     parser = build_parser(SFTConfig, prog="mmgrpo sft")
-    out = sft(config_from_namespace(SFTConfig, parser.parse_args(argv)))
+    cfg = config_from_namespace(SFTConfig, parser.parse_args(argv), required=("model.model",))
+    from mmgrpo.sft import sft
+
+    out = sft(cfg)
     print(f"SFT model written to {out}")
 
 

@@ -62,9 +62,10 @@ from mmgrpo.rollout.rounds import RolloutSetup, score
 from mmgrpo.rollout.weight_sync import rollout_weights
 from mmgrpo.runstate.checkpoint import wait_for_saves
 from mmgrpo.runstate.preemption import StopSignals
-from mmgrpo.runstate.runlog import NullLogger, RunLogger, progress_bar, step_log_lines
+from mmgrpo.runstate.runlog import NullLogger, RunLogger, console, progress_bar, step_log_lines
 from mmgrpo.runstate.state import TrainState, deterministic_kernels, seed_everything
 from mmgrpo.training.build import Run, build_run
+from mmgrpo.training.no_signal import NoSignalWatch
 from mmgrpo.training.optim import group_rates
 from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import resume_run, save_run
@@ -452,6 +453,7 @@ def train(cfg: TrainConfig) -> Path:
     resumed_after = state.step if plan.resume_from is not None else None  # TensorBoard hides the killed run's later steps
     logger = (RunLogger(out, cfg.to_dict(), cfg.report_to, resume_step=resumed_after, resumed=state.resumed)  # rank 0 writes the reduced metrics
               if run.strategy.is_main else NullLogger())
+    no_signal_watch = NoSignalWatch(patience=5)
     stop = StopSignals(cfg.save_on_signal)  # SIGTERM / SIGUSR1: this step finishes and is saved (training/preemption.py)
     try:
         with progress_bar(run.total_steps, "GRPO", show=run.strategy.is_main, completed=state.step) as bar:
@@ -480,6 +482,9 @@ def train(cfg: TrainConfig) -> Path:
                 finish_step_metrics(run, metrics, timers, time.perf_counter() - started)
                 logger.log_step(metrics, records, print_it=step % cfg.logging_steps == 0)
                 bar.advance(metrics)
+                no_signal = no_signal_watch.observe(metrics)  # every group's rewards equal for several steps: said once
+                if no_signal and run.strategy.is_main:
+                    console.print(f"[yellow]{no_signal}")
                 if state.nonfinite_steps >= cfg.max_nonfinite_steps:
                     raise ConfigError(
                         f"{state.nonfinite_steps} steps had a NaN/inf loss or gradient norm: stopping. Lower --learning_rate, "

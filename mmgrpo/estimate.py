@@ -478,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     if options.world_size < 1 or options.device_memory_gb <= 0 or options.images_per_prompt < 0:
         raise ConfigError("--world_size, --device_memory_gb and --images_per_prompt must be positive.")
     cfg = config_from_namespace(TrainConfig, ns)
+    if cfg.bf16 is None:  # what train does on a GPU with bfloat16, the machines an estimate is for
+        cfg.bf16 = True
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(options.world_size)  # train's checks, as under torchrun with this many ranks
     try:

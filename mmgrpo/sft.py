@@ -103,7 +103,8 @@ def sft(cfg: SFTConfig) -> Path:
             f"--stop_at {cfg.stop_at!r}: {stop_at[0]!r} is not among the eval metrics "
             f"({', '.join(evaluator.metric_names())}); name one of them."
         )
-    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
+    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry,
+                           media_root=cfg.data.media_root, system_prompt=cfg.data.system)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
     check_modalities(dataset, template)
     if cfg.torch_threads:

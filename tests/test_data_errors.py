@@ -52,7 +52,7 @@ def test_the_cli_says_it_in_one_line_with_exit_code_2(tmp_path, bad):
     path.write_bytes((GOOD + "\n").encode() + (LATIN1 + b"\n" if bad == "latin1" else b""))
     spec = f"{path}:test" if bad == "split" else str(path)
     completed = subprocess.run(
-        [sys.executable, "-m", "mmgrpo", "train", "--dataset", spec, "--reward_funcs", "answer_format",
+        [sys.executable, "-m", "mmgrpo", "train", "--model", "tiny:qwen2-vl", "--dataset", spec, "--reward_funcs", "answer_format",
          "--output_dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)),
     )

@@ -140,8 +140,8 @@ def test_flags_that_cannot_work_name_the_flag(flags, message):
         check_train_flags(TrainConfig.from_args(["--num_generations", "2", "--per_device_train_batch_size", "4", *flags]))
 
 
-def train_cli(*flags):
-    return subprocess.run([sys.executable, "-m", "mmgrpo", "train", *flags], capture_output=True, text=True, timeout=120,
+def train_cli(*flags, model=("--model", "tiny:qwen2-vl")):
+    return subprocess.run([sys.executable, "-m", "mmgrpo", "train", *model, *flags], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)))
 
 
@@ -157,6 +157,22 @@ def test_the_cli_exits_2_with_one_line_before_any_model_loads(tmp_path, flags, m
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].startswith(message), completed.stderr[-1500:]
     assert "Traceback" not in completed.stderr and not (tmp_path / "run").exists()
+
+
+def test_train_and_sft_require_a_model(tmp_path):
+    """No silent tiny default: a user's run names its model (a YAML's `model:` counts)."""
+    completed = train_cli("--output_dir", str(tmp_path / "run"), model=())
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    assert completed.stderr.strip().splitlines()[-1].startswith("mmgrpo train: error: --model is required: ")
+    assert "tiny:qwen2-vl" in completed.stderr and not (tmp_path / "run").exists()
+    from mmgrpo.config import SFTConfig
+    from mmgrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--model is required"):
+        SFTConfig.from_args(["--output_dir", str(tmp_path / "sft")], required=("model.model",))
+    (tmp_path / "run.yaml").write_text("model:\n  model: tiny:qwen2.5-vl\n")
+    cfg = SFTConfig.from_args(["--config", str(tmp_path / "run.yaml")], required=("model.model",))
+    assert cfg.model.model == "tiny:qwen2.5-vl"
 
 
 def test_report_of_a_folder_two_runs_wrote_draws_the_latest(tmp_path):
@@ -208,4 +224,5 @@ def test_the_cli_refuses_a_reused_folder_and_a_half_written_checkpoint_keeping_e
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing already written lost
     file_in_place = tmp_path / "a-file"
     file_in_place.write_text("x")
-    one_line_exit_2(cli("train", "--output_dir", str(file_in_place)), f"--output_dir {file_in_place} is a file, not a folder")
+    one_line_exit_2(cli("train", "--model", "tiny:qwen2-vl", "--output_dir", str(file_in_place)),
+                    f"--output_dir {file_in_place} is a file, not a folder")

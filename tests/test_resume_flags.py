@@ -27,7 +27,7 @@ from mmgrpo.training.resume_flags import (
     group_peaks,
     retarget_schedule,
 )
-from mmgrpo.training.startup_checks import check_train_flags, fill_model_type
+from mmgrpo.training.startup_checks import check_train_flags, fill_model_type, fill_precision
 
 BASE = ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", "vqa_accuracy", "answer_format",
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "4",
@@ -54,6 +54,7 @@ def checkpoint_of(out, *flags, step=4, in_flight=0):
     """A complete checkpoint whose run had these flags (what preflight and check_train_flags read of it)."""
     cfg = config(out, *flags)
     fill_model_type(cfg.model)  # as train() records them: --model_type from a tiny: name
+    fill_precision(cfg)  # ... and --bf16 as this machine resolves it
     state = TrainState(step=step, flags=cfg.to_dict(), rollout_in_flight=in_flight)
     save_atomically(out / f"checkpoint-{step}", lambda d: (d / STATE_FILE).write_text(json.dumps(state.__dict__)))
 

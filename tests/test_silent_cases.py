@@ -154,3 +154,19 @@ def test_an_audio_clip_too_short_for_the_encoder_names_the_sample(tmp_path, seco
                        "--reward_funcs", "format", "--seed", "1")
     with pytest.raises(DataError, match=r"^sample audio/train/0(:|, ).*" + message):
         train(cfg)
+
+
+# ---- a run without any learning signal says so ------------------------------------------------------
+
+
+def test_a_run_whose_groups_never_differ_says_why_once(tmp_path, capsys):
+    """`format` wants <think>..</think><answer>..</answer>: a random tiny model never writes it, every
+    reward is 0, the advantages and the loss are 0 for every step; the run says so after 5 steps (once)."""
+    cfg = train_config(tmp_path, "--dataset", "shapes-color", "--reward_funcs", "format", "--max_steps", "6",
+                       "--save_strategy", "no")
+    train(cfg)
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["frac_reward_zero_std"] == 1.0 and row["loss"] == 0 for row in rows)
+    assert err.count("no group had any reward variance") == 1
+    assert "steps 1-5: no group had any reward variance" in " ".join(err.split()) and "format" in err

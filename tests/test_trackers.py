@@ -18,7 +18,7 @@ def test_one_run_reports_to_wandb_and_mlflow_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    train(TrainConfig.from_args([*FAST, "--report_to", "wandb", "mlflow", "--output_dir", str(out)]))
+    train(TrainConfig.from_args([*FAST, "--report_to", "wandb", "mlflow", "--run_name", "colour-g2", "--output_dir", str(out)]))
 
     # W&B: an offline run in the run folder, its history holding the metrics, the table as a media file
     (wandb_run,) = (out / "wandb").glob("offline-run-*")
@@ -35,7 +35,7 @@ def test_one_run_reports_to_wandb_and_mlflow_offline(tmp_path, monkeypatch):
     client = MlflowClient((out / "mlruns").resolve().as_uri())
     (experiment,) = [e for e in client.search_experiments() if e.name == "mmgrpo"]
     (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.run_name == "run" and run.data.params["rollout.num_generations"] == "2"
+    assert run.info.run_name == "colour-g2" and run.data.params["rollout.num_generations"] == "2"
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in losses] == [1, 2]
     assert client.get_metric_history(run.info.run_id, "reward.vqa_accuracy")  # "/" -> "."

@@ -131,8 +131,17 @@ def _set_path(obj, dotted: str, value) -> None:
     setattr(obj, name, value)
 
 
-def config_from_namespace(cls, ns: argparse.Namespace):
+_REQUIRED_HINTS = {
+    "model": "a checkpoint folder, a hub id (Qwen/Qwen2.5-VL-3B-Instruct, from the HF cache offline), or "
+             "tiny:<family> for a tiny random model built offline (e.g. --model tiny:qwen2-vl)",
+}
+
+
+def config_from_namespace(cls, ns: argparse.Namespace, required: tuple[str, ...] = ()):
+    """The config of parsed flags over the `--config` YAML over the defaults. `required`: dotted fields
+    (`model.model`) that the flags or the YAML must set (a command's `--model`: no silent default)."""
     cfg = cls()
+    from_yaml: set[str] = set()
     if getattr(ns, "config", None):
         path = Path(ns.config)
         if not path.is_file():
@@ -143,6 +152,11 @@ def config_from_namespace(cls, ns: argparse.Namespace):
             raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
         for dotted, value in _flatten_yaml(data, cls, str(path)).items():
             _set_path(cfg, dotted, value)
+            from_yaml.add(dotted)
+    for dotted in required:
+        if dotted not in vars(ns) and dotted not in from_yaml:
+            name = dotted.rsplit(".", 1)[-1]
+            raise ConfigError(f"--{name} is required: {_REQUIRED_HINTS.get(name, 'give it on the command line or in --config')}.")
     for dotted, value in vars(ns).items():
         if "." in dotted or dotted in {f.name for f in dataclasses.fields(cls)}:
             _set_path(cfg, dotted, value)

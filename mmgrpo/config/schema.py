@@ -24,14 +24,15 @@ from mmgrpo.config.checks import validate_sft, validate_train
 from mmgrpo.config.domains import Number, OneOf, above, at_least, check_domains, count, flag
 from mmgrpo.config.flags import build_parser, config_from_namespace
 
-DEFAULT_MODEL = "tiny:qwen2-vl"  # what `mmgrpo train` / `sft` use without --model
+DEFAULT_MODEL = "tiny:qwen2-vl"  # the Python API's default; the commands require --model
 UNSET_RATE = "or leave it unset for --learning_rate"  # a part's own learning rate
 
 
 @dataclass
 class ModelConfig:
     model: str = DEFAULT_MODEL
-    """Model folder, hub id, or `tiny:<family>` for a tiny random checkpoint built offline."""
+    """Model folder, hub id (from the HF cache, offline too), or `tiny:<family>` for a tiny random checkpoint built
+    offline. Required by `mmgrpo train` and `mmgrpo sft` (the Python API's default is tiny:qwen2-vl)."""
     model_type: str | None = None
     """Template name (`qwen2-vl`, `qwen2.5-vl`, ...). None: inferred from `tiny:<family>`, a training checkpoint's
     mmgrpo.json, or the checkpoint's config.json `model_type`."""
@@ -47,6 +48,11 @@ class ModelConfig:
     """Qwen2.5-Omni: decode each video's sound track and feed it interleaved with the frames (every video needs sound)."""
     template_plugin: list[str] = field(default_factory=list)
     """Python files (`my_template.py`) or modules (`my_pkg.templates`) that register templates, imported before `--model_type` is looked up."""
+    attn_implementation: str = flag(
+        "sdpa", OneOf("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"), resume="operational")
+    """The attention kernels (transformers' and TRL's name): `sdpa` (PyTorch's fused attention), `eager`, `flash_attention_2`
+    (the flash-attn package, CUDA), `flash_attention_3` (flash_attn_interface, Hopper), `flex_attention`. The shared-prefix
+    fast path runs on sdpa and eager; with another kernel the step takes the naive path and says so once."""
     gradient_checkpointing: bool = flag(False, resume="operational")
     """Recompute activations in backward: about 20% slower, much less activation memory."""
     shared_prefix: bool = flag(True, resume="operational")
@@ -88,6 +94,12 @@ class DataConfig:
     """Extra dataset registry YAML files (also read from $MMGRPO_DATASET_REGISTRY)."""
     split: str = "train"
     """Split to train on when a dataset spec names none."""
+    system: str | None = None
+    """A system prompt for every row that has no system turn of its own, in place of the datasets' (ms-swift's name;
+    `--system ""`: none). None: each dataset's registry `system_prompt`."""
+    media_root: str | None = None
+    """The folder a bare data file's relative image/video/audio paths are read from (default: the file's own folder;
+    registry entries keep their `media_root`)."""
     max_prompt_length: int = flag(2048, count(1), resume="operational")
     """Longest prompt in tokens, media tokens included. Longer prompts are an error."""
     dataloader_num_workers: int = flag(2, count(0), resume="operational")
@@ -291,6 +303,8 @@ class OptimConfig:
     """AdamW beta2 (0.99 reacts faster than 0.999 to the shifting RL gradients)."""
     warmup_ratio: float = flag(0.0, Number(0, 1, what="a fraction of the steps"), resume="schedule")
     """Fraction of max_steps with a linear warm-up from 0 (ceil(ratio x steps) steps, as in HF)."""
+    warmup_steps: int = flag(0, count(0, hint="0: --warmup_ratio decides"), resume="schedule")
+    """Steps of linear warm-up from 0; when above 0 it overrides --warmup_ratio (as in HF)."""
     lr_scheduler_type: str = flag("cosine_with_min_lr", resume="schedule")
     """HF's schedules by name: linear | cosine (to 0) | cosine_with_min_lr (to --lr_scheduler_kwargs min_lr_rate of the
     peak, default 0.1) | constant (no warm-up) | constant_with_warmup | warmup_stable_decay (the peak, then a cosine
@@ -374,6 +388,8 @@ class RunOptions:
     """Write checkpoints from a thread after copying them to memory (one process; the final save is awaited). See docs/training.md."""
     overwrite_output_dir: bool = flag(False, resume="not_compared")
     """Start afresh in a non-empty --output_dir: the earlier run's files there (metrics, completions, events, checkpoints, eval/) are deleted; other files stay."""
+    run_name: str | None = flag(None, resume="not_compared")
+    """The run's name in W&B and MLflow (HF's name). None: the --output_dir folder's name."""
     logging_steps: int = flag(1, count(1), resume="operational")
     """Print and log every N steps."""
     report_to: list[str] = flag(factory=lambda: ["tensorboard"], resume="operational")
@@ -383,19 +399,21 @@ class RunOptions:
     """Seeds data order, sampling and initialisation."""
     full_determinism: bool = flag(False, resume="operational")
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace, cuDNN): two runs with one seed, or a resumed run and the uninterrupted one, then agree on a GPU as they do on the CPU; some kernels get slower (HF's name)."""
-    bf16: bool = False
-    """bfloat16 autocast (fp32 master weights). Use on GPUs that support it."""
+    bf16: bool | None = None
+    """bfloat16 autocast over fp32 master weights. Unset: on where the GPU has bfloat16 (Ampere and later), float32
+    on the CPU and on older GPUs (said in one line); `--bf16` on the CPU: CPU bfloat16 autocast; `--bf16 false`: float32."""
     torch_threads: int | None = flag(None, count(1), resume="operational")
     """torch intra-op threads (CPU). Default: torch's choice."""
 
     # ---- loading ---------------------------------------------------------------------------
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None):
-        """Defaults <- `--config` YAML <- command-line flags."""
+    def from_args(cls, argv: list[str] | None = None, required: tuple[str, ...] = ()):
+        """Defaults <- `--config` YAML <- command-line flags. `required`: dotted fields the flags or the
+        YAML must set (the commands require `model.model`: a user's run never falls back to the tiny model)."""
         parser = build_parser(cls)
         ns = parser.parse_args(argv)
-        return config_from_namespace(cls, ns)
+        return config_from_namespace(cls, ns, required)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

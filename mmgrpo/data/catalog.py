@@ -405,12 +405,23 @@ def _read_limits(entry: DatasetEntry, keys: _EntryKeys) -> None:
 
 
 def resolve_dataset(
-    spec: str, split: str = "train", *, registry: dict[str, DatasetEntry] | None = None, extra_files=()
+    spec: str, split: str = "train", *, registry: dict[str, DatasetEntry] | None = None, extra_files=(),
+    media_root: str | None = None, system_prompt: str | None = None,
 ) -> DatasetView:
     """A `DatasetView` for a registry name, `name:split`, or a path to a data file or folder.
 
     A split in the spec overrides `split`; a weight in the spec is ignored here (see `mix_datasets`).
+    media_root (--media_root): where a data file's relative media paths point (default: the file's folder;
+    a registry entry keeps its own). system_prompt (--system): every row's system turn where the row has
+    none of its own, in place of the dataset's.
     """
+    view = _resolve(spec, split, registry, extra_files, media_root)
+    if system_prompt is not None:
+        view.system_prompt = system_prompt or None  # --system "": no system turn
+    return view
+
+
+def _resolve(spec: str, split: str, registry, extra_files, media_root: str | None) -> DatasetView:
     name, spec_split, _ = parse_spec(spec)
     split = spec_split or split
     if _looks_like_path(name):
@@ -419,7 +430,12 @@ def resolve_dataset(
                 f"dataset {spec!r}: {name} is one file, with no split {spec_split!r} (a file has no splits); drop "
                 f"':{spec_split}', give each split its own file, or a registry entry with 'splits' (docs/data.md)"
             )
-        return _view_of_path(Path(name), split)
+        view = _view_of_path(Path(name), split)
+        if media_root is not None:
+            if not Path(media_root).expanduser().is_dir():
+                raise ConfigError(f"--media_root {media_root}: no such folder (where {name}'s relative media paths point)")
+            view.media_root = os.fspath(Path(media_root).expanduser().resolve())
+        return view
     registry = load_registry(extra_files) if registry is None else registry
     if name not in registry:
         known = ", ".join(sorted(registry)) or "none"
@@ -439,19 +455,23 @@ def mix_datasets(
     size: int | None = None,
     registry: dict[str, DatasetEntry] | None = None,
     extra_files=(),
+    media_root: str | None = None,
+    system_prompt: str | None = None,
 ):
     """Datasets drawn by weight (`NAME[:SPLIT][:WEIGHT]`, default weight 1; weights need not sum to 1).
 
     size: rows in the mixture (default: the sum of the sources' sizes).
     A single spec without a weight returns its `DatasetView` unchanged.
+    media_root, system_prompt: --media_root and --system, for each source (`resolve_dataset`).
     """
+    options = {"media_root": media_root, "system_prompt": system_prompt}
     if isinstance(specs, str):
         specs = [specs]
     parsed = [parse_spec(spec) for spec in specs]
     if len(parsed) == 1 and parsed[0][2] is None and size is None:
-        return resolve_dataset(specs[0], split, registry=registry, extra_files=extra_files)
+        return resolve_dataset(specs[0], split, registry=registry, extra_files=extra_files, **options)
     registry = load_registry(extra_files) if registry is None else registry
-    sources = [resolve_dataset(spec, split, registry=registry) for spec in specs]
+    sources = [resolve_dataset(spec, split, registry=registry, **options) for spec in specs]
     check_distinct(sources, specs)
     weights = [1.0 if weight is None else weight for _, _, weight in parsed]
     return MixedDataset(sources, weights, size=size, seed=seed)

@@ -16,11 +16,9 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from mmgrpo.eval.results import run_eval
-from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.runstate.runlog import console, progress_bar
+
+# torch, the rollout engines and the metrics load inside the functions: `mmgrpo eval --help` answers at once
 
 PROBE_FILE = "fusion_probe.json"  # --fusion_probe's means, beside eval.json
 
@@ -39,8 +37,15 @@ class EngineGenerator:
         self.probe_sums: dict[str, float] | None = {} if fusion_probe else None
         self.probe_counts: dict[str, int] = {}
 
-    @torch.no_grad()
     def __call__(self, samples: list, num_samples: int):
+        import torch
+
+        with torch.no_grad():
+            return self._generate(samples, num_samples)
+
+    def _generate(self, samples: list, num_samples: int):
+        from mmgrpo.rollout.base import SamplingParams
+
         started = time.perf_counter()
         encoded = [self.template.encode_prompt(sample.load_media(**self.media_kwargs)) for sample in samples]
         params = SamplingParams(
@@ -57,6 +62,8 @@ class EngineGenerator:
         return completions, {"to_image_box": [self.template.box_mapper(enc) for enc in encoded]}
 
     def _probe(self, encoded, rollout, num_samples: int) -> None:
+        import torch
+
         from mmgrpo.eval.reliance import measure_reliance
         from mmgrpo.forward.policy import Policy
 
@@ -82,6 +89,8 @@ def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model
     fusion_probe: also measure modality reliance on each sample's first completion (mmgrpo/eval/reliance.py),
     written to fusion_probe.json and returned under "fusion_probe" (samples an earlier --resume run finished
     are not probed again)."""
+    from mmgrpo.eval.results import run_eval
+
     count = len(dataset) if limit is None else min(limit, len(dataset))
     samples = (dataset[i] for i in range(count))
     with progress_bar(count, f"eval {getattr(dataset, 'name', '')}", show=show_progress, shown=None, unit="sample") as bar:
@@ -98,18 +107,60 @@ def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model
     return result
 
 
+DTYPES = ("bfloat16", "float16", "float32")  # --torch_dtype's values besides auto
+
+
+def eval_device_and_dtype(device: str = "auto", torch_dtype: str = "auto") -> tuple:
+    """Where and in what precision a model is evaluated: `auto` is the first GPU, in bfloat16 where it has
+    it (float16 where not), else the CPU in float32. ConfigError for a device this machine has not.
+
+    >>> eval_device_and_dtype("cpu", "auto")
+    (device(type='cpu'), torch.float32)
+    """
+    import torch
+
+    from mmgrpo.errors import ConfigError
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: give auto, cpu, cuda or cuda:N.") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto).")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                          f"cuda:{torch.cuda.device_count() - 1}.")
+    if torch_dtype == "auto":
+        if where.type != "cuda":
+            return where, torch.float32
+        return where, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if torch_dtype not in DTYPES:
+        raise ConfigError(f"--torch_dtype {torch_dtype!r}: give auto, {', '.join(DTYPES)}.")
+    if torch_dtype == "bfloat16" and where.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--torch_dtype bfloat16: {torch.cuda.get_device_name(where)} has no bfloat16; use float16 or auto.")
+    return where, getattr(torch, torch_dtype)
+
+
 def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
+                  device: str = "auto", torch_dtype: str = "auto", attn_implementation: str = "sdpa",
                   **template_options):
     """(rollout engine, template) of a model folder (or tiny:<family>), for evaluation: the same
-    load sequence as training (`load_template`), the engine `build_rollout_engine` picks.
+    load sequence as training (`load_template`), the model on `device` in `torch_dtype`
+    (`eval_device_and_dtype`: a GPU in bfloat16 when there is one), the engine `build_rollout_engine` picks.
     template_options: family options such as Qwen2.5-Omni's use_audio_in_video, video_fps, video_nframes."""
     from mmgrpo.forward.policy import Policy
-    from mmgrpo.models.loading import load_model, load_template
+    from mmgrpo.models.loading import check_attention, load_model, load_template
     from mmgrpo.rollout import build_rollout_engine
 
+    where, dtype = eval_device_and_dtype(device, torch_dtype)
+    check_attention(attn_implementation)
     path, _, template = load_template(model_path, model_type, template_plugin=template_plugin,
                                       min_pixels=min_pixels, max_pixels=max_pixels, **template_options)
-    model = load_model(path, template=template).eval()
+    model = load_model(path, dtype, template=template, attn_implementation=attn_implementation).to(where).eval()
+    console.print(f"evaluating {model_path} ({template.name}) on {where} in {str(dtype).removeprefix('torch.')}, "
+                  f"{attn_implementation} attention")
     return build_rollout_engine(Policy(model, template)), template
 
 
@@ -134,6 +185,15 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--video_nframes", type=int, default=None, help="Frames sampled from a video (as in training).")
     p.add_argument("--use_audio_in_video", action="store_true",
                    help="Qwen2.5-Omni: feed each video's sound track with its frames (as in training).")
+    p.add_argument("--system", default=None, help="A system prompt for rows without one, in place of the dataset's "
+                   "(as in training; \"\": none).")
+    p.add_argument("--media_root", default=None, help="Where a bare data file's relative media paths point (default: its folder).")
+    p.add_argument("--device", default="auto", help="auto (the first GPU, else the CPU), cpu, cuda or cuda:N.")
+    p.add_argument("--torch_dtype", default="auto",
+                   help="The model's precision: auto (bfloat16 on a GPU that has it, float16 on one that has not, float32 "
+                   "on the CPU), bfloat16, float16 or float32.")
+    p.add_argument("--attn_implementation", default="sdpa",
+                   help="sdpa (default), eager, flash_attention_2 (flash-attn, CUDA), flash_attention_3, flex_attention.")
     p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
     p.add_argument("--output_dir", required=True, help="Where eval.json, eval.md and samples.jsonl go.")
     p.add_argument("--resume", action="store_true", help="Continue an interrupted eval in --output_dir.")
@@ -159,12 +219,15 @@ def main(argv: list[str]) -> dict:
 
     args = eval_parser().parse_args(argv)
     check_counts(args)
-    dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry)
+    dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry, media_root=args.media_root,
+                              system_prompt=args.system)
     metrics = args.metrics or dataset.reward_funcs
     video = {"video_fps": args.video_fps, "video_nframes": args.video_nframes}
     engine, template = load_for_eval(
         args.model, args.model_type, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
-        template_plugin=args.template_plugin, **video, **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
+        template_plugin=args.template_plugin, device=args.device, torch_dtype=args.torch_dtype,
+        attn_implementation=args.attn_implementation, **video,
+        **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
     )
     media_kwargs = media_options(template, args)
     result = evaluate(
@@ -192,6 +255,13 @@ def compare_main(argv: list[str]) -> dict:
     p.add_argument("--dataset", help="Evaluate A and B (models) on this NAME[:split] first.")
     p.add_argument("--model_type", help="Template name when A and B are models.")
     p.add_argument("--metrics", nargs="*", default=None, help="Metrics when evaluating models.")
+    p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files (when evaluating models).")
+    p.add_argument("--limit", type=int, default=None, help="Evaluate only the first N samples (when evaluating models).")
+    p.add_argument("--batch_size", type=int, default=32, help="Samples per generate call (when evaluating models).")
+    p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit (when evaluating models).")
+    p.add_argument("--device", default="auto", help="As `mmgrpo eval --device` (when evaluating models).")
+    p.add_argument("--torch_dtype", default="auto", help="As `mmgrpo eval --torch_dtype` (when evaluating models).")
+    p.add_argument("--attn_implementation", default="sdpa", help="As `mmgrpo eval` (when evaluating models).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the bootstrap and permutation draws.")
     p.add_argument("--n_boot", type=int, default=10_000, help="Bootstrap resamples / permutations.")
     p.add_argument("--output", default=None, help="Write the comparison (JSON + Markdown) to this file or folder.")
@@ -200,9 +270,14 @@ def compare_main(argv: list[str]) -> dict:
     if args.dataset:
         out = Path(args.output or "runs/compare")
         for name, model in (("a", args.a), ("b", args.b)):
-            main(["--model", model, "--dataset", args.dataset, "--output_dir", str(out / f"eval_{name}")]
+            main(["--model", model, "--dataset", args.dataset, "--output_dir", str(out / f"eval_{name}"),
+                  "--batch_size", str(args.batch_size), "--device", args.device, "--torch_dtype", args.torch_dtype,
+                  "--attn_implementation", args.attn_implementation]
                  + (["--model_type", args.model_type] if args.model_type else [])
-                 + (["--metrics", *args.metrics] if args.metrics else []))
+                 + (["--metrics", *args.metrics] if args.metrics else [])
+                 + (["--dataset_registry", *args.dataset_registry] if args.dataset_registry else [])
+                 + (["--limit", str(args.limit)] if args.limit else [])
+                 + (["--max_pixels", str(args.max_pixels)] if args.max_pixels else []))
         a, b = out / "eval_a", out / "eval_b"
     result = compare(a, b, seed=args.seed, n_boot=args.n_boot)
     print_compare(result)

@@ -60,11 +60,13 @@ class TrainingEval:
 
     max_new_tokens: the run's completion budget (a dataset's own in the registry wins);
     fallback_metrics: what an eval dataset naming no rewards is scored with (GRPO: --reward_funcs);
-    dataset_registry: extra registry files (--dataset_registry) the eval datasets are looked up in.
+    dataset_registry: extra registry files (--dataset_registry) the eval datasets are looked up in;
+    system_prompt, media_root: --system and --media_root, as the training data reads them.
     """
 
     def __init__(self, options: EvalConfig, output_dir: str, max_new_tokens: int,
-                 fallback_metrics: Sequence[str] = (), dataset_registry: Sequence[str] = ()):
+                 fallback_metrics: Sequence[str] = (), dataset_registry: Sequence[str] = (),
+                 system_prompt: str | None = None, media_root: str | None = None):
         from mmgrpo.data.catalog import resolve_dataset
         from mmgrpo.eval.metrics import get_metric
 
@@ -77,7 +79,8 @@ class TrainingEval:
         specs = [specs] if isinstance(specs, str) else list(specs or [])  # a YAML file may give one name
         self.evals = []  # (dataset, its metrics, prefix of its keys: "" for a single dataset, else "<name>/")
         for spec in specs:
-            dataset = resolve_dataset(spec, split="test", extra_files=list(dataset_registry))
+            dataset = resolve_dataset(spec, split="test", extra_files=list(dataset_registry), media_root=media_root,
+                                      system_prompt=system_prompt)
             if len(dataset) == 0:
                 raise ConfigError(f"--eval_dataset {spec}: the split is empty")
             metrics = list(self.options.eval_metrics or dataset.reward_funcs or fallback_metrics)

@@ -130,8 +130,36 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
         model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
     except OSError as err:  # a file transformers looks for and cannot read: one line naming the folder
         raise CheckpointError(f"model {name_or_path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except ValueError as err:  # e.g. an attention kernel the model's classes do not implement
+        if "attn" not in str(err) and "attention" not in str(err):
+            raise
+        raise ConfigError(f"model {name_or_path!r} with --attn_implementation {kwargs.get('attn_implementation')}: "
+                          f"{str(err).splitlines()[0]} Use sdpa or eager.") from None
     attach_saved_fusion(model, path, template)
     return model
+
+
+# attention kernels that need a package beyond torch and transformers: (import name, pip name, what it runs on)
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn", "NVIDIA GPUs of compute capability 8.0 and up"),
+    "flash_attention_3": ("flash_attn_interface", "flash-attn-3 (built from flash-attention's hopper/ folder)",
+                          "Hopper GPUs (H100, H200)"),
+}
+
+
+def check_attention(attn_implementation: str, flag: str = "--attn_implementation") -> None:
+    """ConfigError, before any model loads, for a kernel whose package is missing or that needs a GPU
+    this machine has not: one line naming the package and what to use instead."""
+    import importlib.util
+
+    if attn_implementation not in ATTENTION_PACKAGES:
+        return
+    module, package, hardware = ATTENTION_PACKAGES[attn_implementation]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{flag} {attn_implementation} needs the {package} package, which is not installed here "
+                          f"(it runs on {hardware}): install it, or use sdpa (the default).")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{flag} {attn_implementation} runs on {hardware} and this machine has no GPU: use sdpa (the default).")
 
 
 def model_skeleton(path: str, template=None) -> torch.nn.Module:

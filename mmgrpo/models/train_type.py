@@ -149,7 +149,8 @@ def load_trainable_model(model_cfg: ModelConfig, optim_cfg: OptimConfig, path: s
     skeleton = model_skeleton(path, template)
     check_trainable(model_cfg, skeleton, template.components)
     check_fusion_model(model_cfg, optim_cfg, skeleton, template, path)
-    model = load_model(path, template=template).to(strategy.load_device)  # with a checkpoint's fusion modules
+    model = load_model(path, template=template, attn_implementation=model_cfg.attn_implementation).to(
+        strategy.load_device)  # with a checkpoint's fusion modules
     model.train()
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -68,7 +68,16 @@ def free_port() -> int:
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
+    # DeepSpeed (imported by transformers' saving and peft even without ZeRO) would otherwise warn on
+    # every run that it found no accelerator; on this machine the CPU is the one it would pick anyway
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return torch.device("cpu")
+
+
+def bf16_by_default() -> bool:
+    """What --bf16 left unset means here: on where a CUDA GPU has bfloat16 (Ampere and later),
+    off on the CPU and on older GPUs (float32)."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def configure_precision(device: torch.device, bf16: bool) -> bool:

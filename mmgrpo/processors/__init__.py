@@ -48,7 +48,7 @@ def resolve_media_path(ref: str | os.PathLike, media_root: str | os.PathLike | N
         where = f" (relative to media_root {os.fspath(media_root)!r})" if media_root is not None else ""
         raise DataError(
             f"{kind} file not found: {path}{where}; check the path in the dataset, "
-            "or set media_root in the dataset registry entry"
+            "or point the relative paths elsewhere: --media_root for a data file, media_root in its registry entry"
         )
     return path
 

@@ -20,7 +20,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-console = Console(stderr=True)
+console = Console(stderr=True, log_path=False)  # a step line says when, not which source line wrote it
 
 
 def _jsonable(value):

@@ -4,7 +4,7 @@ Each tracker gets every step's metrics and the step's completions table (the pro
 completions and each reward, as completions.jsonl holds them):
 
 - `tensorboard`: event files in the run folder (scalars only);
-- `wandb`: `wandb.init(project=$WANDB_PROJECT or "mmgrpo", name=<run folder name>, dir=<run folder>)`,
+- `wandb`: `wandb.init(project=$WANDB_PROJECT or "mmgrpo", name=--run_name or the run folder's name, dir=<run folder>)`,
   scalars with `run.log(step=...)`, the table as `completions`; `WANDB_MODE=offline` writes under
   <run folder>/wandb/ with no account or network (`wandb sync` uploads it later);
 - `mlflow`: a run in experiment $MLFLOW_EXPERIMENT_NAME (default "mmgrpo") at $MLFLOW_TRACKING_URI,
@@ -86,7 +86,7 @@ class WandbTracker:
     def __init__(self, output_dir: Path, options: dict, resume_step: int | None = None):
         wandb = _require("wandb", "wandb")
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mmgrpo"), name=Path(output_dir).name,
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mmgrpo"), name=options.get("run_name") or Path(output_dir).name,
                               dir=str(output_dir), config=options, reinit="finish_previous")
 
     def log(self, metrics: dict, records: list[dict], step: int) -> None:
@@ -131,7 +131,7 @@ class MlflowTracker:
             uri = (Path(output_dir).resolve() / "mlruns").as_uri()
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "mmgrpo"))
-        self.run = mlflow.start_run(run_name=Path(output_dir).name)
+        self.run = mlflow.start_run(run_name=options.get("run_name") or Path(output_dir).name)
         mlflow.log_params(_flatten(options))
 
     def log(self, metrics: dict, records: list[dict], step: int) -> None:

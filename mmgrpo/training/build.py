@@ -44,6 +44,28 @@ from mmgrpo.training.resume import restore_weights
 from mmgrpo.training.startup_checks import loss_config
 
 
+def startup_summary(cfg, model: torch.nn.Module, template, dataset, strategy: Strategy, prompts_per_step: int,
+                    steps: int) -> str:
+    """What the run is about to do, in four lines: the model, the data, the batch and the machine
+    (counted before sharding, so FSDP2 and ZeRO-3 report whole-model figures)."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sources = getattr(dataset, "sources", None)
+    data = (" + ".join(f"{source.name}:{source.split} {weight:.2f}" for source, weight in zip(sources, dataset.weights))
+            if sources else f"{getattr(dataset, 'name', cfg.data.dataset[0])}:{getattr(dataset, 'split', cfg.data.split)}")
+    G = cfg.rollout.num_generations
+    devices = f"{strategy.world_size} x {strategy.device.type}" + (f" ({cfg.dist.strategy})" if strategy.world_size > 1 else "")
+    return "\n".join([
+        f"model   {cfg.model.model}: {template.name}, {type(model).__name__}, {total / 1e6:,.1f}M parameters, "
+        f"{trainable / 1e6:,.1f}M trainable ({cfg.model.train_type})",
+        f"data    {data}: {len(dataset):,} prompts",
+        f"batch   {prompts_per_step} prompts x G={G} = {prompts_per_step * G} completions a step (per process), "
+        f"{steps} step{'s' if steps != 1 else ''}, up to {cfg.rollout.max_completion_length} new tokens",
+        f"device  {devices}, {'bf16 autocast' if strategy.bf16 else 'float32'}, {cfg.model.attn_implementation} attention, "
+        f"rollouts on {'vLLM (' + cfg.rollout.vllm_mode + ')' if cfg.rollout.use_vllm else 'transformers'}",
+    ])
+
+
 @dataclass(frozen=True)
 class ModelRun:
     """A model in training with what evaluating and saving it takes (`TrainingEval` needs no more):
@@ -129,7 +151,8 @@ def training_eval(cfg: TrainConfig | SFTConfig) -> TrainingEval:
     else:
         budget, fallback_metrics = cfg.max_completion_length, []
     return TrainingEval(cfg.eval, cfg.output_dir, budget, fallback_metrics=fallback_metrics,
-                        dataset_registry=cfg.data.dataset_registry)
+                        dataset_registry=cfg.data.dataset_registry, system_prompt=cfg.data.system,
+                        media_root=cfg.data.media_root)
 
 
 def check_modalities(dataset, template) -> None:
@@ -220,7 +243,8 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     resume_from: a checkpoint whose weights the policy takes (mmgrpo/training/resume.py); the
     reference is still the starting --model."""
     evaluator = training_eval(cfg)  # --eval_dataset and --eval_metrics checked before any model loads
-    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry)
+    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed, extra_files=cfg.data.dataset_registry,
+                           media_root=cfg.data.media_root, system_prompt=cfg.data.system)
     judge_vllm = judge_vllm_options(cfg.algo, cfg.rollout, cfg.data.max_prompt_length, cfg.seed)
     rewards = build_rewards(cfg.algo, dataset, cfg.rollout.max_completion_length, judge_vllm)
     path, processor, template = load_template(cfg.model.model, cfg.model.model_type, **template_options(cfg.model))
@@ -247,6 +271,9 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     if strategy.is_main:  # a disk too small for the checkpoints the run keeps: said now, not at the first save
         kept = checkpoints_kept(steps, cfg.save_steps, cfg.save_total_limit, keeps_best=bool(cfg.eval.eval_dataset))
         warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None), kept)
+    if strategy.is_main:
+        console.print(startup_summary(cfg, model, template, dataset, strategy, prompts_per_step, steps), soft_wrap=True,
+                      highlight=False)
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
     policy = Policy(

@@ -4,7 +4,7 @@
     scheduler = make_scheduler(cfg.optim, optimizer, total_steps)                # strategies build it on the shards
 
 Schedules are transformers' own, by their HF names (`--lr_scheduler_type`), with their options as
-`--lr_scheduler_kwargs` JSON; the warm-up is ceil(warmup_ratio x steps), as the HF Trainer counts it.
+`--lr_scheduler_kwargs` JSON; the warm-up is --warmup_steps, else ceil(warmup_ratio x steps), as the HF Trainer counts it.
 
 Per-component rates (`--vit_lr`, `--aligner_lr`, ms-swift's names, and `--fusion_lr`): the
 weights that train are split into parameter groups by the template's components (mmgrpo/models/train_type.py's
@@ -149,7 +149,13 @@ def scheduler_kwargs(optim_cfg: OptimConfig) -> dict:
 
 
 def warmup_steps(optim_cfg: OptimConfig, total_steps: int) -> int:
-    """ceil(warmup_ratio x total steps), as the HF Trainer counts them."""
+    """--warmup_steps when set, else ceil(warmup_ratio x total steps), as the HF Trainer counts them.
+
+    >>> warmup_steps(OptimConfig(warmup_ratio=0.1), 25), warmup_steps(OptimConfig(warmup_ratio=0.1, warmup_steps=4), 25)
+    (3, 4)
+    """
+    if optim_cfg.warmup_steps > 0:
+        return optim_cfg.warmup_steps
     return math.ceil(optim_cfg.warmup_ratio * total_steps)
 
 

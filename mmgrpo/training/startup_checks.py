@@ -26,9 +26,10 @@ from mmgrpo.fusion.attach import check_fusion_flags
 from mmgrpo.grpo import get_advantage
 from mmgrpo.grpo.importance import IS_MODES
 from mmgrpo.grpo.losses import LossConfig
+from mmgrpo.models.loading import check_attention
 from mmgrpo.models.tiny import built_model_family
 from mmgrpo.parallel import validate_parallel
-from mmgrpo.parallel.launch import env_world_size
+from mmgrpo.parallel.launch import bf16_by_default, env_world_size, notice
 from mmgrpo.tools import get_tool
 from mmgrpo.training.optim import scheduler_kwargs
 from mmgrpo.training.resume_flags import check_resume_flags
@@ -40,6 +41,7 @@ def check_train_flags(cfg: TrainConfig) -> None:
     flags, then the names and options the GRPO parts resolve. Fills --model_type from a tiny:/random:
     --model name first (`fill_model_type`)."""
     fill_model_type(cfg.model)
+    fill_precision(cfg)
     check_resume_flags(cfg)  # resuming: a changed flag the run must keep is named first
     check_common_parts(cfg.model, cfg.optim)
     validate_parallel(cfg.dist, cfg.model, cfg.optim, cfg.rollout.num_generations)
@@ -67,6 +69,7 @@ def check_sft_flags(cfg: SFTConfig) -> None:
     """`mmgrpo sft`'s flags: the parts shared with GRPO, each flag's domain and the rules between flags,
     and one process. Fills --model_type from a tiny:/random: --model name first."""
     fill_model_type(cfg.model)
+    fill_precision(cfg)
     check_common_parts(cfg.model, cfg.optim)
     cfg.validate()
     if env_world_size() > 1:
@@ -78,6 +81,22 @@ def check_common_parts(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> None:
     loads) and the fusion flags (plugins, module name, layers)."""
     scheduler_kwargs(optim_cfg)
     check_fusion_flags(model_cfg)
+    check_attention(model_cfg.attn_implementation)
+
+
+def fill_precision(cfg: TrainConfig | SFTConfig) -> None:
+    """--bf16 left unset becomes what this machine has (`bf16_by_default`: a GPU with bfloat16), said in
+    one line when that is float32, so config.yaml and the checkpoints' flags record the precision the run
+    used; --bf16 on a GPU without bfloat16 is an error."""
+    import torch
+
+    if cfg.bf16 is None:
+        cfg.bf16 = bf16_by_default()
+        if not cfg.bf16:
+            where = torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
+            notice(f"training in float32 on {where} (no bfloat16 GPU; --bf16 turns on bfloat16 autocast anyway)")
+    elif cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16; leave --bf16 out to train in float32.")
 
 
 def fill_model_type(model_cfg: ModelConfig) -> None:
