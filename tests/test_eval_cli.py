@@ -4,6 +4,7 @@ a missing split), `mmgrpo compare`, and evaluation during `mmgrpo train` with th
 import json
 
 import pytest
+import torch
 
 from mmgrpo.cli import main
 from mmgrpo.errors import ConfigError
@@ -252,3 +253,31 @@ def test_the_eval_bar_shows_seconds_per_sample_not_a_reward(tmp_path, tiny_qwen2
         _eval(tiny_qwen2_vl_path, tmp_path / "bar", "--limit", "4")
     bar = [line for line in captured.get().splitlines() if line.startswith("eval shapes-color")][-1]
     assert "4/4" in bar and "s/sample" in bar and "nan" not in bar and "reward" not in bar
+
+
+def test_eval_runs_the_model_in_the_dtype_asked_and_names_what_it_cannot(tmp_path, capsys, tiny_qwen2_vl_path, monkeypatch):
+    """--torch_dtype bfloat16 loads the weights in bf16 (what a GPU eval does by default; here on the CPU)
+    and generates with them; a GPU this machine has not, or a missing flash-attn, is one line."""
+    loaded = []
+    load_for_eval = eval_run.load_for_eval
+
+    def recording(*args, **kwargs):
+        engine, template = load_for_eval(*args, **kwargs)
+        loaded.append(next(engine.model.parameters()).dtype)
+        return engine, template
+
+    monkeypatch.setattr(eval_run, "load_for_eval", recording)
+    result = _eval(tiny_qwen2_vl_path, tmp_path / "bf16", "--limit", "4", "--device", "cpu", "--torch_dtype", "bfloat16")
+    assert loaded == [torch.bfloat16] and result["counts"]["all"] == 4
+    assert "on cpu in bfloat16, sdpa attention" in " ".join(capsys.readouterr().err.split())
+    def refused(*flags) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            _eval(tiny_qwen2_vl_path, tmp_path / "refused", "--limit", "2", *flags)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    if not torch.cuda.is_available():
+        assert refused("--device", "cuda").endswith("--device cuda: this machine has no CUDA GPU; use --device cpu (or auto).")
+        assert "flash_attention_2" in refused("--attn_implementation", "flash_attention_2")
+    assert refused("--torch_dtype", "half").endswith("--torch_dtype 'half': give auto, bfloat16, float16, float32.")
+    assert not (tmp_path / "refused").exists()

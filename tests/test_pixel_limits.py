@@ -29,3 +29,28 @@ def test_one_limit_keeps_the_other(tiny_qwen2_vl_path, tmp_path):
     processor.save_pretrained(tmp_path)
     size = load_processor(str(tmp_path)).image_processor.size
     assert (size["shortest_edge"], size["longest_edge"]) == (224 * 224, default_longest)
+
+
+def test_a_real_processors_pixel_budget_is_bounded_by_the_familys_default(tmp_path, capsys):
+    """A Qwen2.5-VL checkpoint's processor allows 12.8M pixels (16k visual tokens for one photo): without
+    --max_pixels the family's bound (1280 tokens) applies, said in one line; --max_pixels wins; a processor
+    already below the bound keeps its own."""
+    import json
+    import shutil
+
+    from mmgrpo.models.loading import load_template
+    from mmgrpo.models.tiny import build_tiny
+
+    folder = tmp_path / "qwen25"
+    shutil.copytree(build_tiny("qwen2.5-vl"), folder)
+    config = json.loads((folder / "processor_config.json").read_text())
+    config["image_processor"]["size"]["longest_edge"] = 12845056  # Qwen/Qwen2.5-VL-*'s preprocessor value
+    (folder / "processor_config.json").write_text(json.dumps(config))
+
+    _, processor, _ = load_template(str(folder), None)
+    assert processor.image_processor.size["longest_edge"] == 1280 * 28 * 28
+    assert "images get at most 1,003,520 pixels (the processor allows 12,845,056)" in capsys.readouterr().err
+    _, processor, _ = load_template(str(folder), None, max_pixels=2_000_000)
+    assert processor.image_processor.size["longest_edge"] == 2_000_000
+    _, processor, _ = load_template(str(build_tiny("qwen2.5-vl")), None)
+    assert processor.image_processor.size["longest_edge"] == 50176 and "images get" not in capsys.readouterr().err

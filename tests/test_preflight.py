@@ -151,6 +151,8 @@ def train_cli(*flags, model=("--model", "tiny:qwen2-vl")):
     (["--min_pixels", "50000", "--max_pixels", "1000"], "mmgrpo train: error: --min_pixels 50000 is above --max_pixels 1000"),
     (["--learning", "1e-3"], "mmgrpo train: error: unrecognized arguments: --learning 1e-3"),  # no prefix expansion
     (["--per_device", "4"], "mmgrpo train: error: unrecognized arguments: --per_device 4"),
+    (["--attn_implementation", "flash_attention_2"], "mmgrpo train: error: --attn_implementation flash_attention_2 "),
+    (["--attn_implementation", "flash"], "mmgrpo train: error: --attn_implementation 'flash': choose one of sdpa, eager, flash_attention_2"),
 ])
 def test_the_cli_exits_2_with_one_line_before_any_model_loads(tmp_path, flags, message):
     completed = train_cli("--output_dir", str(tmp_path / "run"), *flags)

@@ -456,7 +456,9 @@ class SFTConfig(RunOptions):
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-3, per_device_train_batch_size=32))
+    # a 3B-7B model's full SFT: 1e-5 (ms-swift's full-tuning default; TRL's SFTConfig has 2e-5), 8 samples a
+    # micro-batch (TRL's); tiny models learn at 1e-3, and the demo's configs say so
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-5, per_device_train_batch_size=8))
     eval: EvalConfig = field(default_factory=EvalConfig)
     max_steps: int = flag(200, resume="schedule")
     """Optimizer steps of supervised training (each: per_device_train_batch_size x gradient_accumulation_steps samples). -1: by epochs."""

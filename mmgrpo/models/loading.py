@@ -12,6 +12,7 @@ processor = load_processor("tiny:qwen2-vl")    # tokenizer padding_side = "left"
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -269,15 +270,33 @@ def load_template(
     options: the template's other options (video_fps, video_nframes, Qwen2.5-Omni's use_audio_in_video ...).
     """
     from mmgrpo.templates import get_template, load_template_plugin
+    from mmgrpo.templates.base import template_class
 
     for spec in template_plugin:  # registers templates for model_type; a bad file fails before any model loads
         load_template_plugin(spec)
     model_type = model_type or infer_model_type(model)  # an explicit --model_type wins
     path = resolve_model_path(model)
     processor = load_processor(path)
+    if max_pixels is None:
+        max_pixels = bounded_max_pixels(processor, template_class(model_type).default_max_pixels)
     keep_pixel_limits(processor, min_pixels, max_pixels)
     template = get_template(model_type, processor, min_pixels=min_pixels, max_pixels=max_pixels, **options)
     return path, processor, template
+
+
+def bounded_max_pixels(processor, default_max_pixels: int | None) -> int | None:
+    """The family's `default_max_pixels` where the processor allows more (said in one line), else None."""
+    size = getattr(getattr(processor, "image_processor", None), "size", None)
+    try:
+        longest_edge = size["longest_edge"]
+    except (TypeError, KeyError):
+        return None
+    if default_max_pixels is None or longest_edge is None or longest_edge <= default_max_pixels:
+        return None
+    if os.environ.get("RANK", "0") == "0":  # one line for a launched run
+        print(f"mmgrpo: images get at most {default_max_pixels:,} pixels (the processor allows {longest_edge:,}); "
+              "--max_pixels sets another bound", file=sys.stderr)
+    return default_max_pixels
 
 
 def keep_pixel_limits(processor, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -105,6 +105,9 @@ class Template:
     # - lean_decode: every decoder layer's forward is RMSNorm -> q/k/v (+ per-head q/k RMSNorm) ->
     #   RoPE -> attention -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual, so rollouts may
     #   run it as the lean step (mmgrpo/rollout/lean_decode.py) on the layers' weights.
+    # The most pixels an image gets when --max_pixels is not given and the checkpoint's processor allows
+    # more (Qwen2.5-VL's allows 12.8M: one photo becomes 16k visual tokens): None keeps the processor's.
+    default_max_pixels: int | None = None
     shared_prefix: bool = False
     sliding_window_layers: bool = False
     lean_decode: bool = False
@@ -692,9 +695,14 @@ def templates_for_hf_type(hf_model_type: str) -> list[str]:
     return sorted(name for name, cls in TEMPLATES.items() if hf_model_type in cls.__dict__.get("hf_model_types", ()))
 
 
+def template_class(model_type: str) -> type[Template]:
+    """The registered template class of `model_type` (a ConfigError listing the known ones)."""
+    return TEMPLATES.get(model_type, hint="A family of your own: --template_plugin (docs/custom_template.md).")
+
+
 def get_template(model_type: str, processor, **kwargs) -> Template:
     """The registered template for `model_type` ('qwen2-vl', 'qwen2_vl' ...), bound to `processor`.
 
     kwargs are the template's options (see MediaOptions), e.g. `min_pixels`, `max_pixels`.
     """
-    return TEMPLATES.get(model_type, hint="A family of your own: --template_plugin (docs/custom_template.md).")(processor, **kwargs)
+    return template_class(model_type)(processor, **kwargs)

@@ -56,6 +56,7 @@ class Qwen2_5OmniTemplate(Template):
     hf_model_types = ("qwen2_5_omni", "qwen2_5_omni_thinker")  # config.json model_type(s): --model_type is inferred from them
 
     box_convention = "abs_input"
+    default_max_pixels = 1280 * 28 * 28  # 1280 visual tokens, as for Qwen2.5-VL
     components = {
         "backbone": "model",  # vision + audio towers + LLM without lm_head: returns last_hidden_state
         "vision": "model.visual",

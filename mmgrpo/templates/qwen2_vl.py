@@ -55,6 +55,7 @@ class Qwen2VLTemplate(Template):
     hf_model_types = ("qwen2_vl",)  # config.json model_type(s): --model_type is inferred from them
 
     box_convention = "rel1000"
+    default_max_pixels = 1280 * 28 * 28  # 1280 visual tokens (the Qwen2-VL cards' example bound); the processor allows 16k
     components = QWEN_VL_COMPONENTS
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = QWEN_VL_NEVER_SAMPLE

@@ -85,6 +85,7 @@ class Qwen3VLTemplate(Template):
     hf_model_types = ("qwen3_vl",)  # config.json model_type(s): --model_type is inferred from them
 
     box_convention = "rel1000"
+    default_max_pixels = 1280 * 32 * 32  # 1280 visual tokens of 16-pixel patches merged 2x2
     components = QWEN_VL_COMPONENTS  # model.visual also holds the deepstack mergers
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = QWEN_VL_NEVER_SAMPLE
