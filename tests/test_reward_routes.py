@@ -68,3 +68,21 @@ def test_a_dataset_left_without_rewards_is_named(tmp_path):
     dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed)
     with pytest.raises(ConfigError, match="shapes-color.*shapes-color:answer_format shapes-color:vqa_accuracy"):
         build_rewards(cfg.algo, dataset, cfg.rollout.max_completion_length)
+
+
+def test_one_unscoped_list_runs_each_reward_only_where_it_can_score(tmp_path, capsys):
+    """`--reward_funcs iou vqa_accuracy answer_format` on grounding + VQA: iou skips the VQA rows (their
+    references hold no box) and vqa_accuracy the grounding rows, each said in one line; format scores every row."""
+    cfg = TrainConfig.from_args([*MIXTURE, "--reward_funcs", "iou", "vqa_accuracy", "answer_format",
+                                 "--output_dir", str(tmp_path)])
+    dataset = mix_datasets(cfg.data.dataset, split=cfg.data.split, seed=cfg.seed)
+    rewards = build_rewards(cfg.algo, dataset, cfg.rollout.max_completion_length)
+    assert rewards.routes == {"shapes-ground": ["iou", "answer_format"], "shapes-color": ["vqa_accuracy", "answer_format"]}
+    err = capsys.readouterr().err
+    assert "vqa_accuracy not run on shapes-ground's rows (its references are boxes)" in err
+    assert "iou not run on shapes-color's rows (its references are not boxes)" in err
+    boxes_only = TrainConfig.from_args([*MIXTURE, "--reward_funcs", "giou", "--output_dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match="none of them can score shapes-color's rows .*shapes-color:vqa_accuracy"):
+        build_rewards(boxes_only.algo, dataset, boxes_only.rollout.max_completion_length)
+    single = mix_datasets(["shapes-color"], split="train")  # one dataset: the list is what the user asked, as given
+    assert build_rewards(cfg.algo, single, cfg.rollout.max_completion_length).routes is None

@@ -48,3 +48,6 @@ def number_closeness(completions: list[str], solution: list, **columns) -> list[
         answer = first_number(extract_answer(completion))
         scores.append(0.0 if answer is None else 1.0 / (1.0 + abs(answer - target)))
     return scores
+
+
+number_closeness.grades = "answers"  # a mixture's rows whose references are boxes are not scored by it (reward_set.task_routes)

@@ -10,6 +10,9 @@ entry `DATASET:REWARD` is routed the same way: scored on that dataset's rows onl
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +96,8 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
         names = [reward for _, reward in scoped]
         if any(scope for scope, _ in scoped):
             routes = explicit_routes(entries, scoped, algo_cfg, dataset)
+        elif len(sources) > 1:  # a mixture: a box reward skips the VQA rows, an answer reward the grounding rows
+            routes = task_routes(entries, bound_rewards(algo_cfg, names, max_completion_length), sources)
     else:
         sources = getattr(dataset, "sources", [dataset])
         routes = {source.name: list(source.reward_funcs) for source in sources}
@@ -150,6 +155,44 @@ def scoped_entries(entries: list[str], datasets: list[str]) -> list[tuple[str | 
                 "reward as DATASET:REWARD with one of them, or name a plugin as path/file.py:function"
             )
     return scoped
+
+
+def references_hold_boxes(source, rows: int = 8) -> bool:
+    """Whether a dataset's reference answers are boxes (its first `rows` rows with a solution, all of them)."""
+    from mmgrpo.data.boxes import gold_boxes
+
+    column = getattr(source, "rows", None)
+    if column is None or "solution" not in getattr(column, "column_names", ()):
+        return False
+    solutions = [s for s in column.select(range(min(rows, len(column))))["solution"] if s is not None]
+    try:
+        return bool(solutions) and all(gold_boxes(solution) for solution in solutions)
+    except (TypeError, ValueError):
+        return False
+
+
+def task_routes(entries: list[str], funcs: list, sources: list) -> dict[str, list[str]] | None:
+    """For a mixture named with one --reward_funcs list (no DATASET:REWARD scopes): which rewards score
+    each dataset's rows. A reward that grades boxes (`grades = "boxes"`: iou, giou ...) is not run on a
+    dataset whose references are not boxes, one that grades answers (vqa_accuracy, exact_match ...) not on
+    one whose references are boxes; the others (format, plugins) score every row. Said in one line each;
+    None when every dataset keeps every reward."""
+    kinds = {source.name: "boxes" if references_hold_boxes(source) else "answers" for source in sources}
+    routes = {}
+    for source in sources:
+        routes[source.name] = [entry for entry, func in zip(entries, funcs)
+                               if getattr(func.func if isinstance(func, functools.partial) else func, "grades",
+                                          kinds[source.name]) == kinds[source.name]]
+        skipped = [entry for entry in entries if entry not in routes[source.name]]
+        if skipped and os.environ.get("RANK", "0") == "0":
+            print(f"mmgrpo: {' '.join(skipped)} not run on {source.name}'s rows (its references are "
+                  f"{'boxes' if kinds[source.name] == 'boxes' else 'not boxes'}); scope a reward to a dataset as "
+                  f"{source.name}:REWARD to choose yourself", file=sys.stderr)
+        if not routes[source.name]:
+            raise ConfigError(f"--reward_funcs {' '.join(entries)}: none of them can score {source.name}'s rows "
+                              f"(its references are {kinds[source.name]}); add one that does, e.g. "
+                              f"{source.name}:{(source.reward_funcs or ['REWARD'])[-1]}")
+    return None if all(len(route) == len(entries) for route in routes.values()) else routes
 
 
 def explicit_routes(entries: list[str], scoped: list[tuple[str | None, str]], algo_cfg: AlgoConfig,

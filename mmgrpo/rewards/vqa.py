@@ -173,3 +173,6 @@ def vqa_accuracy(completions: list[str], solution: list, **columns) -> list[floa
         vqa_soft_accuracy(extract_answer(c), gold_texts(s))
         for c, s in zip(completions, solution, strict=True)
     ]
+
+
+vqa_accuracy.grades = "answers"  # a mixture's rows whose references are boxes are not scored by it (reward_set.task_routes)

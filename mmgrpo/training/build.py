@@ -61,9 +61,16 @@ def startup_summary(cfg, model: torch.nn.Module, template, dataset, strategy: St
         f"data    {data}: {len(dataset):,} prompts",
         f"batch   {prompts_per_step} prompts x G={G} = {prompts_per_step * G} completions a step (per process), "
         f"{steps} step{'s' if steps != 1 else ''}, up to {cfg.rollout.max_completion_length} new tokens",
-        f"device  {devices}, {'bf16 autocast' if strategy.bf16 else 'float32'}, {cfg.model.attn_implementation} attention, "
+        f"device  {devices}, {'bf16 autocast' if strategy.bf16 else precision_note(cfg.bf16)}, {cfg.model.attn_implementation} attention, "
         f"rollouts on {'vLLM (' + cfg.rollout.vllm_mode + ')' if cfg.rollout.use_vllm else 'transformers'}",
     ])
+
+
+def precision_note(bf16_asked: bool) -> str:
+    """Why a run trains in float32: asked, or no GPU with bfloat16 here."""
+    if bf16_asked is False and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "float32 (--bf16 false)"
+    return "float32 (no GPU with bfloat16 here; --bf16 forces bfloat16 autocast)"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from mmgrpo.grpo.losses import LossConfig
 from mmgrpo.models.loading import check_attention
 from mmgrpo.models.tiny import built_model_family
 from mmgrpo.parallel import validate_parallel
-from mmgrpo.parallel.launch import bf16_by_default, env_world_size, notice
+from mmgrpo.parallel.launch import bf16_by_default, env_world_size
 from mmgrpo.tools import get_tool
 from mmgrpo.training.optim import scheduler_kwargs
 from mmgrpo.training.resume_flags import check_resume_flags
@@ -85,16 +85,12 @@ def check_common_parts(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> None:
 
 
 def fill_precision(cfg: TrainConfig | SFTConfig) -> None:
-    """--bf16 left unset becomes what this machine has (`bf16_by_default`: a GPU with bfloat16), said in
-    one line when that is float32, so config.yaml and the checkpoints' flags record the precision the run
+    """--bf16 left unset becomes what this machine has (`bf16_by_default`: a GPU with bfloat16), so config.yaml and the checkpoints' flags record the precision the run
     used; --bf16 on a GPU without bfloat16 is an error."""
     import torch
 
     if cfg.bf16 is None:
-        cfg.bf16 = bf16_by_default()
-        if not cfg.bf16:
-            where = torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU"
-            notice(f"training in float32 on {where} (no bfloat16 GPU; --bf16 turns on bfloat16 autocast anyway)")
+        cfg.bf16 = bf16_by_default()  # the start-up summary's device line says which (build_run)
     elif cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16; leave --bf16 out to train in float32.")
 
