@@ -181,3 +181,22 @@ def test_plugin_from_the_command_line(tmp_path):
           str(out / "checkpoint-1"), "--dataset", "shapes-color:test", "--limit", "2",
           "--max_completion_length", "4", "--output_dir", str(tmp_path / "eval")])  # fmt: skip
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["counts"]["all"] == 2
+    # the checkpoint remembers its plugin: a fresh process evaluates it with neither flag
+    info = json.loads((out / "checkpoint-1" / "mmgrpo.json").read_text())
+    assert info == {"model_type": "qwen2-vl-nosys-cli", "template_plugin": str(path.resolve())}
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mmgrpo", "eval", "--model", str(out / "checkpoint-1"), "--dataset",
+                           "shapes-color:test", "--limit", "2", "--max_completion_length", "4", "--output_dir",
+                           str(tmp_path / "eval-fresh")], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(DOC.parents[1])))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(qwen2-vl-nosys-cli)" in done.stderr + done.stdout
+    path.rename(tmp_path / "moved.py")
+    done = subprocess.run([sys.executable, "-m", "mmgrpo", "eval", "--model", str(out / "checkpoint-1"), "--dataset",
+                           "shapes-color:test", "--limit", "2", "--output_dir", str(tmp_path / "eval-moved")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(DOC.parents[1])))
+    assert done.returncode == 2 and f"template plugin {path.resolve()}, which is not there" in done.stderr

@@ -256,3 +256,8 @@ def test_describe_and_print_registry(project, monkeypatch):
     print_registry(console, extra_files=[registry_file])
     text = console.export_text()
     assert "my-vqa" in text and "train 50, test 5" in text and "[x] in brackets" in text
+    narrow = Console(record=True, width=80)  # a terminal of 80 columns: one block per dataset, lines not folded
+    print_registry(narrow, extra_files=[registry_file])
+    lines = narrow.export_text().splitlines()
+    assert any(line.startswith("my-vqa  image  train 50, test 5") for line in lines)
+    assert "  rewards: " + ", ".join(rows["my-vqa"]["reward_funcs"]) in lines

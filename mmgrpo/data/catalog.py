@@ -496,15 +496,18 @@ def check_distinct(sources: list[DatasetView], specs: list[str]) -> None:
         seen[key] = spec
 
 
-def describe_registry(extra_files=(), *, registry: dict[str, DatasetEntry] | None = None) -> list[dict]:
+def describe_registry(extra_files=(), *, registry: dict[str, DatasetEntry] | None = None, on_entry=None) -> list[dict]:
     """One row per registered dataset: name, splits with sizes, modality, rewards, description.
 
     Sizes need the data: synthetic datasets are generated here if they are not cached yet. A
     dataset that fails to load shows its error in `splits` instead of raising.
+    on_entry(name, entry): called before each dataset is read (progress).
     """
     registry = load_registry(extra_files) if registry is None else registry
     rows = []
     for name, entry in registry.items():
+        if on_entry is not None:
+            on_entry(name, entry)
         row = {
             "name": name,
             "splits": {},
@@ -533,12 +536,27 @@ def print_registry(console=None, extra_files=()) -> None:
     from rich.table import Table
 
     console = console or Console()
+    with console.status("reading the registry") as status:
+        def reading(name, entry):
+            made = " (synthetic: its images are generated on the first read, then cached)" if entry.synthetic else ""
+            status.update(f"reading {name}{made}")
+
+        rows = describe_registry(extra_files, on_entry=reading)
+    described = []
+    for row in rows:
+        splits = row["error"] or ", ".join(f"{split} {size}" for split, size in row["splits"].items())
+        described.append((row["name"], splits, row["modality"], ", ".join(row["reward_funcs"]), row["description"]))
+    if console.width < 120:  # a table would fold its description one word per line: one block per dataset
+        for name, splits, modality, rewards, description in described:
+            console.print(f"[bold]{escape(name)}[/bold]  {escape(modality)}  {escape(splits)}", soft_wrap=True)
+            console.print(f"  rewards: {escape(rewards)}", soft_wrap=True)
+            if description:
+                console.print(f"  {escape(description)}", soft_wrap=True)
+        return
     table = Table(title="mmgrpo datasets", show_lines=False)
     for column in ("name", "splits (rows)", "modality", "reward_funcs", "description"):
         table.add_column(column, overflow="fold")
-    for row in describe_registry(extra_files):
-        splits = row["error"] or ", ".join(f"{split} {size}" for split, size in row["splits"].items())
-        cells = (row["name"], splits, row["modality"], ", ".join(row["reward_funcs"]), row["description"])
+    for cells in described:
         table.add_row(*(escape(cell) for cell in cells))  # "[x1, y1]" is text, not rich markup
     console.print(table)
 

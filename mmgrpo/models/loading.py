@@ -193,17 +193,23 @@ def load_processor(name_or_path: str, **kwargs):
 RUN_INFO_FILE = "mmgrpo.json"  # written into every checkpoint: {"model_type": template name}
 
 
-def saved_model_type(path: str) -> str | None:
-    """The model type a training run recorded in its checkpoint folder, or None."""
+def saved_run_info(path: str) -> dict:
+    """What a training run recorded in its checkpoint folder (`mmgrpo.json`: model_type, and template_plugin
+    for a family from a plugin), or {}."""
     import json
 
     info = os.path.join(local_model_folder(str(path)), RUN_INFO_FILE)
     if not os.path.isfile(info):
-        return None
+        return {}
     try:
-        return json.loads(open(info).read()).get("model_type")
+        return json.loads(open(info).read())
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def saved_model_type(path: str) -> str | None:
+    """The model type a training run recorded in its checkpoint folder, or None."""
+    return saved_run_info(path).get("model_type")
 
 
 def infer_model_type(model: str) -> str:
@@ -269,11 +275,17 @@ def load_template(
 
     options: the template's other options (video_fps, video_nframes, Qwen2.5-Omni's use_audio_in_video ...).
     """
-    from mmgrpo.templates import get_template, load_template_plugin
+    from mmgrpo.templates import get_template, load_template_plugin, template_names
     from mmgrpo.templates.base import template_class
 
     for spec in template_plugin:  # registers templates for model_type; a bad file fails before any model loads
         load_template_plugin(spec)
+    recorded = saved_run_info(model).get("template_plugin")  # a checkpoint of a plugin's family remembers it
+    if recorded and not template_plugin and not (model_type and model_type in template_names()):
+        if "/" in recorded and not os.path.isfile(recorded):
+            raise ConfigError(f"model {model!r} was trained with the template plugin {recorded}, which is not there "
+                              "any more: give its new place with --template_plugin")
+        load_template_plugin(recorded)
     model_type = model_type or infer_model_type(model)  # an explicit --model_type wins
     path = resolve_model_path(model)
     processor = load_processor(path)

@@ -45,7 +45,23 @@ def save_model_folder(path: Path, model: nn.Module, peft_model, processor, templ
     save_pretrained(model, peft_model, path, state_dict)
     processor.save_pretrained(path)
     if template is not None:
-        (Path(path) / RUN_INFO_FILE).write_text(json.dumps({"model_type": template.name}) + "\n")
+        info = {"model_type": template.name}
+        plugin = template_plugin_source(template)
+        if plugin:  # a template from --template_plugin: loading the checkpoint imports it again
+            info["template_plugin"] = plugin
+        (Path(path) / RUN_INFO_FILE).write_text(json.dumps(info) + "\n")
+
+
+def template_plugin_source(template) -> str | None:
+    """The file (absolute) or module a template plugin's class came from; None for a built-in family."""
+    import sys
+
+    module_name = type(template).__module__
+    if module_name.startswith("mmgrpo."):
+        return None
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    return str(Path(path).resolve()) if module_name.startswith("mmgrpo_plugin_") and path else module_name
 
 
 # ---- mmgrpo export ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The engine calls `compute_rewards` once a step. See docs/rewards.md.
 """
 
 from mmgrpo.rewards.format import answer_format_reward, format_reward, make_format_reward
-from mmgrpo.rewards.iou import box_iou, iou_at_50_reward, iou_reward, parse_box, parse_boxes
+from mmgrpo.rewards.iou import box_iou, giou_reward, iou_at_50_reward, iou_reward, parse_box, parse_boxes
 from mmgrpo.rewards.length import cosine, soft_overlong
 from mmgrpo.rewards.math import math_accuracy, math_equal
 from mmgrpo.rewards.numeric import number_closeness
@@ -32,6 +32,7 @@ __all__ = [
     "get_reward",
     "iou_at_50_reward",
     "iou_reward",
+    "giou_reward",
     "reward_names",
     "make_format_reward",
     "make_soft_overlong",
