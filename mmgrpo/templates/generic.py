@@ -129,15 +129,16 @@ class GenericTemplate(Template):
     components: dict[str, str] = {}  # found on the model when the checkpoint is known (`bind_checkpoint`)
 
     def __init__(self, processor, **kwargs):
+        source = getattr(getattr(processor, "tokenizer", processor), "name_or_path", "") or "the model"
         if not getattr(processor, "chat_template", None):
             raise ConfigError(
-                f"--model_type auto: the model's processor ({type(processor).__name__}) has no chat template, which the "
-                "generic path renders prompts with; give the model folder a chat_template.jinja (or one in "
-                "processor_config.json), or write a template file for the family (docs/custom_template.md)."
+                f"--model_type auto: the processor of {source} ({type(processor).__name__}) has no chat template, which "
+                "the generic path renders prompts with; put the family's chat template in the model folder "
+                "(chat_template.jinja), or write a template file for the family (docs/custom_template.md)."
             )
         if getattr(processor, "image_processor", None) is None:
             raise ConfigError(
-                f"--model_type auto: {type(processor).__name__} has no image processor; the generic path serves "
+                f"--model_type auto: the processor of {source} ({type(processor).__name__}) has no image processor; the generic path serves "
                 "image-text-to-text models (a text-only model: --model_type qwen2 or a template file)."
             )
         for option in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
@@ -311,6 +312,13 @@ class GenericTemplate(Template):
         raise ConfigError(
             "--model_type auto cannot split a collated batch of several prompts with media back into rows; "
             "collate each prompt's copies instead (template.collate of the repeated prompts)"
+        )
+
+    def _box_scale(self, image_size, input_size) -> tuple[float, float]:
+        raise ConfigError(
+            "a reward or metric read a box, but the generic path (--model_type auto) has no box convention: it cannot "
+            "map the model's boxes to image pixels; write a template file for the family that declares one "
+            "(docs/custom_template.md) and pass it with --template_plugin"
         )
 
     def vllm_unsupported(self) -> str | None:
