@@ -8,6 +8,7 @@ inferred back to the generic path. Bad input: boxes with auto, a processor witho
 template, a class neither a template nor the generic path serves.
 """
 
+import copy
 import json
 import logging
 import sys
@@ -54,12 +55,13 @@ def _image(width: int, height: int, seed: int = 0) -> Image.Image:
 
 
 def _samples() -> list[LoadedSample]:
-    """Two prompts of different lengths and image sizes: the batch is left-padded, its media concatenated."""
+    """Two prompts of different lengths, image counts and sizes: the batch is left-padded, its media concatenated."""
     return [
-        LoadedSample("g/0", [{"role": "user", "content": "<image>What colour?"}], images=[_image(70, 50)]),
-        LoadedSample("g/1", [{"role": "system", "content": "Answer briefly."},
-                             {"role": "user", "content": "Look: <image> which shape is the red one?"}],
-                     images=[_image(120, 60, seed=1)]),
+        LoadedSample("g/0", [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": "<image><image>Which one is red?"}],
+                     images=[_image(70, 50), _image(60, 90, seed=1)]),
+        LoadedSample("g/1", [{"role": "user", "content": "Look: <image> which shape is it?"}],
+                     images=[_image(120, 60, seed=2)]),
     ]
 
 
@@ -69,8 +71,9 @@ def test_prompt_ids_and_tensors_are_the_processors(family, loaded):
     for sample in _samples():
         prompt = template.encode_prompt(sample)
         parts = [{**m, "content": template.content_parts(m["content"])} for m in sample.messages]
+        images = iter(sample.images)
         for part in (p for m in parts for p in m["content"] if p["type"] == "image"):
-            part["image"] = sample.images[0]
+            part["image"] = next(images)
         expected = processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=True,
                                                  return_dict=True, return_tensors="pt")
         assert prompt.prompt_ids.tolist() == expected["input_ids"][0].tolist()
@@ -78,7 +81,7 @@ def test_prompt_ids_and_tensors_are_the_processors(family, loaded):
         for key, value in prompt.mm.items():
             torch.testing.assert_close(value, expected[key], atol=0, rtol=0)
         image_token = template.media["image"].placeholder
-        assert prompt.prompt_text.count(image_token) == 1  # one placeholder per medium: the rollout payload
+        assert prompt.prompt_text.count(image_token) == len(sample.images)  # one placeholder per image: the rollout payload
 
 
 @pytest.mark.parametrize("family", GENERIC_FAMILIES)
@@ -86,45 +89,37 @@ def test_policy_logprobs_equal_generate_scores_and_a_step_moves_every_part(famil
     _, _, template, model = loaded[family]
     assert set(PARTS) <= set(template.components), template.components
     prompts = [template.encode_prompt(s) for s in _samples()]
-    completions, expected = [], []
-    for prompt in prompts:  # each prompt alone: generate sees no padding
-        batch = template.collate([prompt])
-        torch.manual_seed(0)
-        with torch.no_grad():
-            out = model.generate(**batch, do_sample=True, top_k=0, max_new_tokens=6, min_new_tokens=6,
-                                 suppress_tokens=template.suppress_token_ids, output_logits=True,
-                                 return_dict_in_generate=True)
-        ids = out.sequences[:, batch["input_ids"].shape[1]:]  # [1, 6]
-        assert not torch.isin(ids, torch.tensor(template.suppress_token_ids)).any()
-        logits = torch.stack(out.logits, dim=1).float()  # [1, 6, vocab]
-        completions.append(ids)
-        expected.append(torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0])
-    completion_ids, expected = torch.cat(completions), torch.cat(expected)  # [2, 6]
+    batch = template.collate(prompts)  # as the rollout engine samples: G=2 rows per prompt from num_return_sequences
+    assert (batch["attention_mask"][:, 0] == 0).any()  # one row is left-padded
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=True, top_k=0, max_new_tokens=6, min_new_tokens=6,
+                             num_return_sequences=2, suppress_tokens=template.suppress_token_ids,
+                             output_logits=True, return_dict_in_generate=True)
+    completion_ids = out.sequences[:, batch["input_ids"].shape[1]:]  # [4, 6]
+    assert not torch.isin(completion_ids, torch.tensor(template.suppress_token_ids)).any()
+    logits = torch.stack(out.logits, dim=1).float()  # [4, 6, vocab]
+    expected = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None])[..., 0]  # [4, 6]
     mask = torch.ones_like(completion_ids)
 
     policy = Policy(model, template)  # shared prefix asked for, the generic path runs naive
     assert not policy.shared_prefix and "shared_prefix" in policy.naive_reason
-    batch = policy.forward_batch(prompts, [1, 1])  # both prompts together: left padding, media concatenated
-    assert (batch.prompts["attention_mask"][:, 0] == 0).any()  # one row is padded
+    forward_batch = policy.forward_batch(prompts, [2, 2])  # each prompt and its images repeated, then collated
     with torch.no_grad():
-        logps, _ = policy.completion_logprobs(batch, completion_ids, mask)
+        logps, _ = policy.completion_logprobs(forward_batch, completion_ids, mask)
     torch.testing.assert_close(logps, expected, atol=1e-4, rtol=0)
 
     # a GRPO-like step: every part gets gradient, and an optimizer step moves it
     model.train()
     before = {part: [p.detach().clone() for p in policy.component(part).parameters()] for part in PARTS}
     optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=1e-2)
-    logps, _ = policy.completion_logprobs(batch, completion_ids, mask)
-    (-(logps * torch.tensor([[1.0], [-1.0]])).sum()).backward()
+    logps, _ = policy.completion_logprobs(forward_batch, completion_ids, mask)
+    (-(logps * torch.tensor([[1.0], [-1.0], [0.5], [-0.5]])).sum()).backward()  # advantages [4, 1]
     optimizer.step()
     for part in PARTS:
         after = list(policy.component(part).parameters())
         assert any(not torch.equal(a, b) for a, b in zip(after, before[part])), f"{family}: {part} did not move"
-    with torch.no_grad():  # restore: the module's model is shared by the tests
-        for part in PARTS:
-            for param, value in zip(policy.component(part).parameters(), before[part]):
-                param.copy_(value)
-    model.eval()
+    model.eval()  # (no later test reads this model's weights)
 
 
 @pytest.mark.parametrize("family", GENERIC_FAMILIES)
@@ -163,18 +158,27 @@ def test_train_changes_the_weights_and_its_checkpoint_infers_auto(root, tmp_path
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("flags", "named"), [
-    (["--dataset", "shapes-ground"], "--dataset shapes-ground"),
-    (["--reward_funcs", "answer_format", "iou"], "--reward_funcs"),
-    (["--reward_funcs", "answer_format", "--eval_dataset", "shapes-color", "--eval_steps", "1",
-      "--eval_metrics", "iou"], "--eval_metrics"),
+@pytest.fixture(scope="module")
+def auto_flags(root) -> TrainConfig:
+    """`mmgrpo train --model_type auto` flags (parsed once: building the parser reads every field's docstring)."""
+    return TrainConfig.from_args(["--model", str(build_generic("llava_next", root)), "--model_type", "auto",
+                                  "--reward_funcs", "answer_format", "--eval_dataset", "shapes-color", "--eval_steps", "1"])
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({("data", "dataset"): ["shapes-ground"], ("algo", "reward_funcs"): []}, "--dataset shapes-ground"),
+    ({("algo", "reward_funcs"): ["answer_format", "iou"]}, "--reward_funcs"),
+    ({("algo", "reward_funcs"): ["shapes-color:giou"]}, "--reward_funcs"),
+    ({("eval", "eval_metrics"): ["iou"]}, "--eval_metrics"),
 ])
-def test_boxes_with_auto_are_refused_at_start_up(flags, named, root):
-    cfg = TrainConfig.from_args(["--model", str(build_generic("llava_next", root)), "--model_type", "auto", *flags])
+def test_boxes_with_auto_are_refused_at_start_up(changes, named, auto_flags):
+    check_train_flags(copy.deepcopy(auto_flags))  # no box anywhere: fine
+    cfg = copy.deepcopy(auto_flags)
+    for (section, field), value in changes.items():
+        setattr(getattr(cfg, section), field, value)
     with pytest.raises(ConfigError, match="no box convention") as err:
         check_train_flags(cfg)
     assert str(err.value).startswith(named) and "docs/custom_template.md" in str(err.value)
-    check_train_flags(TrainConfig.from_args(["--model", "x", "--model_type", "auto", "--reward_funcs", "answer_format"]))
 
 
 def test_a_box_read_on_the_generic_path_names_the_way_out(loaded):
@@ -182,6 +186,16 @@ def test_a_box_read_on_the_generic_path_names_the_way_out(loaded):
     to_pixels = template.box_mapper(template.encode_prompt(_samples()[0]))
     with pytest.raises(ConfigError, match=r"no box convention.*template file"):
         to_pixels([1, 2, 3, 4])
+
+
+def test_a_video_row_is_a_data_error_naming_the_sample(loaded):
+    from mmgrpo.data.sample import Video
+    from mmgrpo.errors import DataError
+
+    _, _, template, _ = loaded["idefics3"]
+    video = Video(frames=np.zeros((2, 28, 28, 3), dtype=np.uint8), metadata={"fps": 1.0})
+    with pytest.raises(DataError, match=r"sample v/0: has video input, but template 'auto' takes only image"):
+        template.encode_prompt(LoadedSample("v/0", [{"role": "user", "content": "<video>Hi"}], videos=[video]))
 
 
 def test_a_processor_without_a_chat_template_is_refused(root):
@@ -205,6 +219,21 @@ def test_a_class_neither_path_serves_is_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="LlamaConfig .*not an image-text-to-text model") as err:
         GenericTemplate.model_class(LlamaConfig())
     assert "gemma3" in str(err.value) and "--model_type auto" in str(err.value)
+
+
+def test_freeze_vit_and_vit_lr_use_the_parts_found(loaded):
+    from mmgrpo.config import ModelConfig
+    from mmgrpo.models.loading import model_skeleton
+    from mmgrpo.models.train_type import freeze
+    from mmgrpo.training.optim import group_of
+
+    folder, _, template, _ = loaded["lfm2_vl"]
+    skeleton = model_skeleton(str(folder), template)
+    freeze(skeleton, template.components, ModelConfig(freeze_vit=True))
+    frozen = {name for name, p in skeleton.named_parameters() if not p.requires_grad}
+    assert frozen and all(name.startswith("model.vision_tower.") for name in frozen)
+    groups = {group_of(name, template.components) for name, _ in skeleton.named_parameters()}  # --vit_lr, --aligner_lr
+    assert groups == {"vit", "aligner", "llm"}
 
 
 def test_pixel_budgets_and_vllm_are_refused(loaded):

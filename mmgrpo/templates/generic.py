@@ -9,7 +9,7 @@ expansion itself, this one hands both to the model's own processor:
 - `render`: `processor.apply_chat_template` on the messages as typed content parts
   ({"type": "image"}, {"type": "text", "text": ...}); the text keeps one placeholder per medium, as
   the chat template writes it (`<image>`, `[IMG]` ...), which is what a rollout engine takes.
-- `encode_prompt`: `processor(text=[prompt_text], images=[images], videos=[videos])` gives the
+- `encode_prompt`: `processor(text=[prompt_text], images=[images])` gives the
   expanded ids and every tensor the forward takes (pixel_values, image_sizes,
   pixel_attention_mask, spatial_shapes ...). The bos is not added twice: as the processor's own
   `apply_chat_template(tokenize=True)` does, special tokens are not added to a text that starts
@@ -27,8 +27,8 @@ expansion itself, this one hands both to the model's own processor:
 
 What it does not do: boxes (no box convention: a box reward or metric is refused at start-up),
 the fast paths (shared prefix, lean decode: always the naive forward), vLLM (its prompts are
-not checked against the policy's), pixel budgets (the processor's saved settings apply), audio,
-and images returned by tools. Log-probs are the LM head over the backbone's last hidden state:
+not checked against the policy's), pixel budgets (the processor's saved settings apply), videos,
+audio, and images returned by tools. Log-probs are the LM head over the backbone's last hidden state:
 a model that changes its logits after the head (soft-capping, a logit scale) needs a template.
 A template file adds golden prompt ids, the box convention, the fast paths and vLLM prompt parity
 (docs/models.md, "The generic path"; docs/custom_template.md).
@@ -152,11 +152,9 @@ class GenericTemplate(Template):
         self.stop_tokens = self.find_stop_tokens()
 
     def build_media(self) -> dict:
-        """The modalities the processor takes: images (and videos where it has a video processor)."""
-        media = {"image": ProcessorMedia("image", *self.media_token("image"))}
-        if getattr(self.processor, "video_processor", None) is not None and getattr(self.processor, "video_token", None):
-            media["video"] = ProcessorMedia("video", *self.media_token("video"))
-        return media
+        """Images only: how each processor takes sampled video frames differs (fps, metadata,
+        frame sampling), which a template file settles; a video row is a DataError naming it."""
+        return {"image": ProcessorMedia("image", *self.media_token("image"))}
 
     def media_token(self, modality: str) -> tuple[str, int]:
         """(placeholder text, its id) the processor expands for a modality: `processor.image_token` ..."""
@@ -246,7 +244,7 @@ class GenericTemplate(Template):
         self.check_media(sample)
         prompt_text = self.render(sample.messages, add_generation_prompt=True)
         try:
-            out = self.process(prompt_text, list(sample.images), list(sample.videos))
+            out = self.process(prompt_text, list(sample.images))
         except (ValueError, TypeError, IndexError) as err:  # the processor's own complaint, with the sample named
             raise DataError(f"sample {sample.id}: {type(self.processor).__name__} failed: {err}") from None
         prompt_ids = out.pop("input_ids")[0]  # [prompt_len]
@@ -265,7 +263,7 @@ class GenericTemplate(Template):
             columns=dict(getattr(sample, "columns", {})),
         )
 
-    def process(self, text: str, images: list, videos: list) -> dict[str, torch.Tensor]:
+    def process(self, text: str, images: list) -> dict[str, torch.Tensor]:
         """The processor on one prompt: input_ids [1, L] and its media tensors (what `apply_chat_template` would give)."""
         kwargs = {}
         bos = self.tokenizer.bos_token
@@ -273,8 +271,6 @@ class GenericTemplate(Template):
             kwargs["add_special_tokens"] = False
         if images:
             kwargs["images"] = [images]
-        if videos:
-            kwargs["videos"] = [[video.frames for video in videos]]
         out = self.processor(text=[text], return_tensors="pt", **kwargs)
         return {key: value for key, value in out.items() if isinstance(value, torch.Tensor)}
 
