@@ -20,8 +20,8 @@ expansion itself, this one hands both to the model's own processor:
   forward in the order of the image tokens.
 - the model's parts are found on it (`find_components`): the backbone at `base_model_prefix`, the
   LM head from `get_output_embeddings()`, the text decoder from `get_decoder()`, the vision tower
-  from `get_encoder("image")` and the projector under one of its usual names; a part that is not
-  found is a start-up error for the flag that needs it (--freeze_vit, --vit_lr, --aligner_lr ...).
+  from `get_encoder("image")` and the projector under one of its usual names; --vit_lr and
+  --aligner_lr are start-up errors where that part is not found.
 - what ends a turn is read off the chat template (the special token it writes after an assistant
   turn); the processor's media tokens are never sampled.
 
@@ -46,7 +46,6 @@ from mmgrpo.templates.base import TEMPLATES, Template, register_template
 logger = logging.getLogger("mmgrpo.templates")
 
 AUTO = "auto"  # the --model_type of the generic path
-PER_TOKEN_SUFFIX = "token_type_ids"  # processor outputs with one entry per token (mm_token_type_ids, token_type_ids)
 ALIGNER_NAMES = ("multi_modal_projector", "connector", "mm_projector", "projector", "merger", "aligner")
 _ANSWER = "It is done"  # an assistant turn's text, to read what the chat template writes after it
 
