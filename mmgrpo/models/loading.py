@@ -11,6 +11,7 @@ processor = load_processor("tiny:qwen2-vl")    # tokenizer padding_side = "left"
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -20,6 +21,7 @@ from mmgrpo.errors import CheckpointError, ConfigError
 from mmgrpo.models.integrity import check_model_folder
 from mmgrpo.models.tiny import built_model_family, resolve_model_path
 
+logger = logging.getLogger("mmgrpo.models")
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
 
 
@@ -220,6 +222,7 @@ def infer_model_type(model: str) -> str:
     import json
 
     from mmgrpo.templates import Template, template_names, templates_for_hf_type
+    from mmgrpo.templates.generic import AUTO, image_text_to_text_types
 
     if built_model_family(model):
         return built_model_family(model)
@@ -249,6 +252,12 @@ def infer_model_type(model: str) -> str:
     matches = templates_for_hf_type(hf_type) if hf_type else []
     if len(matches) == 1:
         return matches[0]
+    if not matches and hf_type in image_text_to_text_types():  # no template, but transformers' generic VLM class
+        logger.warning(
+            "--model %s: no template declares its model_type %r, an image-text-to-text model of transformers: "
+            "--model_type auto (the generic path, docs/models.md); give --model_type to choose otherwise", model, hf_type,
+        )
+        return AUTO
     from mmgrpo.templates.base import TEMPLATES
 
     served = "; ".join(
@@ -261,8 +270,9 @@ def infer_model_type(model: str) -> str:
             f"({', '.join(matches)}); choose one with --model_type."
         )
     raise ConfigError(
-        f"--model {model}: its config.json model_type {hf_type!r} is not one a template declares; give --model_type "
-        f"(templates and the HF types they serve: {served}), or add a template (docs/custom_template.md)."
+        f"--model {model}: its config.json model_type {hf_type!r} is not one a template declares nor an image-text-to-text "
+        f"model of transformers (which --model_type auto serves); give --model_type (templates and the HF types they "
+        f"serve: {served}), or add a template (docs/custom_template.md)."
     )
 
 
@@ -293,6 +303,7 @@ def load_template(
         max_pixels = bounded_max_pixels(processor, template_class(model_type).default_max_pixels)
     keep_pixel_limits(processor, min_pixels, max_pixels)
     template = get_template(model_type, processor, min_pixels=min_pixels, max_pixels=max_pixels, **options)
+    template.bind_checkpoint(checkpoint_path(path))  # the generic path finds the model's parts
     return path, processor, template
 
 

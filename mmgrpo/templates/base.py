@@ -522,6 +522,10 @@ class Template:
     # Loading
     # ----------------------------------------------------------------------------------------
 
+    def bind_checkpoint(self, path: str) -> None:
+        """Called with the checkpoint's folder once it is known (`load_template`): a template whose
+        module paths depend on the model (the generic path, templates/generic.py) finds them here."""
+
     @classmethod
     def model_class(cls, config) -> tuple[type, Any, dict[str, Any]]:
         """(class, config, from_pretrained kwargs) that load this family's checkpoint for training.

@@ -19,7 +19,16 @@ that names the flag and says what to give instead.
 
 from __future__ import annotations
 
-from mmgrpo.config import AlgoConfig, ModelConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from mmgrpo.config import (
+    AlgoConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainConfig,
+)
 from mmgrpo.config.domains import OneOf
 from mmgrpo.errors import ConfigError
 from mmgrpo.fusion.attach import check_fusion_flags
@@ -61,6 +70,7 @@ def check_train_flags(cfg: TrainConfig) -> None:
         validate_vllm(cfg.rollout, cfg.data.max_prompt_length)
     for spec in cfg.rollout.tools:  # a tool's typo fails now
         get_tool(spec)
+    check_generic_boxes(cfg.model, cfg.algo, cfg.data, cfg.eval)
     if cfg.save_in_background and env_world_size() > 1:
         raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
 
@@ -101,6 +111,41 @@ def fill_model_type(model_cfg: ModelConfig) -> None:
     checkpoint's flags name the family, which a resumed run compares (runs have always recorded it)."""
     if model_cfg.model_type is None:
         model_cfg.model_type = built_model_family(model_cfg.model)
+
+
+def check_generic_boxes(model_cfg: ModelConfig, algo_cfg: AlgoConfig, data_cfg: DataConfig, eval_cfg: EvalConfig) -> None:
+    """--model_type auto (the generic path, mmgrpo/templates/generic.py) has no box convention: a
+    reward that reads boxes (one taking `to_image_box`: --reward_funcs, or a --dataset's own rewards)
+    or a box metric (--eval_metrics) is a ConfigError naming the flag. A checkpoint that infers the
+    generic path gets the same refusal at its first box (`GenericTemplate.box_to_image`)."""
+    import inspect
+
+    from mmgrpo.data.catalog import load_registry, parse_spec
+    from mmgrpo.eval.metrics import get_metric
+    from mmgrpo.rewards import get_reward
+    from mmgrpo.rewards.reward_set import scoped_entries
+    from mmgrpo.templates.base import TEMPLATES
+    from mmgrpo.templates.generic import GenericTemplate
+
+    model_type = model_cfg.model_type
+    if model_type is None or model_type not in TEMPLATES or TEMPLATES.get(model_type) is not GenericTemplate:
+        return
+    datasets = [parse_spec(spec)[0] for spec in data_cfg.dataset]
+    if algo_cfg.reward_funcs:
+        rewards = [("--reward_funcs", name) for _, name in scoped_entries(list(algo_cfg.reward_funcs), datasets)]
+    else:
+        registry = load_registry(data_cfg.dataset_registry)
+        rewards = [(f"--dataset {name} (its reward_funcs)", reward)
+                   for name in datasets if name in registry for reward in registry[name].reward_funcs]
+    fix = ("the generic path (--model_type auto) has no box convention, so boxes in the model's text cannot be mapped "
+           "to image pixels; write a template file for the family that declares one (docs/custom_template.md) and "
+           "pass it with --template_plugin")
+    for flag, name in rewards:
+        if "to_image_box" in inspect.signature(get_reward(name)).parameters:
+            raise ConfigError(f"{flag}: the reward {name!r} scores boxes, and {fix}.")
+    for name in eval_cfg.eval_metrics:
+        if get_metric(name).needs_box:
+            raise ConfigError(f"--eval_metrics: the metric {name!r} scores boxes, and {fix}.")
 
 
 def loss_config(algo_cfg: AlgoConfig, rollout_cfg: RolloutConfig) -> LossConfig:
