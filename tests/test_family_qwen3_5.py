@@ -8,7 +8,12 @@ that got tokens, the router).
 """
 
 import filecmp
+import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +32,7 @@ FAMILIES = ["qwen3.5", "qwen3.5-moe"]
 MODEL_CLASS = {"qwen3.5": "Qwen3_5ForConditionalGeneration", "qwen3.5-moe": "Qwen3_5MoeForConditionalGeneration"}
 HF_TYPE = {"qwen3.5": "qwen3_5", "qwen3.5-moe": "qwen3_5_moe"}
 PATTERN = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -332,9 +338,6 @@ def test_hf_rollout_through_the_hybrid_cache_equals_decoding_without_one(family,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_grpo_step_changes_every_trainable_weight(family, tmp_path):
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import dist_worker
 
@@ -357,3 +360,98 @@ def test_one_grpo_step_changes_every_trainable_weight(family, tmp_path):
         state = run.optimizer.state[model.get_parameter(f"model.language_model.layers.{index}.mlp.experts.down_proj")]
         learnt = state["exp_avg"].abs().sum(dim=(1, 2)).nonzero().flatten().tolist()
         assert set(learnt) == experts
+
+
+# ---------------------------------------------------------------------------------------------
+# The real size: random:qwen3.5-9b (no weights, meta device)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_published_9b_configuration():
+    """Qwen3.5-9B's config.json (mmgrpo/models/real_configs.py): 9.41B parameters in transformers (the
+    checkpoint's multi-token-prediction layer, which transformers does not load, not counted), 24 Gated
+    DeltaNet and 8 full-attention layers, the 248,320-token vocabulary with an untied head. A GRPO
+    step at full width is not run on the CPU: its embedding and head alone are 2.0B parameters
+    (8 GB in fp32) at any depth."""
+    import transformers
+
+    from mmgrpo.models.real_configs import REAL_SIZES, parse_random_name, random_family, real_config
+
+    assert random_family("random:qwen3.5-9b?num_hidden_layers=4") == "qwen3.5"
+    assert parse_random_name("random:qwen3.5-9b?num_hidden_layers=4&vision_depth=1")[1] == {"num_hidden_layers": 4,
+                                                                                            "vision_depth": 1}
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(real_config("qwen3.5-9b"))
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 9.41
+    text = model.config.get_text_config()
+    assert text.layer_types == PATTERN * 8 and text.linear_num_value_heads == 32 and text.head_dim == 256
+    assert text.rope_parameters["partial_rotary_factor"] == 0.25 and text.rope_parameters["mrope_section"] == [11, 11, 10]
+    assert model.lm_head.weight.shape == (248320, 4096) and model.lm_head.weight is not model.get_input_embeddings().weight
+    assert len(model.model.visual.blocks) == 27 and model.config.vision_config.out_hidden_size == 4096
+    assert REAL_SIZES["qwen3.5-9b"].processor_class == "Qwen3VLProcessor"
+    reduced = real_config("qwen3.5-9b", {"num_hidden_layers": 4, "vision_depth": 1})
+    assert reduced.get_text_config().layer_types == PATTERN  # a reduced depth keeps the pattern from the first layer
+
+
+# ---------------------------------------------------------------------------------------------
+# The commands with the family: LoRA targets, SFT then eval, kill-and-resume exactness
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_finds_both_token_mixers_and_the_shared_expert(family, models, processors):
+    from mmgrpo.config import ModelConfig
+    from mmgrpo.models.train_type import lora_targets
+
+    template = get_template(family, processors[family])
+    targets = lora_targets(models[family], template.components,
+                           ModelConfig(train_type="lora", target_modules=["all-linear"], freeze_vit=True))
+    leaves = {name.rsplit(".", 1)[-1] for name in targets}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "o_proj"} <= leaves
+    assert not any(".visual.blocks." in name for name in targets) and "lm_head" not in targets
+    if family == "qwen3.5-moe":  # the routed experts are 3-D weights, the router one matrix: no adapters there
+        assert any(".shared_expert." in name for name in targets)
+        assert not any(name.endswith((".mlp.gate", ".experts")) for name in targets)
+
+
+def _metrics(out):
+    varying = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(varying)} for row in rows]
+
+
+def _cli(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "mmgrpo", *args], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sft_then_eval_infers_the_family(tmp_path):
+    """`mmgrpo sft` on tiny Qwen3.5, then `mmgrpo eval` of its checkpoint without --model_type."""
+    sft_out, eval_out = tmp_path / "sft", tmp_path / "eval"
+    _cli("sft", "--model", "tiny:qwen3.5", "--dataset", "shapes-color", "--per_device_train_batch_size", "4",
+         "--max_steps", "2", "--dataloader_num_workers", "0", "--report_to", "none", "--output_dir", str(sft_out))
+    final = sorted(p.parent for p in sft_out.rglob("model.safetensors"))[-1]
+    assert json.loads((final / "config.json").read_text())["model_type"] == "qwen3_5"
+    _cli("eval", "--model", str(final), "--dataset", "shapes-color:test", "--limit", "4", "--max_completion_length", "8",
+         "--output_dir", str(eval_out))
+    result = json.loads((eval_out / "eval.json").read_text())
+    assert result["counts"]["all"] == 4 and set(result["metrics"]) == {"answer_format", "vqa_accuracy"}
+
+
+@pytest.mark.slow
+def test_a_resumed_run_logs_the_uninterrupted_run(tmp_path):
+    """Four GRPO steps straight, and the same run restarted from its checkpoint-2 (as a kill after that
+    save leaves it): the same metrics, step for step (the MoE router and experts included)."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run = ["train", "--model", "tiny:qwen3.5-moe", "--dataset", "shapes-color", "--num_generations", "2",
+           "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--learning_rate", "1e-3",
+           "--beta", "0.04", "--save_steps", "2", "--dataloader_num_workers", "0", "--report_to", "none"]
+    _cli(*run, "--max_steps", "4", "--output_dir", str(whole))
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    lines = (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (resumed / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 2))
+    _cli(*run, "--max_steps", "4", "--output_dir", str(resumed), "--resume_from_checkpoint", "latest")
+    assert _metrics(resumed) == _metrics(whole) and [row["step"] for row in _metrics(whole)] == [1, 2, 3, 4]

