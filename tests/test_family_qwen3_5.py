@@ -265,6 +265,27 @@ def _routed_experts(model, run) -> dict[int, set[int]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_without_media_scores_as_generate(family, processors, models):
+    """No media in the whole batch: `generate` then numbers positions itself (0, 1, ... from the first
+    column, padding included), the template from the first real token (`get_rope_index`); the
+    log-probs agree (RoPE sees relative positions only), a multi-turn row included."""
+    template, model = get_template(family, processors[family]), models[family]
+    prompts = [template.encode_prompt(_sample(case)) for case in ("text_only", "multi_turn_text")]
+    batch = template.collate(prompts)
+    assert batch["attention_mask"][0, 0] == 0 and "pixel_values" not in batch
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=5, do_sample=True, suppress_tokens=template.suppress_token_ids,
+                             output_logits=True, return_dict_in_generate=True)
+    completion_ids = out.sequences[:, batch["input_ids"].shape[1]:]
+    policy = Policy(model, template)
+    with torch.no_grad():
+        logps, _ = policy.completion_logprobs(policy.forward_batch(prompts, [1, 1]), completion_ids,
+                                              torch.ones_like(completion_ids))
+    torch.testing.assert_close(logps, _logps(torch.stack(out.logits, dim=1), completion_ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_forward_logprobs_match_generate_and_every_part_gets_gradient(family, processors, models):
     template, model = get_template(family, processors[family]), models[family]
     prompts = [template.encode_prompt(s) for s in _batch_samples()]
