@@ -328,28 +328,37 @@ def test_forward_logprobs_match_generate_and_every_part_gets_gradient(family, pr
     model.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_rollout_through_the_hybrid_cache_equals_decoding_without_one(family, processors, models):
-    """The rollout engine samples through `generate` with the model's own cache (a recurrent state and a
-    convolution window per Gated DeltaNet layer, K/V per attention layer): its greedy tokens equal
-    decoding by whole forwards with no cache, for G rows per prompt."""
-    template, model = get_template(family, processors[family]), models[family]
-    prompts = [template.encode_prompt(s) for s in _batch_samples()]
-    greedy = SamplingParams(num_generations=2, max_new_tokens=5, greedy=True)
-    rollout = HFRollout(model, template).generate(prompts, greedy)
-    assert rollout.completion_ids.shape == (4, 5)
-
+def _greedy_without_cache(model, template, prompts, steps: int) -> torch.Tensor:
+    """Greedy tokens [B, steps] by whole forwards over prompt + tokens so far, no cache."""
     batch = template.collate(prompts)
-    ids = torch.empty(2, 0, dtype=torch.long)
+    ids = torch.empty(len(prompts), 0, dtype=torch.long)
     suppress = torch.tensor(template.suppress_token_ids)
-    for _ in range(5):
+    for _ in range(steps):
         inputs = template.forward_inputs(batch, ids, torch.ones_like(ids), model=model)
         with torch.no_grad():
             logits = model(**inputs, use_cache=False).logits[:, -1].float()
         logits[:, suppress] = -float("inf")
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-    expected = ids.repeat_interleave(2, dim=0).masked_fill(rollout.completion_mask == 0, template.completion_pad_id)
-    assert torch.equal(rollout.completion_ids, expected)
+    return ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_rollout_through_the_hybrid_cache_equals_decoding_without_one(family, processors, models):
+    """The rollout engine samples through `generate` with the model's own cache (a recurrent state and a
+    convolution window per Gated DeltaNet layer, K/V per attention layer): its greedy tokens equal
+    decoding by whole forwards with no cache, for G rows per prompt; and so do those of a following
+    rollout of another number of prompts without media (the model keeps the last batch's mRoPE offsets
+    between calls: they must not leak into it)."""
+    template, model = get_template(family, processors[family]), models[family]
+    engine = HFRollout(model, template)
+    greedy = SamplingParams(num_generations=2, max_new_tokens=5, greedy=True)
+    for prompts in ([template.encode_prompt(s) for s in _batch_samples()],
+                    [template.encode_prompt(_sample(case)) for case in ("text_only", "multi_turn_text", "text_only")]):
+        rollout = engine.generate(prompts, greedy)
+        assert rollout.completion_ids.shape == (2 * len(prompts), 5)
+        expected = _greedy_without_cache(model, template, prompts, 5).repeat_interleave(2, dim=0)
+        expected = expected.masked_fill(rollout.completion_mask == 0, template.completion_pad_id)
+        assert torch.equal(rollout.completion_ids, expected)
 
 
 # ---------------------------------------------------------------------------------------------
