@@ -13,9 +13,9 @@
   differs by size: the small dense checkpoints (0.8B to 9B) answer without thinking, the large ones
   (27B, and every MoE size) think. `qwen3.5` renders the small ones' default (`thinking = False`),
   `qwen3.5-moe` thinks (mmgrpo/templates/qwen3_5_moe.py); for Qwen3.5-27B, register a subclass
-  with `thinking = True` (docs/custom_template.md). With thinking on, completions start inside the
-  think block, so the `format` reward (which wants `<think>` first) never matches; use
-  `answer_format`, or accuracy rewards, which read the text after `</think>`.
+  with `thinking = True` (docs/custom_template.md). Either way the prompt holds the `<think>` tag,
+  so no completion starts with it and the `format` reward (which wants `<think>` first) never
+  matches; use `answer_format`, or accuracy rewards, which read the text after `</think>`.
 - The decoder interleaves Gated DeltaNet (linear attention, a recurrent state per layer) and gated
   full attention, 3 : 1. Positions are interleaved mRoPE from the model's own `get_rope_index`
   (rows without media and multi-turn rows too); the linear layers take none.
