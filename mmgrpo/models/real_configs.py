@@ -1,5 +1,5 @@
 """Random checkpoints of real model sizes, built offline: `random:qwen2.5-vl-3b`, `random:qwen2.5-vl-7b`,
-`random:qwen3-vl-8b`.
+`random:qwen3-vl-8b`, `random:qwen3.5-9b`.
 
 No weights can be downloaded here, but the published configurations are facts: each entry of
 `REAL_SIZES` carries the numbers of the model's config.json (hidden and intermediate sizes, layers,
@@ -100,6 +100,27 @@ REAL_SIZES: dict[str, RealSize] = {
         tie_word_embeddings=False, config_class="Qwen3VLConfig", processor_class="Qwen3VLProcessor",
         pixels=(65536, 16777216),  # preprocessor_config.json: size shortest_edge, longest_edge
     ),
+    # Qwen3.5-9B: the numbers of its config.json. transformers documents its Qwen3_5TextConfig defaults as
+    # "the Qwen3.5-9B style configuration" (transformers/models/qwen3_5/configuration_qwen3_5.py: hidden 4096,
+    # 32 layers, 16 heads over 4 KV heads of 256, Gated DeltaNet 16 key / 32 value heads of 128, untied),
+    # and a config.json of a Qwen/Qwen3.5-9B fine-tune (empero-ai/Qwythos-9B, its architecture notes) gives
+    # the same plus what the defaults lack: rope_theta 1e7, mRoPE [11, 11, 10] interleaved, 262,144
+    # positions, the vision tower's out_hidden_size 4096. Every 4th layer is full attention
+    # (full_attention_interval 4); a reduced depth keeps the pattern from the first layer (4 = one group).
+    "qwen3.5-9b": RealSize(
+        family="qwen3.5", published="Qwen/Qwen3.5-9B",
+        text={"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "hidden_act": "silu",
+              "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+              "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+              "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        vision={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                "in_channels": 3, "num_position_embeddings": 2304, "out_hidden_size": 4096},
+        tie_word_embeddings=False, config_class="Qwen3_5Config", processor_class="Qwen3VLProcessor",
+        pixels=(65536, 16777216),  # Qwen3-VL's processor budget, which Qwen3.5 ships
+    ),
 }  # fmt: skip
 
 OVERRIDES = ("num_hidden_layers", "vision_depth", "seed")
@@ -120,7 +141,7 @@ def parse_random_name(name: str) -> tuple[str, dict[str, int]]:
     ('qwen2.5-vl-7b', {'num_hidden_layers': 2, 'vision_depth': 2})
     >>> parse_random_name("random:qwen2.5-vl-9b")
     Traceback (most recent call last):
-    mmgrpo.errors.ConfigError: model 'random:qwen2.5-vl-9b': unknown size 'qwen2.5-vl-9b'; known: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-vl-8b
+    mmgrpo.errors.ConfigError: model 'random:qwen2.5-vl-9b': unknown size 'qwen2.5-vl-9b'; known: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-vl-8b, qwen3.5-9b
     """
     size, _, query = name.removeprefix(RANDOM_PREFIX).partition("?")
     if size not in REAL_SIZES:
@@ -174,11 +195,14 @@ def real_config(size: str, overrides: dict | None = None, token_ids: dict[str, i
     overrides = overrides or {}
     real = REAL_SIZES[size]
     ids = token_ids or PUBLISHED_TOKEN_IDS
-    text = {key: value for key, value in real.text.items() if key not in ("rope_theta", "mrope_section", "mrope_interleaved")}
+    rope_keys = ("rope_theta", "mrope_section", "mrope_interleaved", "partial_rotary_factor")
+    text = {key: value for key, value in real.text.items() if key not in rope_keys}
     text["num_hidden_layers"] = overrides.get("num_hidden_layers", text["num_hidden_layers"])
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": real.text["rope_theta"],
                                "mrope_section": list(real.text["mrope_section"]),
-                               **({"mrope_interleaved": True} if real.text.get("mrope_interleaved") else {})}  # fmt: skip
+                               **({"mrope_interleaved": True} if real.text.get("mrope_interleaved") else {}),
+                               **({"partial_rotary_factor": real.text["partial_rotary_factor"]}
+                                  if "partial_rotary_factor" in real.text else {})}  # fmt: skip
     text.update(tie_word_embeddings=real.tie_word_embeddings, bos_token_id=ids["<|endoftext|>"],
                 eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])  # fmt: skip
     vision = reduced_vision(real, overrides.get("vision_depth", real.vision["depth"]))
@@ -287,7 +311,8 @@ def _write_checkpoint(size: str, overrides: dict, out: Path) -> None:
 
     real, recipe = REAL_SIZES[size], RECIPES[REAL_SIZES[size].family]
     tokenizer = build_tokenizer(recipe.special_tokens, recipe.chat_template, real.text["vocab_size"],
-                                eos_token=recipe.eos_tokens[0], pad_token=recipe.pad_token)  # fmt: skip
+                                eos_token=recipe.eos_tokens[0], pad_token=recipe.pad_token,
+                                text_tokens=recipe.text_tokens)  # fmt: skip
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in recipe.special_tokens}
     config = real_config(size, overrides, ids)
     # Built on the meta device and given bf16 storage once (as the published weights are): one copy

@@ -16,6 +16,7 @@ from mmgrpo.models.tiny_tokenizer import (
     QWEN_VL_CHAT_TEMPLATE,
     QWEN_VL_PARTS,
     chatml_jinja,
+    qwen3_5_jinja,
 )
 
 # Small pixel budgets suit tiny models: an image is 4 to 64 merged tokens, a video frame 4 to 16.
@@ -569,3 +570,113 @@ RECIPES: dict[str, TinyRecipe] = {
         make_processor=None,
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3.5 (dense and MoE): Qwen3-VL's vocabulary and processor, a hybrid decoder
+# ---------------------------------------------------------------------------------------------
+
+# Qwen3's plain-text tool and thinking tokens: single tokens of the vocabulary, not special (decoding
+# keeps them, so a format reward sees `</think>`).
+QWEN3_5_TEXT_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+# Every 4th decoder layer is full (gated) attention, the others Gated DeltaNet linear attention
+# (the published configs' `full_attention_interval`: 3 linear : 1 full).
+QWEN3_5_FULL_ATTENTION_INTERVAL = 4
+
+
+def _qwen3_5_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
+    """The hybrid decoder at tiny size: the depth rounded up to whole (linear, linear, linear, full)
+    groups, so `num_hidden_layers=2` (the default) gives the four layers of one group."""
+    text = _qwen_text_dims(dims, vocab_size, ids)
+    interval = QWEN3_5_FULL_ATTENTION_INTERVAL
+    text["num_hidden_layers"] = -(-dims["num_hidden_layers"] // interval) * interval
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(text["num_hidden_layers"])
+    ]
+    # Rotary on a quarter of each head (partial_rotary_factor 0.25, as published), its half-dimension
+    # split into interleaved mRoPE sections in the published [11, 11, 10] proportions.
+    half = int(dims["head_dim"] * 0.25) // 2
+    temporal = spatial = max(1, half * 11 // 32)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": float(dims["rope_theta"] or 10000000.0),
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [temporal, spatial, half - temporal - spatial],
+        "mrope_interleaved": True,
+    }
+    # Gated DeltaNet heads: twice as many value heads as key heads, as in Qwen3.5-9B (16 key, 32 value)
+    text.update(
+        linear_num_key_heads=max(1, dims["num_key_value_heads"]),
+        linear_num_value_heads=2 * max(1, dims["num_key_value_heads"]),
+        linear_key_head_dim=dims["head_dim"],
+        linear_value_head_dim=dims["head_dim"],
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+    )
+    return text
+
+
+def _qwen3_5_vision(dims: dict) -> dict:
+    """Qwen3.5's vision tower (Qwen3-VL's, without deepstack taps)."""
+    return {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "out_hidden_size": dims["hidden_size"],
+        "num_heads": dims["vision_num_heads"],
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+        "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to each image's grid
+    }
+
+
+def _qwen3_5_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config=_qwen3_5_text(dims, vocab_size, ids),
+        vision_config=_qwen3_5_vision(dims),
+        tie_word_embeddings=False,
+        **_qwen_vl_ids(ids),
+    )
+
+
+# Qwen3.5-MoE at tiny size: 4 routed experts, 2 per token, one gated shared expert in every layer
+# (Qwen3.5-35B-A3B: 256 experts, 8 per token, a shared expert; expert width a quarter of the hidden size).
+QWEN3_5_MOE_EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2}
+
+
+def _qwen3_5_moe_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen3_5MoeConfig
+
+    text = _qwen3_5_text(dims, vocab_size, ids)
+    del text["intermediate_size"]  # every layer's MLP is the MoE block
+    text.update(
+        QWEN3_5_MOE_EXPERTS,
+        moe_intermediate_size=dims["intermediate_size"] // 4,
+        shared_expert_intermediate_size=dims["intermediate_size"] // 4,
+    )
+    return Qwen3_5MoeConfig(
+        text_config=text, vision_config=_qwen3_5_vision(dims), tie_word_embeddings=False, **_qwen_vl_ids(ids)
+    )
+
+
+RECIPES["qwen3.5"] = TinyRecipe(
+    family="qwen3.5",
+    special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,  # Qwen3.5's vocabulary has them in this order (ids 248044 ...)
+    chat_template=qwen3_5_jinja(thinking=False),  # the small checkpoints (0.8B-9B) answer without thinking by default
+    make_config=_qwen3_5_config,
+    model_class="Qwen3_5ForConditionalGeneration",
+    make_processor=lambda dims: qwen_vl_processor("Qwen3VLProcessor", dims),  # what Qwen3.5 checkpoints ship
+    text_tokens=QWEN3_5_TEXT_TOKENS,
+)
+RECIPES["qwen3.5-moe"] = TinyRecipe(
+    family="qwen3.5-moe",
+    special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,
+    chat_template=qwen3_5_jinja(thinking=True),  # the MoE checkpoints (35B-A3B and up) think by default
+    make_config=_qwen3_5_moe_config,
+    model_class="Qwen3_5MoeForConditionalGeneration",
+    make_processor=lambda dims: qwen_vl_processor("Qwen3VLProcessor", dims),
+    text_tokens=QWEN3_5_TEXT_TOKENS,
+)

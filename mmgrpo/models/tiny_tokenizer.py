@@ -263,3 +263,50 @@ def build_tokenizer(
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in text_tokens])
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def qwen3_5_jinja(thinking: bool) -> str:
+    """Qwen3.5's chat format: no default system turn, each message's text trimmed, a vision block
+    per image or video part, `<think>` blocks on the assistant turns after the last user query
+    (earlier ones keep only their answer), and a generation prompt that opens the thinking block
+    (`thinking`, the checkpoint's default, or `enable_thinking=True`) or closes an empty one.
+
+    Equivalent in output to the chat template the Qwen3.5 checkpoints ship, for the messages mmgrpo
+    renders (no tool definitions or tool calls; those are the model's own text here).
+    """
+    on = "enable_thinking is not defined or enable_thinking" if thinking else "enable_thinking is defined and enable_thinking"
+    return (
+        "{%- macro body(content) -%}{%- if content is string -%}{{ content }}{%- else -%}"
+        "{%- for part in content -%}"
+        "{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}<|vision_start|><|image_pad|><|vision_end|>"
+        "{%- elif part.type == 'video' or 'video' in part -%}<|vision_start|><|video_pad|><|vision_end|>"
+        "{%- elif 'text' in part -%}{{ part.text }}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+        "{%- set ns = namespace(last_query=messages | length - 1, found=false) -%}"
+        "{%- for message in messages[::-1] -%}"
+        "{%- set text = body(message.content) | trim -%}"
+        "{%- if not ns.found and message.role == 'user'"
+        " and not (text.startswith('<tool_response>') and text.endswith('</tool_response>')) -%}"
+        "{%- set ns.found = true -%}{%- set ns.last_query = messages | length - 1 - loop.index0 -%}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- for message in messages -%}"
+        "{%- set content = body(message.content) | trim -%}"
+        "{%- if message.role == 'assistant' -%}"
+        "{%- set reasoning = '' -%}"
+        "{%- if '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') | trim -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+        "{%- if loop.index0 > ns.last_query -%}"
+        "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+        "{%- else -%}{{ '<|im_start|>assistant\\n' + content }}{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- elif message.role == 'tool' -%}"
+        "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+        "{{ '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- else -%}{{ '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+        "{%- if " + on + " -%}{{ '<think>\\n' }}{%- else -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+        "{%- endif -%}"
+    )

@@ -21,6 +21,8 @@ from mmgrpo.templates import (  # noqa: F401  (register the families)
     qwen2_5_vl,
     qwen2_audio,
     qwen2_vl,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_vl,
 )
 from mmgrpo.templates.base import (
