@@ -20,6 +20,7 @@ from mmgrpo.templates import (  # noqa: F401  (register the families)
     qwen2_5_vl,
     qwen2_audio,
     qwen2_vl,
+    qwen3_omni,
     qwen3_vl,
 )
 from mmgrpo.templates.base import (

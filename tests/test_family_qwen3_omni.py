@@ -1,0 +1,277 @@
+"""Qwen3-Omni's thinker (tiny:qwen3-omni): its build, parity with Qwen3OmniMoeProcessor for every
+medium (video with its sound track included), log-probs equal to generate's, a GRPO step that moves
+every weight (towers, router, experts), the full checkpoint's thinker, and SFT / eval / resume.
+"""
+
+import filecmp
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgrpo.data.sample import LoadedSample, Video
+from mmgrpo.forward.policy import Policy
+from mmgrpo.models import load_model, load_processor
+from mmgrpo.models.tiny import build_tiny
+from mmgrpo.templates import Template, get_template
+from mmgrpo.templates.hooks import sampled_fps, video_metadata
+from mmgrpo.templates.qwen3_omni import aut_audio_tokens
+
+FAMILY = "qwen3-omni"
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(build_tiny(FAMILY))
+
+
+@pytest.fixture(scope="module")
+def processor(path):
+    return load_processor(path)
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return load_model(path)
+
+
+def _image(width, height, seed=0):
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _audio(seconds, seed=0):
+    t = np.arange(int(16000 * seconds)) / 16000
+    noise = np.random.RandomState(seed).randn(t.size) * 0.05
+    return (0.3 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + noise).astype(np.float32)
+
+
+def _video(num_frames=4, width=84, height=56, fps=2.0, sound_seconds=None):
+    frames = np.random.RandomState(7).randint(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+    metadata = {"fps": fps, "total_num_frames": 2 * num_frames, "frames_indices": list(range(0, 2 * num_frames, 2)),
+                "duration": 2 * num_frames / fps, "width": width, "height": height}  # fmt: skip
+    video = Video(frames=frames, metadata=metadata)
+    if sound_seconds:
+        video.audio = _audio(sound_seconds, seed=5)  # the video's sound track
+    return video
+
+
+def _sample(sample_id, messages, images=(), videos=(), audios=()):
+    if isinstance(messages, str):
+        messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": messages}]
+    return LoadedSample(id=sample_id, messages=messages, images=list(images), videos=list(videos), audios=list(audios))
+
+
+# ---------------------------------------------------------------------------------------------
+# The build
+# ---------------------------------------------------------------------------------------------
+
+
+def test_build_is_byte_identical_with_the_real_structure(tmp_path, path, processor, model):
+    first, second = build_tiny(FAMILY, cache_dir=tmp_path / "a"), build_tiny(FAMILY, cache_dir=tmp_path / "b")
+    names = sorted(os.listdir(first))
+    assert names == sorted(os.listdir(second))
+    assert filecmp.cmpfiles(first, second, names, shallow=False)[1:] == ([], [])
+
+    assert type(model).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert json.loads(open(os.path.join(path, "config.json")).read())["model_type"] == "qwen3_omni_moe_thinker"
+    assert 0.4e6 < sum(p.numel() for p in model.parameters()) < 2e6
+    text = model.config.text_config
+    assert (text.num_experts, text.num_experts_per_tok, text.mlp_only_layers) == (4, 2, [])
+    for layer in model.model.language_model.layers:  # every decoder layer is sparse: router and experts
+        assert type(layer.mlp).__name__ == "Qwen3OmniMoeThinkerTextSparseMoeBlock"
+        assert layer.mlp.experts.gate_up_proj.shape[0] == 4
+    assert type(model.model.audio_tower).__name__ == "Qwen3OmniMoeAudioEncoder"
+    assert len(model.model.visual.merger_list) == len(model.config.vision_config.deepstack_visual_indexes) == 1
+    assert model.config.position_id_per_seconds == processor.position_id_per_seconds == 13
+
+    tokenizer = processor.tokenizer
+    assert len(tokenizer) == text.vocab_size and tokenizer.padding_side == "left"
+    template = get_template(FAMILY, processor)
+    for module_path in template.components.values():
+        model.get_submodule(module_path)
+    suppressed = set(tokenizer.convert_ids_to_tokens(template.suppress_token_ids))
+    assert {"<|image_pad|>", "<|video_pad|>", "<|audio_pad|>", "<|audio_start|>", "<|vision_start|>"} <= suppressed
+    assert set(template.stop_token_ids).isdisjoint(template.suppress_token_ids)
+    assert not template.lean_decode  # MoE layers are not the lean step's SwiGLU
+
+
+def test_the_model_type_is_inferred_from_the_thinker_and_the_full_checkpoint(path, tmp_path):
+    from mmgrpo.models.loading import infer_model_type
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
+    assert infer_model_type(path) == infer_model_type(str(full)) == FAMILY
+
+
+def test_a_full_checkpoint_loads_its_thinker(tmp_path, path, model, processor):
+    """A user's checkpoint is the whole Qwen3-Omni (thinker + talker + code2wav, `thinker.*` beside
+    `talker.*` and `code2wav.*`): its thinker loads, the rest is left on disk."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Qwen3OmniMoeConfig
+
+    from mmgrpo.models.loading import model_skeleton
+
+    thinker = AutoConfig.from_pretrained(path)
+    Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), enable_audio_output=False).save_pretrained(tmp_path)
+    weights = load_file(os.path.join(path, "model.safetensors"))  # the original layout: experts one by one
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
+    full = {"thinker." + k: v for k, v in weights.items()}
+    full["talker.codec_head.weight"] = torch.zeros(2, 2)  # a speech part GRPO does not train
+    save_file(full, str(tmp_path / "model.safetensors"), {"format": "pt"})
+    template = get_template(FAMILY, processor)
+    loaded = load_model(str(tmp_path), template=template)
+    assert type(loaded).__name__ == type(model_skeleton(str(tmp_path), template)).__name__ == type(model).__name__
+    reference = model.state_dict()
+    assert loaded.state_dict().keys() == reference.keys()
+    assert all(torch.equal(value, reference[name]) for name, value in loaded.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with Qwen3OmniMoeProcessor
+# ---------------------------------------------------------------------------------------------
+
+MULTI_TURN = [
+    {"role": "user", "content": "<audio>What is the sound?"},
+    {"role": "assistant", "content": "A tone."},
+    {"role": "user", "content": "<image>And the colour here?"},
+]
+CASES = {
+    "text_only": ("What is seven plus five?", {}),
+    "one_image": ("<image>What colour is the shape?", {"images": [(84, 56)]}),
+    "two_images": ("Compare <image> with <image>: which is bigger?", {"images": [(90, 60), (50, 120)]}),
+    "video": ("<video>What moves?", {"videos": [None]}),
+    "audio": ("<audio>What is the sound?", {"audios": [1.3]}),
+    "two_audios": ("Is <audio> the same as <audio>?", {"audios": [0.7, 2.2]}),  # padded to the longer clip
+    "long_audio": ("<audio>Transcribe.", {"audios": [4.7]}),  # several AuT chunks and attention windows
+    "image_audio_video": ("<image><audio>Then <video>: match?", {"images": [(56, 84)], "audios": [1.1], "videos": [None]}),
+    "multi_turn": (MULTI_TURN, {"images": [(84, 56)], "audios": [0.8]}),
+    # with use_audio_in_video: 3 s of sound against two temporal patches (at 0 and 2 s = 26 position ids)
+    "video_with_sound": ("<video>What do you hear?", {"videos": [3.0]}),
+    "audio_then_video_with_sound": ("<audio>Listen, then <video>: same sound?", {"audios": [0.9], "videos": [3.0]}),
+}
+WITH_SOUND = {"video_with_sound", "audio_then_video_with_sound"}
+
+
+def _case(case):
+    messages, spec = CASES[case]
+    images = [_image(w, h, seed=i) for i, (w, h) in enumerate(spec.get("images", []))]
+    videos = [_video(sound_seconds=s) for s in spec.get("videos", [])]
+    audios = [_audio(s, seed=i) for i, s in enumerate(spec.get("audios", []))]
+    return _sample(f"parity/{case}", messages, images, videos, audios)
+
+
+def _hf_inputs(processor, template, text, sample, with_sound):
+    """Qwen3OmniMoeProcessor on the rendered text and the raw media, the sound tracks as `audio` slots."""
+    kwargs = {}
+    if sample.images:
+        kwargs["images"] = sample.images
+    if sample.videos:
+        kwargs["videos"] = [v.frames for v in sample.videos]
+        kwargs["videos_kwargs"] = {"video_metadata": [video_metadata(v) for v in sample.videos],
+                                   "do_sample_frames": False, "size": template.media["video"].size,
+                                   "fps": sampled_fps(sample.videos[0])}  # fmt: skip
+    tracks = [v.audio for v in sample.videos] if with_sound else []
+    if sample.audios or tracks:
+        kwargs["audio"] = list(sample.audios) + tracks
+        kwargs["sampling_rate"] = 16000
+    if tracks:  # the standalone clips, then the video's track: the order they take in this prompt
+        kwargs["audio_from_video_indices"] = [None] * len(sample.audios) + [0]
+        kwargs["load_audio_from_video"] = True
+    return processor(text=[text], return_tensors="pt", **kwargs)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parity_with_the_hf_processor(case, processor):
+    with_sound = case in WITH_SOUND
+    template = get_template(FAMILY, processor, **({"use_audio_in_video": True} if with_sound else {}))
+    sample = _case(case)
+    prompt = template.encode_prompt(sample)
+
+    messages = [{"role": m["role"], "content": Template.content_parts(m["content"])} for m in sample.messages]
+    hf_text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert hf_text == prompt.prompt_text  # the rollout payload is what the HF processor takes
+    expected = _hf_inputs(processor, template, hf_text, sample, with_sound)
+    assert prompt.prompt_ids.tolist() == expected["input_ids"][0].tolist(), processor.tokenizer.decode(prompt.prompt_ids)
+    expected_keys = {k for k in expected if k not in ("input_ids", "attention_mask")}
+    assert set(prompt.mm) == expected_keys
+    for key in expected_keys:
+        assert torch.equal(prompt.mm[key], torch.as_tensor(expected[key]).to(prompt.mm[key].dtype)), key
+
+
+def test_a_video_with_sound_keeps_every_audio_token_interleaved_by_time(processor):
+    """The sound track's tokens are all in the prompt (none dropped), between the video's audio start
+    and end, the second temporal patch after the first 26 of them (2 s at 13 position ids per second)."""
+    template = get_template(FAMILY, processor, use_audio_in_video=True)
+    prompt = template.encode_prompt(_case("video_with_sound"))
+    ids = prompt.prompt_ids.tolist()
+    tokenizer = processor.tokenizer
+    start, end = ids.index(tokenizer.convert_tokens_to_ids("<|audio_start|>")), ids.index(tokenizer.convert_tokens_to_ids("<|audio_end|>"))
+    inside = tokenizer.convert_ids_to_tokens(ids[start + 1 : end])
+    frames = int(prompt.mm["feature_attention_mask"].sum())
+    assert inside.count("<|audio_pad|>") == aut_audio_tokens(frames) == 39  # 3 s of sound
+    patch = int(prompt.mm["video_grid_thw"][0, 1:].prod()) // 4  # tokens of one temporal patch
+    assert inside == ["<|video_pad|>"] * patch + ["<|audio_pad|>"] * 26 + ["<|video_pad|>"] * patch + ["<|audio_pad|>"] * 13
+    assert tokenizer.convert_ids_to_tokens(ids[start - 1 : start]) == ["<|vision_start|>"]  # inside the video's pair
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs of the engine's path equal generate's; one step reaches every part
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch_samples(sound):
+    first = _sample("lp/0", "<image><audio>Hi.", images=[_image(84, 56)], audios=[_audio(1.0)])
+    second = _sample("lp/1", "Think: <image> and <video> and <audio> which is the red one?", images=[_image(140, 112, seed=1)],
+                     videos=[_video(sound_seconds=2.5 if sound else None)], audios=[_audio(2.1, seed=1)])  # fmt: skip
+    text_only = _sample("lp/2", "Only words here.")
+    return [first, second, text_only]
+
+
+def _sequence_logps(logits, targets):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("sound", [False, True], ids=["plain", "use_audio_in_video"])
+def test_logprobs_match_generate_and_every_part_gets_gradient(sound, processor, model):
+    template = get_template(FAMILY, processor, **({"use_audio_in_video": True} if sound else {}))
+    prompts = [template.encode_prompt(s) for s in _batch_samples(sound)]
+    batch = template.collate(prompts)
+    assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][1].all()  # left padding
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=6, do_sample=True, suppress_tokens=template.suppress_token_ids,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    prompt_len = batch["input_ids"].shape[1]
+    completion_ids = out.sequences[:, prompt_len:]  # [3, T]
+    expected = _sequence_logps(torch.stack(out.logits, dim=1), completion_ids)  # [3, T]
+    mask = torch.ones_like(completion_ids)
+
+    policy = Policy(model, template)
+    forward_batch = policy.forward_batch(prompts, [1, 1, 1])
+    with torch.no_grad():
+        logps, _ = policy.completion_logprobs(forward_batch, completion_ids, mask)  # the engine's path
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+
+    # G=2 completions per prompt (rows and media repeated), with the positions generate used
+    grouped_ids = completion_ids.repeat_interleave(2, dim=0)  # [6, T]
+    inputs = template.forward_inputs(batch, grouped_ids, torch.ones_like(grouped_ids), model=model)
+    with torch.no_grad():
+        hidden = model.get_submodule(template.components["backbone"])(**inputs, use_cache=False).last_hidden_state
+        grouped = _sequence_logps(model.lm_head(hidden[:, prompt_len - 1 : -1]), grouped_ids)
+    torch.testing.assert_close(grouped, expected.repeat_interleave(2, dim=0), atol=1e-5, rtol=0)
+
+    model.zero_grad(set_to_none=True)
+    logps, _ = policy.completion_logprobs(forward_batch, completion_ids, mask)
+    (-(logps * torch.tensor([1.0, -1.0, 0.5])[:, None]).sum()).backward()
+    for part in ("vision", "aligner", "audio", "llm"):
+        grads = [p.grad for p in policy.component(part).parameters() if p.grad is not None]
+        assert grads and sum(g.abs().sum() for g in grads) > 0, f"no gradient in {part}"
+    for layer in model.model.language_model.layers:  # the router and every expert that got tokens
+        assert layer.mlp.gate.weight.grad.abs().sum() > 0
+        assert (layer.mlp.experts.gate_up_proj.grad.flatten(1).abs().sum(1) > 0).all()
+    assert model.model.visual.merger_list[0].mlp[0].weight.grad.abs().sum() > 0  # the deepstack tap
+    model.zero_grad(set_to_none=True)
