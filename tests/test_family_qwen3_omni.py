@@ -275,3 +275,133 @@ def test_logprobs_match_generate_and_every_part_gets_gradient(sound, processor, 
         assert (layer.mlp.experts.gate_up_proj.grad.flatten(1).abs().sum(1) > 0).all()
     assert model.model.visual.merger_list[0].mlp[0].weight.grad.abs().sum() > 0  # the deepstack tap
     model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training, SFT, evaluation and resume through the commands, on images, audio and videos with sound
+# ---------------------------------------------------------------------------------------------
+
+REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
+RUN = ["--model", "tiny:qwen3-omni", "--use_audio_in_video", "--video_nframes", "4", "--num_generations", "2",
+       "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--dataloader_num_workers", "0",
+       "--torch_threads", "1", "--report_to", "none"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def omni_data(tmp_path_factory):
+    """Four rows, each with an image, an audio clip and a video with its sound track, or text alone."""
+    import wave
+
+    from test_audio_in_video import clip, write_mp4_with_sound
+
+    folder = tmp_path_factory.mktemp("omni_data")
+    rows = []
+    for i in range(4):
+        frames, samples = clip(i % 2)
+        write_mp4_with_sound(folder / f"{i}.mp4", frames, samples)
+        _image(56 + 28 * i, 56, seed=i).save(folder / f"{i}.png")
+        with wave.open(str(folder / f"{i}.wav"), "wb") as sound:
+            sound.setnchannels(1), sound.setsampwidth(2), sound.setframerate(16000)
+            sound.writeframes((_audio(0.6 + 0.3 * i, seed=i) * 32767).astype(np.int16).tobytes())
+        media = {"images": [f"{i}.png"], "audios": [f"{i}.wav"], "videos": [f"{i}.mp4"]}
+        row = {"query": "<image><audio>Then <video>: which colour?", **media} if i != 2 else {"query": "Say a colour."}
+        rows.append({**row, "solution": ["red", "blue"][i % 2]})
+    (folder / "omni.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "reward.py").write_text(REWARD)
+    return folder
+
+
+def _metrics(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "cpu/", "samples_per_s", "memory/", "rollout/"))}
+            for row in rows]  # fmt: skip
+
+
+def test_a_grpo_step_changes_every_weight_and_resumes_exactly(omni_data, tmp_path, path):
+    """One `mmgrpo train` step moves every weight: both towers (deepstack mergers too), the router and
+    the experts of every layer. Then a 2-step run killed after its first save and resumed with
+    --resume_from_checkpoint logs and ends as the uninterrupted run."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import train
+
+    def run(out, *extra):
+        args = [*RUN, "--dataset", str(omni_data / "omni.jsonl"), "--reward_funcs", f"{omni_data / 'reward.py'}:length",
+                "--learning_rate", "1e-3", "--lr_scheduler_type", "constant", "--beta", "0", "--save_steps", "1",
+                "--output_dir", str(out), *extra]  # fmt: skip
+        return train(TrainConfig.from_args(args))
+
+    whole = run(tmp_path / "whole", "--max_steps", "2")
+    before = load_file(os.path.join(path, "model.safetensors"))
+    after = load_file(str(whole / "checkpoint-1" / "model.safetensors"))
+    assert after.keys() == before.keys()
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged, f"weights that did not train: {unchanged}"
+    assert any(n.startswith("audio_tower.") for n in before) and any(".mlp.experts.3." in n for n in before)
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    shutil.copytree(whole / "checkpoint-1", killed / "checkpoint-1")
+    lines = (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (killed / "metrics.jsonl").write_text(lines[0])
+    run(killed, "--max_steps", "2", "--resume_from_checkpoint", "latest")
+    assert _metrics(killed) == _metrics(whole)
+    final_whole, final_killed = (load_file(str(out / "checkpoint-2" / "model.safetensors")) for out in (whole, killed))
+    assert all(torch.equal(final_whole[name], final_killed[name]) for name in final_whole)
+
+
+def test_sft_and_eval_run_on_every_medium(omni_data, tmp_path):
+    from mmgrpo.cli import main
+
+    out = tmp_path / "sft"
+    main(["sft", *[a for a in RUN if a not in ("--num_generations", "2", "--max_completion_length", "6")],
+          "--dataset", str(omni_data / "omni.jsonl"), "--max_steps", "1", "--output_dir", str(out)])  # fmt: skip
+    sft_metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert sft_metrics["step"] == 1 and np.isfinite(sft_metrics["loss"])
+
+    main(["eval", "--model", "tiny:qwen3-omni", "--use_audio_in_video", "--video_nframes", "4", "--dataset",
+          str(omni_data / "omni.jsonl"), "--metrics", "vqa_accuracy", "--max_completion_length", "4", "--batch_size", "2",
+          "--output_dir", str(tmp_path / "eval")])  # fmt: skip
+    result = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert result["counts"]["all"] == 4 and "vqa_accuracy" in result["metrics"]
+
+
+def test_freeze_vit_vit_lr_and_aligner_lr_find_the_towers(path, processor):
+    """--freeze_vit freezes the vision tower with its deepstack mergers and the audio tower (the
+    merger, the aligner, trains on); --vit_lr takes both towers, --aligner_lr the merger."""
+    from mmgrpo.config.schema import ModelConfig
+    from mmgrpo.models.loading import model_skeleton
+    from mmgrpo.models.train_type import freeze
+    from mmgrpo.training.optim import parameter_groups
+
+    template = get_template(FAMILY, processor)
+    skeleton = model_skeleton(path, template)  # no weights: names and shapes only
+    groups = parameter_groups(list(skeleton.parameters()), skeleton, template.components, 1e-5, {"vit": 2e-6, "aligner": 3e-6})
+    members = {g["name"]: ({n for n, p in skeleton.named_parameters() if any(p is q for q in g["params"])}, g["lr"]) for g in groups}
+    assert members["vit"][1] == 2e-6 and members["aligner"][1] == 3e-6 and members["llm"][1] == 1e-5
+    assert {n.split(".")[1] for n in members["vit"][0]} == {"visual", "audio_tower"}
+    assert "model.visual.merger_list.0.mlp.0.weight" in members["vit"][0]
+    assert {n for n in members["aligner"][0]} == {n for n, _ in skeleton.named_parameters() if n.startswith("model.visual.merger.")}
+    assert "model.language_model.layers.1.mlp.gate.weight" in members["llm"][0] and "lm_head.weight" in members["llm"][0]
+
+    freeze(skeleton, template.components, ModelConfig(freeze_vit=True))
+    frozen = {n for n, p in skeleton.named_parameters() if not p.requires_grad}
+    assert frozen == members["vit"][0]
+
+
+def test_lora_finds_the_linear_layers_of_every_part(path, processor):
+    """--train_type lora: all-linear takes attention of the MoE layers and both towers; the experts
+    and the router are 3-D and 2-D parameters, not linear layers, so they train only in full training."""
+    from mmgrpo.config.schema import ModelConfig
+    from mmgrpo.models.loading import model_skeleton
+    from mmgrpo.models.train_type import lora_targets
+
+    template = get_template(FAMILY, processor)
+    targets = lora_targets(model_skeleton(path, template), template.components, ModelConfig(train_type="lora"))
+    for name in ("model.language_model.layers.1.self_attn.q_proj", "model.audio_tower.layers.0.fc1",
+                 "model.audio_tower.proj2", "model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0"):  # fmt: skip
+        assert name in targets
+    assert "lm_head" not in targets and not any(".mlp.experts" in t or t.endswith(".mlp.gate") for t in targets)
