@@ -17,7 +17,8 @@ videos with sound.
   sits at t * seconds_per_grid * 13, and its tokens go before every audio token whose index is not
   below that time (as Qwen3OmniMoeProcessor writes it; Qwen2.5-Omni cuts 2-second chunks instead).
 - The text model is a mixture of experts (every layer: a router picks top-k of the experts; the
-  real thinker has no shared expert), which the fast decode paths do not cover (lean_decode off).
+  real thinker has no shared expert). The shared-prefix paths take it (routing is per token); the
+  lean decode step does not (it runs a SwiGLU MLP): lean_decode is off.
 
 Boxes: Qwen3-Omni's model card gives no grounding format of its own; it shares Qwen3-VL's vision
 tower and vocabulary, whose `[x1, y1, x2, y2]` in 0-1000 of the image ("rel1000") this follows.
@@ -100,7 +101,7 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = (*QWEN_VL_NEVER_SAMPLE, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
-    shared_prefix = False
+    shared_prefix = True  # router and experts act per token: a prompt's K/V serve its G completions exactly
     lean_decode = False  # MoE blocks: the lean step has a SwiGLU MLP, not a router and experts
     vllm_weight_names = ()
     vllm_mismatch = ""
