@@ -119,10 +119,15 @@ def test_a_full_checkpoint_loads_its_thinker(tmp_path, path, model, processor):
     Qwen3OmniMoeConfig(thinker_config=thinker.to_dict(), enable_audio_output=False).save_pretrained(tmp_path)
     weights = load_file(os.path.join(path, "model.safetensors"))  # the original layout: experts one by one
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
+    template = get_template(FAMILY, processor)
+    # vllm_weight_names: the names a sync sends (transformers 5.23's) become the checkpoint's, which vLLM loads
+    # (the experts leave fused, [experts, 2 * moe_intermediate, hidden], a layout vLLM takes too)
+    renamed = {template.vllm_weight_name(name) for name, _ in model.named_parameters()}
+    assert {n for n in renamed if ".experts." not in n} == {n for n in weights if ".experts." not in n}
+    assert all(template.vllm_weight_name(name) == name for name in weights)  # the original layout stays as it is
     full = {"thinker." + k: v for k, v in weights.items()}
     full["talker.codec_head.weight"] = torch.zeros(2, 2)  # a speech part GRPO does not train
     save_file(full, str(tmp_path / "model.safetensors"), {"format": "pt"})
-    template = get_template(FAMILY, processor)
     loaded = load_model(str(tmp_path), template=template)
     assert type(loaded).__name__ == type(model_skeleton(str(tmp_path), template)).__name__ == type(model).__name__
     reference = model.state_dict()

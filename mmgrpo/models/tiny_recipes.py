@@ -311,6 +311,9 @@ def _qwen3_omni_config(dims: dict, vocab_size: int, ids: dict[str, int]):
         "temporal_patch_size": dims["temporal_patch_size"],
         "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to each image's grid
         "deepstack_visual_indexes": [0],  # block 0's features are added to the LLM's first layer
+        # read by vLLM, as in the real config.json: the learned grid's side is image_size / patch_size
+        "image_size": 8 * dims["patch_size"],
+        "apply_vit_abs_pos_embed": True,
     }
     audio = {
         "num_mel_bins": AUDIO_MEL_BINS,

@@ -103,8 +103,20 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
     never_sample_tokens = (*QWEN_VL_NEVER_SAMPLE, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
     shared_prefix = True  # router and experts act per token: a prompt's K/V serve its G completions exactly
     lean_decode = False  # MoE blocks: the lean step has a SwiGLU MLP, not a router and experts
-    vllm_weight_names = ()
-    vllm_mismatch = ""
+    # vLLM loads the thinker of a full checkpoint (`thinker.model.layers.*`, `thinker.visual.*`,
+    # `thinker.audio_tower.*`, `thinker.lm_head.*`) or a thinker folder (the same without `thinker.`),
+    # experts one by one or fused, and maps both itself. transformers 5.19 holds a thinker under those
+    # names; 5.23 holds its towers and LLM under `model.`: renamed back here.
+    vllm_weight_names = (
+        (r"^model\.(visual|audio_tower)\.", r"\1."),
+        (r"^model\.language_model\.", "model."),
+    )
+    vllm_mismatch = (
+        "vLLM 0.32's Qwen3-Omni thinker starts from the checkpoint with transformers' log-probs (image, video, audio, "
+        "text: within 5e-7 on the tiny model, on CPU), but after a weight sync it computes others (0.55 to 1.2 nat per "
+        "token, text alone too: some of its layers, the MoE routers among them, keep the checkpoint's weights), and with "
+        "use_audio_in_video it orders a video's frame and sound tokens otherwise"
+    )
 
     def build_media(self) -> dict:
         o = self.options
@@ -175,6 +187,3 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
 
         full = Qwen3OmniMoeConfig(thinker_config=config, enable_audio_output=False).to_dict()
         return {**full, "architectures": ["Qwen3OmniMoeForConditionalGeneration"]}
-
-    def vllm_prompt_problem(self, prompt) -> str | None:
-        return None
