@@ -5,7 +5,10 @@ videos with sound.
   a video `<|vision_start|><|video_pad|><|vision_end|>` (Qwen3-VL's vision tokens), an audio clip
   `<|audio_start|><|audio_pad|><|audio_end|>`.
 - Images and videos are Qwen2-VL's merged patches, seen by Qwen3-VL's vision tower, whose deepstack
-  taps add features to the first LLM layers at the visual tokens.
+  taps add features to the first LLM layers at the visual tokens. The video pixel budget is the video
+  processor's own (or video_min_pixels / video_max_pixels, per frame); Qwen3OmniMoeProcessor called
+  without a size would put its class default (128 to 768 times 32 x 32 pixels per frame) in its place,
+  so the rollout payload names the size (`rollout_processor_kwargs`) and vLLM resizes as training does.
 - Audio is Whisper log-mel features padded to the prompt's longest clip (not to a fixed chunk), seen
   by the AuT encoder: it cuts a clip's frames into chunks of 2 * n_window (100) frames and
   downsamples each 8x, so a clip of L frames gives `aut_audio_tokens(L)` tokens.
@@ -173,7 +176,7 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
     def model_class(cls, config):
         """A full Qwen3-Omni checkpoint (thinker + talker + code2wav) loads its thinker only: GRPO
         trains the part that writes text. A thinker checkpoint loads as it is."""
-        if config.model_type != "qwen3_omni_moe":
+        if config.model_type != "qwen3_omni_moe":  # the base Template's: the Auto classes
             return super(Qwen2_5OmniTemplate, cls).model_class(config)
         from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
