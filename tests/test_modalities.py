@@ -27,6 +27,7 @@ FAMILY_RUNS = {
     "qwen2-vl": (["shapes-color", "shapes-motion"], {"image", "video"}),
     "qwen2-audio": (["tones-pitch"], {"audio"}),
     "qwen2.5-omni": (["tones-pitch", "shapes-color", "shapes-motion"], {"audio", "image", "video"}),
+    "qwen3-omni": (["tones-pitch", "shapes-color", "shapes-motion"], {"audio", "image", "video"}),
     "qwen3-vl": (["shapes-motion"], {"video"}),
     "llava-onevision": (["shapes-color"], {"image"}),
     "gemma3": (["shapes-color"], {"image"}),

@@ -26,6 +26,7 @@ from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",
             "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
+FAMILIES += ["qwen3-omni", "qwen3-omni+sound"]  # MoE thinker: its router and experts act per token
 GROUP = 3  # G completions per prompt
 
 
@@ -50,7 +51,7 @@ def _audio(seconds, seed=0):
 def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
-    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3")
+    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni")
     paths |= {family: str(build_tiny(family)) for family in others}
     out = {}
     for family, path in paths.items():
@@ -62,12 +63,15 @@ def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
         model,
         get_template("qwen2.5-omni", load_processor(paths["qwen2.5-omni"]), use_audio_in_video=True),
     )
+    model, _ = out["qwen3-omni"]  # Qwen3-Omni's thinker with its videos' sound
+    out["qwen3-omni+sound"] = (model, get_template("qwen3-omni", load_processor(paths["qwen3-omni"]), use_audio_in_video=True))
     return out
 
 
 # A prompt kind a family does not take is read as one it takes, of another length.
 READS = {
     "qwen2.5-omni": {"text": "audio"},  # the thinker hears: an audio prompt instead of the text one
+    "qwen3-omni": {"text": "audio"},
     "qwen2": {"image": "question", "two_images": "long_text", "video": "story"},
     "qwen2-audio": {"image": "audio", "two_images": "two_audios", "video": "late_audio"},
     # the tiny Gemma3 answers "Which is red, <image> or <image>? ..." with one token repeated: no
@@ -377,7 +381,7 @@ class _CountedSteps:
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("family, lean", [("qwen2-vl", True), ("qwen2-vl", False), ("qwen2.5-omni", True),
-                                          ("qwen2-audio", True), ("gemma3", False)])  # fmt: skip
+                                          ("qwen2-audio", True), ("gemma3", False), ("qwen3-omni", False)])  # fmt: skip
 def test_finished_prompts_leave_the_decode_batch(family, lean, greedy, setups, monkeypatch):
     """A prompt whose G rows have all finished stops being decoded (a mixture's short answers beside
     long ones), and the rollout is the one that decodes every row to the end, token for token."""

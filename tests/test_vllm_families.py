@@ -215,3 +215,64 @@ def test_qwen3_5_on_vllm_cpu_is_an_error_naming_it(family):
     template = get_template(family, load_processor(path))
     with pytest.raises(ConfigError, match=rf"'{family}' from another model than the policy: .*bfloat16 only"):
         VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)
+
+
+def test_qwen3_omnis_thinker_matches_before_a_sync_but_is_an_error_at_start_up():
+    """vLLM loads the tiny Qwen3-Omni thinker (wrapped as a full model without speech output) and expands
+    every prompt as the template does, its videos' sound aside; its log-probs then equal transformers'.
+    A sync of the attention weights reaches vLLM, one of the experts' does not (its fused-MoE kernel
+    keeps the checkpoint's): a run stops at start-up naming the family. One engine start."""
+    from tests.test_family_qwen3_omni import CASES, WITH_SOUND
+    from tests.test_family_qwen3_omni import _case as omni_case
+
+    path = str(build_tiny("qwen3-omni"))
+    template = get_template("qwen3-omni", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'qwen3-omni' from another model than the policy.*a weight sync does not reach its MoE experts"):
+        VLLMColocateRollout(path, template, max_model_len=2048)
+    model = load_model(path, template=template)
+    cases = [case for case in CASES if case not in WITH_SOUND]
+    prompts = [template.encode_prompt(omni_case(case)) for case in cases]
+    engine = VLLMColocateRollout(path, template, max_model_len=2048, kv_cache_memory_bytes=32 << 20,
+                                 suppress_placeholders=False, exact=False)
+    try:
+        for case, prompt, ids in zip(cases, prompts, engine.prompt_token_ids(prompts)):
+            assert ids == prompt.prompt_ids.tolist(), case
+        rollout = engine.generate(prompts, SamplingParams(num_generations=1, max_new_tokens=4, greedy=True))
+        for row, prompt in enumerate(prompts):  # transformers' whole forward (5.19 names the thinker's parts otherwise)
+            batch = template.collate([prompt])
+            ids = rollout.completion_ids[row : row + 1, : int(rollout.completion_mask[row].sum())]
+            inputs = template.forward_inputs(batch, ids, torch.ones_like(ids), model=model)
+            with torch.no_grad():
+                logits = model(**inputs, use_cache=False).logits[:, batch["input_ids"].shape[1] - 1 : -1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[0, :, 0]
+            torch.testing.assert_close(rollout.logps[row, : ids.shape[1]], expected, atol=2e-5, rtol=0)
+
+        def gap_after_syncing(part: str) -> float:
+            """Perturb and sync the LLM weights whose names hold `part`; the largest log-prob gap on a text prompt."""
+            torch.manual_seed(0)
+            with torch.no_grad():
+                sent = [(name, param.add_(torch.randn_like(param) * 0.05).detach().clone())
+                        for name, param in model.named_parameters()
+                        if part in name and not any(tower in name for tower in ("visual.", "audio_tower."))]
+            engine.update_weights(iter(sent), 1)
+            text = prompts[cases.index("text_only")]
+            out = engine.generate([text], GREEDY)
+            batch, ids = template.collate([text]), out.completion_ids[:1, : int(out.completion_mask[0].sum())]
+            with torch.no_grad():
+                logits = model(**template.forward_inputs(batch, ids, torch.ones_like(ids), model=model), use_cache=False).logits
+            expected = torch.log_softmax(logits[:, batch["input_ids"].shape[1] - 1 : -1].float(), -1).gather(-1, ids[..., None])
+            return float((out.logps[0, : ids.shape[1]] - expected[0, :, 0]).abs().max())
+
+        assert gap_after_syncing(".self_attn.") < 2e-5
+        assert gap_after_syncing(".experts.") > 0.1  # measured 0.7 nat: vLLM computes with the old experts
+
+        with_sound = get_template("qwen3-omni", template.processor, use_audio_in_video=True)
+        engine.template, engine.processor_kwargs = with_sound, with_sound.rollout_processor_kwargs()
+        prompt = with_sound.encode_prompt(omni_case("video_with_sound"))
+        with pytest.raises(DataError, match=r"sample parity/video_with_sound: .*12 video, 39 audio tokens.* in another order"):
+            engine.generate([prompt], GREEDY)
+        prompt = with_sound.encode_prompt(omni_case("audio_then_video_with_sound"))
+        with pytest.raises(DataError, match=r"sample parity/audio_then_video_with_sound: --use_vllm: with use_audio_in_video"):
+            engine.generate([prompt], GREEDY)
+    finally:
+        engine.close()

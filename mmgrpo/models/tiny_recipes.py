@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
+    QWEN3_OMNI_PARTS,
     QWEN_OMNI_PARTS,
     QWEN_VL_CHAT_TEMPLATE,
     QWEN_VL_PARTS,
@@ -80,6 +81,9 @@ QWEN2_5_OMNI_SPECIAL_TOKENS = (
     "<|IMAGE|>",
     "<|VIDEO|>",
 )
+# Qwen3-Omni's vocabulary: Qwen2.5-VL's (ids 151643 ...), then its audio tokens (the real ids 151669,
+# 151670 and 151675; the think, tool-response and speech tokens between them are left out here).
+QWEN3_OMNI_SPECIAL_TOKENS = QWEN2_5_VL_SPECIAL_TOKENS + ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 # LLaVA-OneVision (Qwen2 LLM): <image> and <video> follow Qwen2's ChatML tokens (ids 151646, 151647).
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 # Gemma3's special tokens (their real ids are 0-3, 105, 106, 255999, 256000, 262144; here they follow
@@ -279,6 +283,67 @@ def _qwen2_5_omni_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     )
 
 
+def _qwen3_omni_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    """Qwen3-Omni's thinker: an MoE text model (every layer sparse: 4 experts, top-2, no shared
+    expert, as the real thinker has none), Qwen3-VL's vision tower with a deepstack tap, and the
+    AuT audio encoder (three stride-2 convolutions over 1-second chunks of mel frames, windowed
+    attention)."""
+    from transformers import Qwen3OmniMoeThinkerConfig
+
+    text = _qwen_text_dims(dims, vocab_size, ids)
+    theta = float(dims["rope_theta"] or 1000000.0)
+    text["rope_parameters"] = {**text["rope_parameters"], "rope_theta": theta, "mrope_interleaved": True}
+    text.update(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=dims["intermediate_size"] // 2,
+        norm_topk_prob=True,  # as the real thinker
+        decoder_sparse_step=1,
+        tie_word_embeddings=False,
+    )
+    vision = {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "out_hidden_size": dims["hidden_size"],
+        "num_heads": dims["vision_num_heads"],
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+        "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to each image's grid
+        "deepstack_visual_indexes": [0],  # block 0's features are added to the LLM's first layer
+        # read by vLLM, as in the real config.json: the learned grid's side is image_size / patch_size
+        "image_size": 8 * dims["patch_size"],
+        "apply_vit_abs_pos_embed": True,
+    }
+    audio = {
+        "num_mel_bins": AUDIO_MEL_BINS,
+        "encoder_layers": dims["vision_depth"],
+        "encoder_attention_heads": dims["vision_num_heads"],
+        "encoder_ffn_dim": 2 * dims["vision_embed_dim"],
+        "d_model": dims["vision_embed_dim"],
+        "output_dim": dims["hidden_size"],
+        "downsample_hidden_size": 32,
+        "n_window": 50,  # 100 mel frames (1 s) per convolution chunk, as the real encoder
+        "n_window_infer": 400,  # attention windows of 4 chunks (the real one: 8)
+        "max_source_positions": 200,
+    }
+    return Qwen3OmniMoeThinkerConfig(
+        text_config=text,
+        vision_config=vision,
+        audio_config=audio,
+        audio_token_id=ids["<|audio_pad|>"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        audio_start_token_id=ids["<|audio_start|>"],
+        audio_end_token_id=ids["<|audio_end|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        position_id_per_seconds=13,  # the real checkpoint's value (its processor's too)
+        user_token_id=ids["<|im_start|>"],  # unused by the thinker's forward
+    )
+
+
 def _siglip_vision(dims: dict) -> dict:
     """A 2-layer SigLIP vision tower on TILE_SIZE-pixel tiles of `patch_size` patches."""
     return {
@@ -441,6 +506,21 @@ def _qwen2_5_omni_processor(dims: dict):
     return make
 
 
+def _qwen3_omni_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import Qwen3OmniMoeProcessor
+
+        return Qwen3OmniMoeProcessor(
+            image_processor=_qwen_image_processor(dims),
+            video_processor=_qwen_video_processor(dims),
+            feature_extractor=_whisper_features(),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
 def _llava_onevision_processor(dims: dict):
     def make(tokenizer):
         from transformers import (
@@ -530,6 +610,23 @@ RECIPES: dict[str, TinyRecipe] = {
             ("vision_eos_token", "<|vision_eos|>"),
             ("audio_bos_token", "<|audio_bos|>"),
             ("audio_eos_token", "<|audio_eos|>"),
+        ),
+    ),
+    "qwen3-omni": TinyRecipe(
+        family="qwen3-omni",
+        special_tokens=QWEN3_OMNI_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(None, QWEN3_OMNI_PARTS),
+        make_config=_qwen3_omni_config,
+        model_class="Qwen3OmniMoeThinkerForConditionalGeneration",
+        make_processor=_qwen3_omni_processor,
+        named_tokens=(
+            ("image_token", "<|image_pad|>"),
+            ("audio_token", "<|audio_pad|>"),
+            ("video_token", "<|video_pad|>"),
+            ("vision_bos_token", "<|vision_start|>"),
+            ("vision_eos_token", "<|vision_end|>"),
+            ("audio_bos_token", "<|audio_start|>"),
+            ("audio_eos_token", "<|audio_end|>"),
         ),
     ),
     "llava-onevision": TinyRecipe(

@@ -87,6 +87,12 @@ QWEN_OMNI_PARTS = {
     "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
     "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
 }
+# Qwen3-Omni: Qwen3-VL's vision parts, audio between its own start and end tokens.
+QWEN3_OMNI_PARTS = {
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+    "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+}
 
 # Gemma3's format: <bos>, turns `<start_of_turn>user|model\n...<end_of_turn>\n`, the system text
 # prefixed to the first user turn, text parts trimmed, each image one <start_of_image>.

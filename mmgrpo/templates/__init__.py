@@ -23,6 +23,7 @@ from mmgrpo.templates import (  # noqa: F401  (register the families)
     qwen2_vl,
     qwen3_5,
     qwen3_5_moe,
+    qwen3_omni,
     qwen3_vl,
 )
 from mmgrpo.templates.base import (
