@@ -17,6 +17,9 @@ have none: run it where one is).
 3. Rollout engines in bf16 on the GPU, on the same 16 prompts, greedy, 32 tokens: the lean decode
    step, transformers' decode step (both behind the shared prefix) and HF generate: identical
    tokens, log-prob gap, tokens/s.
+4. A user's defaults on the GPU: `mmgrpo train` without --bf16 (bf16 autocast where the GPU has it,
+   recorded in config.yaml, said in the start-up summary) and `mmgrpo eval` without --device or
+   --torch_dtype (the GPU, bfloat16), timed against `mmgrpo eval --device cpu --torch_dtype float32`.
 
 Prints a table and writes `cuda_check.json` into --out.
 """
@@ -173,6 +176,36 @@ def check_engines(device_name: str = "cuda") -> dict:
     return results
 
 
+def check_defaults(out: Path) -> dict:
+    """Part 4: what a run and an eval pick on this machine when the user names no precision or device."""
+    import yaml
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    run = out / "defaults_train"
+    shutil.rmtree(run, ignore_errors=True)
+    done = subprocess.run([sys.executable, "-m", "mmgrpo", "train", "--model", "tiny:qwen2-vl", "--dataset", "shapes-color",
+                           "--num_generations", "4", "--max_steps", "1", "--max_completion_length", "8",
+                           "--report_to", "none", "--save_strategy", "no", "--output_dir", str(run)],
+                          env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"mmgrpo train (defaults) failed:\n{done.stderr[-4000:]}")
+    summary = next((line for line in done.stderr.splitlines() if line.startswith("device ")), "")
+    result = {"train_bf16": yaml.safe_load((run / "config.yaml").read_text())["bf16"], "train_device_line": summary.strip()}
+    for name, extra in (("eval_default", ()), ("eval_cpu_fp32", ("--device", "cpu", "--torch_dtype", "float32"))):
+        folder = out / name
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "mmgrpo", "eval", "--model", "tiny:qwen2-vl", "--dataset",
+                               "shapes-color:test", "--limit", "64", "--max_completion_length", "16", "--output_dir",
+                               str(folder), *extra], env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"mmgrpo eval {' '.join(extra)} failed:\n{done.stderr[-4000:]}")
+        result[f"{name}_s"] = round(time.perf_counter() - started, 2)
+        result[f"{name}_line"] = next((line.strip() for line in (done.stdout + done.stderr).splitlines()
+                                       if line.startswith("evaluating ")), "")
+    return result
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/cuda_check", help="Folder for the runs and cuda_check.json.")
@@ -191,6 +224,8 @@ def main(argv=None) -> None:
         for name, extra in (("training", ()), ("training_full_determinism", ("--full_determinism", "true"))):
             result[name] = check_training(out / name, *extra)
             print(name, json.dumps(result[name], indent=1), flush=True)
+    result["defaults"] = check_defaults(out)
+    print("defaults", json.dumps(result["defaults"], indent=1), flush=True)
     (out / "cuda_check.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
