@@ -193,6 +193,7 @@ def test_registries_are_the_one_registry_type():
 FLOORS = [
     ("errors",),  # user-facing errors
     ("registry",),  # the one registry type and plugin loading
+    ("hub",),  # the HF hub cache: where a hub id's files are
     ("runstate",),  # the ground floor of a run: checkpoint files, locks, TrainState, logs
     ("config",),  # every option: dataclasses, flags, the field-level checks
     ("processors",),  # media decoding

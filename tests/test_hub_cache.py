@@ -72,3 +72,38 @@ def test_estimate_of_an_id_not_in_the_cache_names_the_random_model(hub_cache, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hf download Qwen/Qwen2.5-VL-7B-Instruct" in err
     assert "--model random:qwen2.5-vl-7b" in err
+
+
+def test_a_hub_dataset_resolves_through_the_cache_offline(tmp_path, monkeypatch):
+    """`--dataset hf:<repo id>[:split]`: a dataset repository laid into a temporary HF cache in
+    huggingface_hub's layout (Parquet shards with the images inside, as hub datasets hold them) is read
+    offline, its splits from the shard names; one not cached is one line with the download command."""
+    import datasets
+
+    from mmgrpo.data.catalog import mix_datasets, resolve_dataset
+
+    source = resolve_dataset("shapes-color")
+    cache = tmp_path / "hub"
+    snapshot = cache / "datasets--someone--shapes-mini" / "snapshots" / COMMIT
+    (snapshot / "data").mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+    for split, rows in (("train", range(6)), ("test", range(6, 9))):
+        records = []
+        for row in source.rows.select(rows):
+            with open(f"{source.media_root}/{row['images'][0]}", "rb") as image:
+                records.append({"messages": row["messages"], "solution": row["solution"],
+                                "images": [{"bytes": image.read(), "path": None}]})
+        datasets.Dataset.from_list(records).to_parquet(str(snapshot / "data" / f"{split}-00000-of-00001.parquet"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    view = resolve_dataset("hf:someone/shapes-mini:test")
+    assert (view.name, view.split, len(view)) == ("shapes-mini", "test", 3)
+    sample = view[0].load_media()
+    assert sample.images[0].size == (64, 64) and sample.messages[-1]["role"] == "user"
+    mixed = mix_datasets(["hf:someone/shapes-mini:2", "shapes-count:1"], split="train")
+    assert [source.name for source in mixed.sources] == ["shapes-mini", "shapes-count"] and len(mixed.sources[0]) == 6
+    with pytest.raises(ConfigError, match=r"dataset hf:someone/other is not downloaded: .*"
+                                          r"`hf download someone/other --repo-type dataset`"):
+        resolve_dataset("hf:someone/other")

@@ -34,6 +34,7 @@ from mmgrpo.errors import ConfigError, DataError
 BUILTIN_DIR = Path(__file__).resolve().parents[1] / "datasets_cfg"
 ENV_VAR = "MMGRPO_DATASET_REGISTRY"
 PATH_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+HUB_PREFIX = "hf:"  # --dataset hf:<repo id>[:split]: a dataset repository on the Hugging Face hub
 SYNTHETIC_SPLITS = ("train", "test", "validation")  # what mmgrpo/data/synthetic.py writes
 _SOURCE_KEYS = ("files", "folder", "splits", "synthetic")
 _ALLOWED_KEYS = {
@@ -206,9 +207,14 @@ def parse_spec(spec: str) -> tuple[str, str | None, float | None]:
 
     >>> parse_spec("a"), parse_spec("a:test"), parse_spec("a:0.7"), parse_spec("a:test:2")
     (('a', None, None), ('a', 'test', None), ('a', None, 0.7), ('a', 'test', 2.0))
+    >>> parse_spec("hf:lmms-lab/ChartQA:test:0.5")  # a hub dataset: NAME is hf:<repo id>
+    ('hf:lmms-lab/ChartQA', 'test', 0.5)
     """
     if os.path.exists(spec):
         return spec, None, None
+    if spec.startswith(HUB_PREFIX) and len(spec) > len(HUB_PREFIX):
+        name, split, weight = parse_spec(spec[len(HUB_PREFIX):])
+        return HUB_PREFIX + name, split, weight
     name, *rest = spec.split(":")
     split = weight = None
     if rest and _is_number(rest[-1]):
@@ -424,6 +430,12 @@ def resolve_dataset(
 def _resolve(spec: str, split: str, registry, extra_files, media_root: str | None) -> DatasetView:
     name, spec_split, _ = parse_spec(spec)
     split = spec_split or split
+    if name.startswith(HUB_PREFIX):
+        view = _view_of_path(hub_dataset_folder(name[len(HUB_PREFIX):]), split)
+        view.name = name[len(HUB_PREFIX):].rsplit("/", 1)[-1]  # sample ids and eval folders: the repo's name
+        if media_root is not None:
+            view.media_root = os.fspath(Path(media_root).expanduser().resolve())
+        return view
     if _looks_like_path(name):
         if spec_split is not None and not Path(name).expanduser().is_dir():
             raise ConfigError(
@@ -635,6 +647,29 @@ def _view_of_entry(entry: DatasetEntry, split: str) -> DatasetView:
         max_completion_length=entry.max_completion_length,
         source_file=entry.source_file,
     )
+
+
+def hub_dataset_folder(repo_id: str) -> Path:
+    """The local folder of a hub dataset repository: its snapshot in the HF cache (huggingface_hub's own
+    lookup: HF_HUB_CACHE, HF_HOME), downloaded first when online and not cached. Offline and not cached:
+    one line with the command that downloads it."""
+    from huggingface_hub import snapshot_download
+
+    from mmgrpo.hub import hub_cache_dir, hub_offline
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", cache_dir=hub_cache_dir(), local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError), or not a valid id
+        pass
+    hint = f"download it with `hf download {repo_id} --repo-type dataset`"
+    if hub_offline():
+        raise ConfigError(f"dataset hf:{repo_id} is not downloaded: not in the HF cache ({hub_cache_dir()}) "
+                          f"and HF_HUB_OFFLINE is set; {hint}")
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", cache_dir=hub_cache_dir()))
+    except Exception as err:  # no such repository, no network: one line
+        raise ConfigError(f"dataset hf:{repo_id}: cannot be downloaded ({type(err).__name__}); check the id, or {hint} "
+                          "where the hub is reachable") from None
 
 
 def _view_of_path(path: Path, split: str) -> DatasetView:

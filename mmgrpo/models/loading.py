@@ -18,6 +18,7 @@ import sys
 import torch
 
 from mmgrpo.errors import CheckpointError, ConfigError
+from mmgrpo.hub import hub_cache_dir, hub_offline
 from mmgrpo.models.integrity import check_model_folder
 from mmgrpo.models.tiny import built_model_family, resolve_model_path
 
@@ -55,25 +56,6 @@ def is_hub_id(path: str) -> bool:
     (True, False, False)
     """
     return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path))
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it, at call time (its constant is read once, at import)."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hub_cache_dir() -> str:
-    """The HF hub cache folder from HF_HUB_CACHE, else HF_HOME/hub, else huggingface_hub's default,
-    read at call time so a changed environment is seen."""
-    from huggingface_hub import constants
-
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
-    return constants.HF_HUB_CACHE
 
 
 def hub_snapshot(repo_id: str) -> str | None:
