@@ -282,3 +282,23 @@ def test_dynamic_sampling_keeps_ranks_in_step(tmp_path):
     # rank 1 starts with about 3 of 4 groups all-equal: some step refills
     assert max(row["dynamic/rounds"] for row in rows) > 1
     assert sum(row["dynamic/resampled_prompts"] for row in rows) > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("distributed")
+def test_accelerate_launch_starts_the_ranks_as_torchrun_does(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m mmgrpo train ...` (how accelerate users start
+    runs; on a machine without GPUs it falls back to CPU ranks over gloo): two ranks, one FSDP2 step."""
+    from mmgrpo.parallel.launch import free_port
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "mmgrpo", "train", "--parallel", "fsdp2",
+               "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--num_generations", "2",
+               "--per_device_train_batch_size", "2", "--max_steps", "1", "--max_completion_length", "8",
+               "--report_to", "none", "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "device  2 x cpu (fsdp2)" in done.stderr
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]

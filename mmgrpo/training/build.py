@@ -280,7 +280,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None), kept)
     if strategy.is_main:
         console.print(startup_summary(cfg, model, template, dataset, strategy, prompts_per_step, steps), soft_wrap=True,
-                      highlight=False)
+                      highlight=False, markup=False, emoji=False)  # "shapes-color:train:" is no emoji
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
     policy = Policy(
