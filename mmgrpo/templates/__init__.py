@@ -21,6 +21,7 @@ from mmgrpo.templates import (  # noqa: F401  (register the families)
     qwen2_audio,
     qwen2_vl,
     qwen3_vl,
+    qwen3_vl_moe,
 )
 from mmgrpo.templates.base import (
     PromptInputs,
