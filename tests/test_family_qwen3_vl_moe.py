@@ -170,3 +170,23 @@ def test_forward_logprobs_match_generate_and_grpo_step_trains_every_routed_exper
             for weights in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
                 assert weights.grad[expert].abs().sum() > 0, f"layer {i}: expert {expert} got tokens but no gradient"
     model.zero_grad(set_to_none=True)
+
+
+def test_published_30b_a3b_counts_and_estimate(capsys):
+    """`random:qwen3-vl-30b-a3b` on the meta device: the published 31.1B parameters, 3.9B active per
+    token (3.35B in the language model: its "A3B"), and `mmgrpo estimate` names the expert weights."""
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.config.flags import config_from_namespace
+    from mmgrpo.estimate import active_parameters, build_estimate_parser, main, model_shape
+
+    argv = ["--model", "random:qwen3-vl-30b-a3b", "--bf16", "--gradient_checkpointing"]
+    shape = model_shape(config_from_namespace(TrainConfig, build_estimate_parser().parse_args(argv)))
+    assert (shape.experts, shape.experts_per_token, shape.intermediate) == (128, 8, 8 * 768)
+    assert round(shape.params["total"] / 1e9, 1) == 31.1
+    assert round(active_parameters(shape) / 1e9, 2) == 3.89
+    language_active = active_parameters(shape) - shape.params["vision"] - shape.params["aligner"]
+    assert round(language_active / 1e9, 2) == 3.35
+    main(argv + ["--parallel", "fsdp2", "--world_size", "8"])
+    out = capsys.readouterr().out
+    assert "31.07B parameters, 3.89B active per token (8 of 128 experts)" in out
+    assert "expert weights 28.99B = 14.5 GB fp32 per device, sharded over 8 devices by fsdp2" in out
