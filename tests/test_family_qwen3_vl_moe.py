@@ -190,3 +190,49 @@ def test_published_30b_a3b_counts_and_estimate(capsys):
     out = capsys.readouterr().out
     assert "31.07B parameters, 3.89B active per token (8 of 128 experts)" in out
     assert "expert weights 28.99B = 14.5 GB fp32 per device, sharded over 8 devices by fsdp2" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT, eval and resume through the command line (one cheap run each)
+# ---------------------------------------------------------------------------------------------
+
+CLI = ["--model", "tiny:qwen3-vl-moe", "--dataset", "shapes-color", "--per_device_train_batch_size", "4",
+       "--dataloader_num_workers", "0", "--report_to", "none", "--max_completion_length", "6"]
+
+
+def _metrics(out):
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_and_eval_run(tmp_path):
+    from mmgrpo.cli import main
+
+    main(["sft", *CLI, "--max_steps", "2", "--output_dir", str(tmp_path / "sft")])
+    assert [m["step"] for m in _metrics(tmp_path / "sft")] == [1, 2]
+    main(["eval", "--model", str(tmp_path / "sft" / "final"), "--dataset", "shapes-color:test", "--limit", "4",
+          "--max_completion_length", "6", "--output_dir", str(tmp_path / "eval")])
+    assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_a_resumed_run_logs_the_uninterrupted_runs_step(tmp_path):
+    """Two GRPO steps (routing replay on) against one step then a resume from its checkpoint."""
+    import shutil
+
+    from mmgrpo.cli import main
+
+    reward = tmp_path / "reward.py"  # a reward random completions differ in, so the steps train
+    reward.write_text("def length(completions, **columns):\n    return [len(c) / 100 for c in completions]\n")
+    flags = [*CLI, "--reward_funcs", f"{reward}:length", "--num_generations", "2", "--max_steps", "2",
+             "--save_steps", "1", "--routing_replay", "rollout"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    main(["train", *flags, "--output_dir", str(whole)])
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoint-2")
+    main(["train", *flags, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"])
+    expected, got = _metrics(whole), _metrics(resumed)
+    assert [m["step"] for m in got] == [1, 2] and expected[-1]["grad_norm"] > 0 and expected[-1]["kl"] > 0
+    for key, value in expected[-1].items():
+        if not (key.startswith(("time/", "cpu/", "memory/")) or key.endswith(("_s", "per_s"))):  # seconds differ
+            assert got[-1][key] == value, key
