@@ -193,3 +193,29 @@ def test_routing_flags_need_a_mixture_of_experts():
                                  "--tools", "image_zoom_in_tool"])
     with pytest.raises(ConfigError, match="--routing_replay rollout records routes in the HF rollout engine"):
         check_train_flags(cfg)
+
+
+def test_checkpointed_layers_recompute_with_the_replayed_routes(path, template):
+    """Gradient checkpointing runs each layer again in the backward: the hooks stay until `detach`, so
+    the recompute routes as the forward did and the gradients are those without checkpointing."""
+    model = _model(path)
+    prompts = _prompts(template)[:2]
+    ids, mask, _, routed = _sample(_perturbed_router_copy(model, scale=0.2), template, prompts)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        policy = Policy(model, template, per_row_routing=True)
+        routing = Routing(routed, replay=True)
+        model.zero_grad(set_to_none=True)
+        logps, _ = policy.completion_logprobs(policy.forward_batch(prompts, [1, 1]), ids, mask, routing=routing)
+        logps.sum().backward()
+        routing.detach()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    model.gradient_checkpointing_disable()
+    model.eval()
+    assert routing.mismatched > 0  # the replay changed some routes ...
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():  # ... and the recompute kept them
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-4, msg=name)
