@@ -186,7 +186,7 @@ def test_published_30b_a3b_counts_and_estimate(capsys):
     assert round(active_parameters(shape) / 1e9, 2) == 3.89
     language_active = active_parameters(shape) - shape.params["vision"] - shape.params["aligner"]
     assert round(language_active / 1e9, 2) == 3.35
-    main(argv + ["--parallel", "fsdp2", "--world_size", "8"])
+    main(argv + ["--parallel", "fsdp2", "--world_size", "8", "--device_memory_gb", "1000"])  # fits: no advice to search
     out = capsys.readouterr().out
     assert "31.07B parameters, 3.89B active per token (8 of 128 experts)" in out
     assert "expert weights 28.99B = 14.5 GB fp32 per device, sharded over 8 devices by fsdp2" in out

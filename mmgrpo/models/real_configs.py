@@ -110,7 +110,7 @@ REAL_SIZES: dict[str, RealSize] = {
               "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
               "mrope_section": [24, 20, 20], "mrope_interleaved": True, "attention_bias": False,
               "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
-              "mlp_only_layers": []},
+              "mlp_only_layers": [], "norm_topk_prob": True},
         vision={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
                 "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
                 "in_channels": 3, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],

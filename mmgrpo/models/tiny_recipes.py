@@ -248,7 +248,8 @@ def _qwen3_vl_moe_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen3VLMoeConfig
 
     dense = _qwen3_vl_config(dims, vocab_size, ids)  # Qwen3-VL's towers, rope and token ids
-    text = {**dense.text_config.to_dict(), **TINY_MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    # norm_topk_prob: as the real config.json has it (transformers' router always renormalises; vLLM reads the key)
+    text = {**dense.text_config.to_dict(), **TINY_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
     for key in ("model_type", "architectures", "transformers_version", "dtype"):
         text.pop(key, None)
     vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in ("model_type", "transformers_version")}
