@@ -162,7 +162,7 @@ class Routing:
                                  f"{forced.shape[0]}: replay runs on the naive forward only")
             if forced is not None:
                 recorded = forced[:, layer]  # [tokens, k]
-                known = recorded[:, 0] != NOT_RECORDED  # [tokens]
+                known = (recorded[:, 0] != NOT_RECORDED) & valid  # [tokens]; padding routes itself
                 if self._counting:
                     own = indices.sort(-1).values != recorded.sort(-1).values
                     self.mismatched += int((own.any(-1) & known).sum())
