@@ -45,6 +45,7 @@ from mmgrpo.data.sample import dataset_of
 from mmgrpo.errors import ConfigError
 from mmgrpo.eval.reliance import probe_step
 from mmgrpo.forward.policy import ForwardBatch, autocast
+from mmgrpo.forward.routing_replay import Routing, routing_metrics
 from mmgrpo.grpo.advantages import get_advantage
 from mmgrpo.grpo.batching import (
     MicroBatch,
@@ -144,15 +145,15 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     staleness = (step - 1) - batch.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
     correct = (run.rollout.separate_weights and batch.logps is not None
                and cfg.algo.vllm_importance_sampling_correction)
-    sampling_metrics = {}
+    sampling_metrics, routings = {}, []  # routings: each forward's replayed or compared routes (MoE)
     if cfg.algo.num_iterations > 1 or correct:
         with timers("old"):
-            batch.old_logps = completion_logprobs_of(run, batch, plan)
+            batch.old_logps = completion_logprobs_of(run, batch, plan, routings=routings)
             if correct:
                 batch.importance_weights, sampling_metrics = sampler_correction(cfg, rollout, batch.old_logps, staleness)
     if cfg.algo.beta > 0:
         with timers("ref"):
-            batch.ref_logps = completion_logprobs_of(run, batch, plan, reference=True)
+            batch.ref_logps = completion_logprobs_of(run, batch, plan, reference=True, routings=routings)
 
     with timers("adv"):
         batch.advantages, adv_stats, weight_metrics = advantages_of(run, samples, batch, weights_rule)
@@ -165,7 +166,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             probe_metrics = probe(run.policy, encoded, batch, G, rows=cfg.eval.fusion_probe_rows, strategy=run.strategy,
                                   temperature=cfg.rollout.temperature, bf16=run.bf16)
     with timers("update"):
-        loss_metrics = update_policy(run, batch, plan)
+        loss_metrics = update_policy(run, batch, plan, routings)
 
     metrics = {
         "step": step,
@@ -180,6 +181,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         **sampling_metrics,
         **weight_metrics,
         **loss_metrics,
+        **routing_metrics(routings),  # routing/mismatch_fraction, routing/aux_loss (MoE)
         **run.rewards.stats(),  # e.g. judge/unparsed
         **batch.metrics,  # multi-turn: tools/calls_per_completion, tools/turns ...
         **batch.totals,  # multi-turn: tools/errors, tools/seconds
@@ -316,22 +318,37 @@ def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, f
     return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
 
 
-def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, reference: bool = False) -> torch.Tensor:
+def routing_of(run: Run, rows: Rollout, forward: ForwardBatch, aux: bool = False) -> Routing | None:
+    """An MoE forward's routes: the rows' recorded ones, replayed under --routing_replay rollout (else
+    compared), and the load-balancing loss with `aux`; None where there is nothing to do (a dense model,
+    the shared-prefix path, no routes recorded and no loss asked)."""
+    if forward.shared or (rows.routed_experts is None and not aux):
+        return None
+    return Routing(rows.routed_experts, replay=run.cfg.algo.routing_replay == "rollout", aux=aux)
+
+
+def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, reference: bool = False,
+                           routings: list | None = None) -> torch.Tensor:
     """Log-probs [N, T] of every completion, without gradients: under the policy as it sampled
-    them (the ratio's denominator when num_iterations > 1) or under the reference (the KL term)."""
+    them (the ratio's denominator when num_iterations > 1) or under the reference (the KL term).
+    routings: where each forward's routes (MoE) are appended, for the step's routing metrics."""
     policy, temperature = run.policy, run.cfg.rollout.temperature
     per_batch = []
     with torch.no_grad(), autocast(run.bf16, run.device):
         for mb, forward in plan:
             rows = batch.rows(mb)
+            routing = routing_of(run, rows, forward)
             logps, _ = policy.completion_logprobs(forward, rows.completion_ids, rows.completion_mask,
-                                                  temperature=temperature, reference=reference)
+                                                  temperature=temperature, reference=reference, routing=routing)
             per_batch.append(logps)
+            if routing is not None and routings is not None:
+                routings.append(routing)
     return scatter_rows(per_batch, plan.micro_batches, batch.completion_ids.shape)
 
 
-def update_policy(run: Run, batch: Rollout, plan: ForwardPlan) -> dict:
+def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | None = None) -> dict:
     """num_iterations passes of gradient-accumulated updates over the batch's micro-batches.
+    routings: where each forward's routes (MoE) are appended, for the step's routing metrics.
 
     A non-finite loss or gradient norm skips the step on every rank (`skipped` 1 in the metrics;
     the loop counts them); the learning-rate schedule advances either way, so it stays in step with the steps.
@@ -356,13 +373,20 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan) -> dict:
             update_sequences = sum(len(rows) for rows, _ in parts)
             update_loss = 0.0
             for rows, forward in parts:
-                loss, metrics = micro_batch_loss(run, rows, forward, update_tokens, update_sequences)
+                routing = routing_of(run, rows, forward, aux=cfg.algo.router_aux_loss_coef > 0)
+                loss, metrics = micro_batch_loss(run, rows, forward, update_tokens, update_sequences, routing)
                 if strategy.any_rank(not torch.isfinite(loss)):  # all ranks skip together
                     warnings.warn(f"non-finite loss ({loss.item()}): update skipped", stacklevel=1)
                     strategy.zero_grad(run.optimizer)
                     skipped = True
+                    if routing is not None:
+                        routing.detach()
                     break
                 strategy.backward(loss)
+                if routing is not None:  # after the backward: checkpointed layers recompute with the same routes
+                    routing.detach()
+                    if routings is not None:
+                        routings.append(routing)
                 update_loss += loss.item()
                 share = float(rows.loss_mask.bool().sum() / total_tokens)
                 for key, value in metrics.items():
@@ -383,14 +407,17 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan) -> dict:
 
 
 def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_tokens: torch.Tensor,
-                     update_sequences: int) -> tuple[torch.Tensor, dict]:
+                     update_sequences: int, routing: Routing | None = None) -> tuple[torch.Tensor, dict]:
     """One micro-batch's loss (`rows`: its completions, their advantages, old and reference
     log-probs ...), normalised by the tokens and completions of the whole update, and its metrics
-    (the loss's, and the mean entropy over the tokens the loss counts)."""
+    (the loss's, and the mean entropy over the tokens the loss counts). routing: an MoE forward's
+    routes to replay, and its load-balancing loss, added with --router_aux_loss_coef (the caller
+    detaches its hooks after the backward)."""
     cfg = run.cfg
     with autocast(run.bf16, run.device):
         logps, entropy = run.policy.completion_logprobs(
             forward, rows.completion_ids, rows.completion_mask, temperature=cfg.rollout.temperature, compute_entropy=True,
+            routing=routing,
         )
         loss, metrics = policy_loss(
             logps, rows.old_logps, rows.ref_logps, rows.advantages, rows.loss_mask, run.loss_config,
@@ -399,6 +426,8 @@ def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_toke
         )
         if cfg.algo.entropy_coeff:  # the bonus: mean entropy over the update's tokens, like the dapo loss
             loss = loss - cfg.algo.entropy_coeff * (entropy * rows.loss_mask).sum() / update_tokens
+        if routing is not None and routing.aux_loss is not None:  # each micro-batch its share of the update's rows
+            loss = loss + cfg.algo.router_aux_loss_coef * routing.aux_loss * len(rows) / update_sequences
     tokens = rows.loss_mask.bool()
     metrics["entropy"] = entropy.detach()[tokens].mean() if tokens.any() else 0.0
     return loss, metrics

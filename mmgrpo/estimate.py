@@ -102,7 +102,9 @@ class ModelShape:
     patch: int = 14
     merge: int = 2
     deepstack: int = 0
-    params: dict[str, int] = field(default_factory=dict)  # total, vision, aligner, llm_layers, root, block
+    params: dict[str, int] = field(default_factory=dict)  # total, vision, aligner, llm_layers, root, block, experts
+    experts: int = 0  # mixture of experts: experts per sparse layer (0: a dense model)
+    experts_per_token: int = 0  # the router's top-k
     trainable: int = 0  # parameters with a gradient (LoRA: the adapters)
     trains: set[str] = field(default_factory=set)  # parts that train: vision, aligner, llm
     lora_inputs: dict[str, int] = field(default_factory=dict)  # LoRA: in_features summed over each part's targets
@@ -160,10 +162,14 @@ def model_shape(cfg) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     first_layer = _submodule(skeleton, f"{components.get('llm')}.layers.0")
+    experts, top_k = getattr(text, "num_experts", 0) or 0, getattr(text, "num_experts_per_tok", 0) or 0
+    # A token's MLP activations: its k experts' widths (a dense model: the MLP's)
+    intermediate = top_k * text.moe_intermediate_size if experts else text.intermediate_size
     shape = ModelShape(
         qk_norm=hasattr(getattr(first_layer, "self_attn", None), "q_norm"), vision_mlp_kind="gated",
-        hidden=text.hidden_size, q_dim=heads * head_dim, intermediate=text.intermediate_size,
+        hidden=text.hidden_size, q_dim=heads * head_dim, intermediate=intermediate,
         kv_dim=text.num_key_value_heads * head_dim, layers=text.num_hidden_layers, vocab=text.vocab_size,
+        experts=experts, experts_per_token=top_k,
     )  # fmt: skip
     vision = getattr(config, "vision_config", None)
     if vision is not None and hasattr(vision, "depth"):  # a tower of blocks over merged patches
@@ -176,10 +182,12 @@ def model_shape(cfg) -> ModelShape:
         mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
         if not hasattr(mlp, "gate_proj"):
             shape.vision_mlp_kind = "quick_gelu" if getattr(vision, "hidden_act", "") == "quick_gelu" else "gelu"
-    params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0}  # vision: the tower without its merger
+    params = {"total": 0, "vision": 0, "aligner": 0, "llm_layers": 0, "block": 0, "experts": 0}  # vision: the tower without its merger
     for name, param in skeleton.named_parameters():
         part = part_of(name, components)
         params["total"] += param.numel()
+        if ".mlp.experts." in name and part == "llm":  # the routed experts' weights (MoE)
+            params["experts"] += param.numel()
         if part in ("vision", "aligner"):
             params[part] += param.numel()
         if ".layers.0." in name and part == "llm":
@@ -210,6 +218,33 @@ def model_shape(cfg) -> ModelShape:
         shape.trainable = freeze(skeleton, components, model_cfg)
         shape.trains = {part_of(n, components) for n, p in skeleton.named_parameters() if p.requires_grad} - {None}
     return shape
+
+
+def active_parameters(shape: ModelShape) -> int:
+    """Parameters one token runs through: all but the experts its router did not pick (a dense
+    model: all of them). Qwen3-VL-30B-A3B: 31.07B in total, 3.89B active (k = 8 of 128 experts; 3.35B
+    of them in the language model, its "A3B").
+
+    >>> active_parameters(ModelShape(False, "gated", 8, 8, 8, 8, 1, 8, params={"total": 100, "experts": 64},
+    ...                              experts=8, experts_per_token=2))
+    52
+    """
+    experts = shape.params.get("experts", 0)
+    if not shape.experts:
+        return shape.params["total"]
+    return shape.params["total"] - experts + experts * shape.experts_per_token // shape.experts
+
+
+def moe_notes(cfg, shape: ModelShape, shard: int) -> list[str]:
+    """A mixture of experts: total against active parameters, and the expert weights each device holds."""
+    if not shape.experts:
+        return []
+    experts = shape.params["experts"]
+    where = (f"sharded over {shard} devices by {cfg.dist.strategy}" if shard > 1
+             else "every expert on every device (no expert parallelism here: docs/distributed.md)")
+    return [f"mixture of experts: {shape.params['total'] / 1e9:.2f}B parameters, {active_parameters(shape) / 1e9:.2f}B active "
+            f"per token ({shape.experts_per_token} of {shape.experts} experts); expert weights {experts / 1e9:.2f}B = "
+            f"{4 * experts / shard / GB:.1f} GB fp32 per device, {where}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +428,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
         gathered_rollout = shape.params["total"] * param_bytes if cfg.dist.gather_for_generation else gathered_train
         parts["gathered"] = max(gathered_train, gathered_rollout)
     phases = phase_peaks(cfg, shape, parts, batch.micro_batches, shard, gathered_train, gathered_rollout)
+    notes += moe_notes(cfg, shape, shard)
     notes.append(f"{batch.step_rows} completions per device a step in {batch.micro_batches} micro-batch(es) of "
                  f"{batch.rows}; prompt {L} tokens, completions {T}")
     device = options.device_memory_gb * GB

@@ -48,7 +48,7 @@ MODEL_7B = "random:qwen2.5-vl-7b?num_hidden_layers=1&vision_depth=1"
 heavy = pytest.mark.xdist_group("real_size")  # one full-width model in memory at a time
 
 # The published totals of the checkpoints (safetensors), in billions.
-PUBLISHED_BILLIONS = {"qwen2.5-vl-3b": 3.75, "qwen2.5-vl-7b": 8.29, "qwen3-vl-8b": 8.77}
+PUBLISHED_BILLIONS = {"qwen2.5-vl-3b": 3.75, "qwen2.5-vl-7b": 8.29, "qwen3-vl-8b": 8.77, "qwen3-vl-30b-a3b": 31.07}
 
 
 def _meta_model(size, overrides=None):

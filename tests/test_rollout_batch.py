@@ -25,6 +25,7 @@ def episode_rollout(tag: str, rows: int, width: int, version: int) -> Rollout:
         rewards=torch.arange(rows, dtype=torch.float), reward_per_func=torch.arange(2 * rows, dtype=torch.float).view(2, rows),
         old_logps=-ids.float() / 100, ref_logps=-ids.float() / 10, importance_weights=torch.ones(rows, width) / (ids % 5 + 1),
         advantages=torch.arange(rows, dtype=torch.float) - 1,
+        routed_experts=[torch.full((width + 2, 2, 2), r, dtype=torch.int16) for r in range(rows)],  # MoE routes
     )
 
 
@@ -37,6 +38,7 @@ def test_select_keeps_every_field_row_for_row():
     assert picked.reward_per_func.tolist() == [[3.0, 1.0], [7.0, 5.0]]
     assert [m["pixel_values"][0, 0].item() for m in picked.completion_media] == [3.0, 1.0]
     assert picked.texts == ["a3", "a1"] and picked.columns == {"turns": [4, 2]}
+    assert [int(r[0, 0, 0]) for r in picked.routed_experts] == [3, 1]
     assert picked.weight_version == 5 and picked.metrics == rollout.metrics and picked.totals == rollout.totals
     assert torch.equal(picked.old_logps, rollout.old_logps[[3, 1]]) and picked.advantages.tolist() == [2.0, 0.0]
     unset = [f.name for f in fields(Rollout) if getattr(picked, f.name) is None]

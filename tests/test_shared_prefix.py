@@ -24,7 +24,7 @@ from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
 from mmgrpo.rollout.token_sampler import filter_logits
 from mmgrpo.templates import get_template
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2.5-omni+sound",
             "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
 FAMILIES += ["qwen3-omni", "qwen3-omni+sound"]  # MoE thinker: its router and experts act per token
 GROUP = 3  # G completions per prompt
@@ -51,7 +51,7 @@ def _audio(seconds, seed=0):
 def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
-    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni")
+    others = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni")
     paths |= {family: str(build_tiny(family)) for family in others}
     out = {}
     for family, path in paths.items():

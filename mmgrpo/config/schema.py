@@ -279,6 +279,16 @@ class AlgoConfig:
     """Token budget of a log-prob forward (prompt + completion tokens, padding included; with the shared
     prefix a prompt counts once): prompt groups of similar completion length are packed under it, and
     each rollout batch is one optimizer update. 0: micro-batches of per_device_train_batch_size rows."""
+    routing_replay: str = flag("off", OneOf("off", "rollout"))
+    """Mixture-of-experts policies (docs/models.md, "Mixture of experts"): `rollout` records the experts each token
+    was routed to while sampling (the HF rollout engine) and replays them in the trainer's old, reference and policy
+    forwards, so their log-probs of sampled tokens are the sampler's (R3, "rollout routing replay"; the router's
+    probabilities still come from the current weights, so it trains). `off`: each forward routes by itself. Where
+    routes are recorded, routing/mismatch_fraction logs how often the trainer's own choice differs."""
+    router_aux_loss_coef: float = flag(0.0, at_least(0, what="a coefficient", hint="0: off"))
+    """Mixture-of-experts policies: add this times the routers' load-balancing loss (transformers' Switch-style
+    loss, the mean over layers; the config's own router_aux_loss_coef is 0.001 for Qwen3-VL-MoE) to each update's
+    loss, logged as routing/aux_loss. 0: off (TRL's and ms-swift's name)."""
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from mmgrpo.errors import ConfigError
+from mmgrpo.forward.routing_replay import Routing, moe_routers
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.fusion.attach import prompt_length
 from mmgrpo.grpo.logprobs import completion_logprobs, logits_chunk_rows
@@ -67,12 +68,16 @@ class Policy:
         ref_model: nn.Module | None = None,
         ref_call: Callable = plain_call,
         disable_adapters: Callable | None = None,
+        per_row_routing: bool = False,
     ):
         """
         shared_prefix: run each prompt once per group where `supports_shared_prefix` allows it.
         call: runs a forward function (`call(fn, *args)`); sharding strategies pass their wrapper.
         ref_model, ref_call: the frozen reference copy (full training with beta > 0) and how it runs.
         disable_adapters: LoRA: a context manager under which the model is the base = the reference.
+        per_row_routing: an MoE model whose forwards replay recorded routes or add the router's
+        load-balancing loss (mmgrpo/forward/routing_replay.py): the naive path, whose rows are
+        the sampler's rows, token for token.
         """
         softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         if softcap:
@@ -88,6 +93,8 @@ class Policy:
         self.shared_prefix, self.naive_reason = False, "off (--shared_prefix false)"
         if shared_prefix:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
+        if self.shared_prefix and per_row_routing and moe_routers(model):
+            self.shared_prefix, self.naive_reason = False, "routes replayed per row (--routing_replay, --router_aux_loss_coef)"
 
     # ---- parts ---------------------------------------------------------------------------
 
@@ -137,13 +144,17 @@ class Policy:
         temperature: float = 1.0,
         compute_entropy: bool = False,
         reference: bool = False,
+        routing: Routing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of each completion token given its prompt (see `_completion_logprobs`).
 
         reference: under the reference model: the frozen copy, or (LoRA) this model with its
         adapters disabled.
+        routing: an MoE model's recorded routes to replay or compare, its load-balancing loss
+        (mmgrpo/forward/routing_replay.py); its hooks stay on the routers until the caller's
+        `routing.detach()` after the backward (without gradients: detached here).
         """
-        kwargs = dict(temperature=temperature, compute_entropy=compute_entropy)
+        kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, routing=routing)
         if not reference:
             return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, **kwargs)
         if self.ref_model is not None:
@@ -164,6 +175,7 @@ class Policy:
         temperature: float = 1.0,
         compute_entropy: bool = False,
         model: nn.Module | None = None,
+        routing: Routing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of each completion token given its prompt.
 
@@ -171,14 +183,27 @@ class Policy:
         Returns logps [N, T] (and entropy [N, T] if asked), zero where completion_mask is 0.
         """
         model = model or self.model
+        if routing is not None and batch.shared:
+            raise ValueError("recorded routes apply to the naive forward: build the Policy with per_row_routing=True")
         if batch.shared:
             hidden = shared_prefix_hidden(model, self.template, batch.prompts, completion_ids, completion_mask, batch.counts)
         else:
             backbone = model.get_submodule(self.template.components["backbone"])
             inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
             prompt_len = batch.prompts["input_ids"].shape[1]
-            with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
-                hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
+            if routing is not None:
+                routing.attach(model, inputs["attention_mask"][:, :prompt_len], completion_mask)
+            try:
+                with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
+                    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
+            except BaseException:
+                if routing is not None:
+                    routing.detach()
+                raise
+            if routing is not None:
+                routing.forward_done()
+                if not torch.is_grad_enabled():  # no backward will recompute a layer
+                    routing.detach()
             # Position P - 1 + t predicts completion token t.
             hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
         lm_head = model.get_submodule(self.template.components["lm_head"])

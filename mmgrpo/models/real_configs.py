@@ -1,5 +1,5 @@
 """Random checkpoints of real model sizes, built offline: `random:qwen2.5-vl-3b`, `random:qwen2.5-vl-7b`,
-`random:qwen3-vl-8b`, `random:qwen3.5-9b`.
+`random:qwen3-vl-8b`, `random:qwen3.5-9b`, `random:qwen3-vl-30b-a3b` (a mixture of experts).
 
 No weights can be downloaded here, but the published configurations are facts: each entry of
 `REAL_SIZES` carries the numbers of the model's config.json (hidden and intermediate sizes, layers,
@@ -121,6 +121,24 @@ REAL_SIZES: dict[str, RealSize] = {
         tie_word_embeddings=False, config_class="Qwen3_5Config", processor_class="Qwen3VLProcessor",
         pixels=(65536, 16777216),  # Qwen3-VL's processor budget, which Qwen3.5 ships
     ),
+    # Qwen/Qwen3-VL-30B-A3B-Instruct config.json: every decoder layer a sparse block of 128 experts
+    # (width 768), 8 per token, their weights renormalised ("norm_topk_prob": true, which transformers'
+    # router always does), no shared expert; Qwen3-VL-8B's vision tower with a merger to 2048.
+    "qwen3-vl-30b-a3b": RealSize(
+        family="qwen3-vl-moe", published="Qwen/Qwen3-VL-30B-A3B-Instruct",
+        text={"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+              "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+              "mrope_section": [24, 20, 20], "mrope_interleaved": True, "attention_bias": False,
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "norm_topk_prob": True},
+        vision={"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                "hidden_act": "gelu_pytorch_tanh", "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                "in_channels": 3, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+                "out_hidden_size": 2048},
+        tie_word_embeddings=False, config_class="Qwen3VLMoeConfig", processor_class="Qwen3VLProcessor",
+        pixels=(65536, 16777216),  # preprocessor_config.json: size shortest_edge, longest_edge (Qwen3-VL's)
+    ),
 }  # fmt: skip
 
 OVERRIDES = ("num_hidden_layers", "vision_depth", "seed")
@@ -141,7 +159,7 @@ def parse_random_name(name: str) -> tuple[str, dict[str, int]]:
     ('qwen2.5-vl-7b', {'num_hidden_layers': 2, 'vision_depth': 2})
     >>> parse_random_name("random:qwen2.5-vl-9b")
     Traceback (most recent call last):
-    mmgrpo.errors.ConfigError: model 'random:qwen2.5-vl-9b': unknown size 'qwen2.5-vl-9b'; known: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-vl-8b, qwen3.5-9b
+    mmgrpo.errors.ConfigError: model 'random:qwen2.5-vl-9b': unknown size 'qwen2.5-vl-9b'; known: qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-vl-8b, qwen3.5-9b, qwen3-vl-30b-a3b
     """
     size, _, query = name.removeprefix(RANDOM_PREFIX).partition("?")
     if size not in REAL_SIZES:

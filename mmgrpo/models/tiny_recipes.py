@@ -243,6 +243,24 @@ def _qwen3_vl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     return Qwen3VLConfig(text_config=text, vision_config=vision, **_qwen_vl_ids(ids))
 
 
+# Qwen3-VL-MoE at tiny size: the real structure (every decoder layer a sparse MoE block, top-k of
+# several experts, the k weights renormalised, no shared experts), 4 experts and 2 per token (the
+# real 30B-A3B: 128 and 8).
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+
+
+def _qwen3_vl_moe_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Qwen3VLMoeConfig
+
+    dense = _qwen3_vl_config(dims, vocab_size, ids)  # Qwen3-VL's towers, rope and token ids
+    # norm_topk_prob: as the real config.json has it (transformers' router always renormalises; vLLM reads the key)
+    text = {**dense.text_config.to_dict(), **TINY_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    for key in ("model_type", "architectures", "transformers_version", "dtype"):
+        text.pop(key, None)
+    vision = {k: v for k, v in dense.vision_config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **_qwen_vl_ids(ids))
+
+
 def _whisper_encoder(dims: dict, chunk_seconds: int = AUDIO_CHUNK_SECONDS) -> dict:
     """A 2-layer Whisper-style audio encoder over AUDIO_MEL_BINS mel bins and clips of `chunk_seconds`."""
     return {
@@ -582,6 +600,14 @@ RECIPES: dict[str, TinyRecipe] = {
         chat_template=chatml_jinja(None, QWEN_VL_PARTS),
         make_config=_qwen3_vl_config,
         model_class="Qwen3VLForConditionalGeneration",
+        make_processor=lambda dims: qwen_vl_processor("Qwen3VLProcessor", dims),
+    ),
+    "qwen3-vl-moe": TinyRecipe(
+        family="qwen3-vl-moe",
+        special_tokens=QWEN2_5_VL_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(None, QWEN_VL_PARTS),
+        make_config=_qwen3_vl_moe_config,
+        model_class="Qwen3VLMoeForConditionalGeneration",
         make_processor=lambda dims: qwen_vl_processor("Qwen3VLProcessor", dims),
     ),
     "qwen2-audio": TinyRecipe(

@@ -91,7 +91,7 @@ class SamplingParams:
 _PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0,
            "old_logps": 0.0, "ref_logps": 0.0, "importance_weights": 0.0}
 _ROW_TENSORS = ("truncated", "rewards", "row_versions", "advantages")
-_ROW_LISTS = ("completion_media", "texts")
+_ROW_LISTS = ("completion_media", "texts", "routed_experts")
 
 
 @dataclass
@@ -112,6 +112,9 @@ class Rollout:
     loss_mask: torch.Tensor | None = None
     completion_media: list[dict] | None = None  # per row: media tensors of the images inside its completion, in order
     texts: list[str] | None = None  # per row: what rewards score (an episode's last model turn); `score` decodes the rest
+    # MoE policies sampled by the HF engine: per row, the experts its tokens were routed to, [L_r + n_r, layers, k]
+    # int16 on the CPU (its L_r prompt tokens, then its completion's); replayed by --routing_replay rollout
+    routed_experts: list[torch.Tensor] | None = None
     columns: dict[str, list] = field(default_factory=dict)  # per-row reward columns (trajectory, tool_calls ...)
     # The generation's own figures, logged with the step: means over its completions (tools/turns ...)
     # and totals that add up across rollouts (tools/errors, tools/seconds). `select` keeps both.

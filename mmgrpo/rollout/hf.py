@@ -9,6 +9,9 @@ entry per clip (a row may have none or several), so a batch with audio is repeat
 template (`repeat_rows`, which knows which clips belong to which row) and sampled once per row.
 Placeholder tokens (`<|image_pad|>` ...) are suppressed: a sampled placeholder would break
 the training forward ("image features and image tokens do not match").
+
+An MoE policy's routes are recorded as it samples (`Rollout.routed_experts`, for
+--routing_replay; mmgrpo/forward/routing_replay.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from mmgrpo.forward.policy import plain_call
+from mmgrpo.forward.routing_replay import RoutingRecorder, moe_routers
 from mmgrpo.rollout.base import (
     Rollout,
     RolloutEngine,
@@ -60,6 +64,7 @@ class HFRollout(RolloutEngine):
         self.call, self.scope, self.prepare = call, scope, prepare
         self.synced = synced
         self.separate_weights = separate_weights
+        self.records_routes = bool(moe_routers(model))  # an MoE model: each row's routes go with it
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts -> B x G completions (on the model's device)."""
@@ -85,23 +90,31 @@ class HFRollout(RolloutEngine):
             group = 1  # the G copies of a prompt are rows now: one sample each
         if params.seed is not None:
             torch.manual_seed(params.seed)  # generate draws from the global generator
+        recorder = RoutingRecorder(self.model) if self.records_routes else None
         try:
-            output = self.model.generate(
-                **prompt_batch,
-                **sampling,
-                repetition_penalty=1.0,
-                num_return_sequences=group,
-                max_new_tokens=params.max_new_tokens,
-                eos_token_id=self.eos_token_ids,
-                pad_token_id=self.pad_token_id,
-                suppress_tokens=params.suppressed(self.suppress_token_ids, self.eos_token_ids) or None,
-                use_cache=True,
-                synced_gpus=self.synced,
-            )
+            with recorder or nullcontext():  # the routers' choices as they sample (MoE)
+                output = self.model.generate(
+                    **prompt_batch,
+                    **sampling,
+                    repetition_penalty=1.0,
+                    num_return_sequences=group,
+                    max_new_tokens=params.max_new_tokens,
+                    eos_token_id=self.eos_token_ids,
+                    pad_token_id=self.pad_token_id,
+                    suppress_tokens=params.suppressed(self.suppress_token_ids, self.eos_token_ids) or None,
+                    use_cache=True,
+                    synced_gpus=self.synced,
+                )
         finally:
             self.model.train(was_training)
         prompt_len = prompt_batch["input_ids"].shape[1]
-        completion_ids = output[:, prompt_len:].repeat_interleave(copies, dim=0)  # [B * G, T]
+        completion_ids = output[:, prompt_len:]  # [B * group, T]
+        routed = None
+        if recorder is not None:  # generate repeats each prompt row `group` times, in place
+            prompt_mask = prompt_batch["attention_mask"].repeat_interleave(group, dim=0)  # [B * group, P]
+            lengths = completion_mask_from_ids(completion_ids, self.eos_token_ids)[0].sum(1)
+            routed = [row for row in recorder.per_row(prompt_mask, lengths) for _ in range(copies)]
+        completion_ids = completion_ids.repeat_interleave(copies, dim=0)  # [B * G, T]
         mask, truncated = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         completion_ids = completion_ids.masked_fill(mask == 0, self.pad_token_id)
-        return Rollout(completion_ids=completion_ids, completion_mask=mask, truncated=truncated)
+        return Rollout(completion_ids=completion_ids, completion_mask=mask, truncated=truncated, routed_experts=routed)

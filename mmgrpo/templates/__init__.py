@@ -25,6 +25,7 @@ from mmgrpo.templates import (  # noqa: F401  (register the families)
     qwen3_5_moe,
     qwen3_omni,
     qwen3_vl,
+    qwen3_vl_moe,
 )
 from mmgrpo.templates.base import (
     PromptInputs,

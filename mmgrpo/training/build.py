@@ -286,6 +286,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     policy = Policy(
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
         ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
+        per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0,
     )
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")

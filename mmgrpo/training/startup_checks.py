@@ -71,8 +71,46 @@ def check_train_flags(cfg: TrainConfig) -> None:
     for spec in cfg.rollout.tools:  # a tool's typo fails now
         get_tool(spec)
     check_generic_boxes(cfg.model, cfg.algo, cfg.data, cfg.eval)
+    check_routing_flags(cfg.model, cfg.algo, cfg.rollout)
     if cfg.save_in_background and env_world_size() > 1:
         raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
+
+
+def check_routing_flags(model_cfg: ModelConfig, algo_cfg: AlgoConfig, rollout_cfg: RolloutConfig) -> None:
+    """--routing_replay and --router_aux_loss_coef need a mixture-of-experts model (read from its config,
+    where it can be read before loading), and routing replay the HF rollout engine, which records routes."""
+    flags = [name for name, on in (("--routing_replay rollout", algo_cfg.routing_replay == "rollout"),
+                                   ("--router_aux_loss_coef", algo_cfg.router_aux_loss_coef > 0)) if on]
+    if not flags:
+        return
+    experts = configured_experts(model_cfg.model)
+    if experts == 0:
+        raise ConfigError(f"{' and '.join(flags)}: {model_cfg.model} is a dense model (its config has no num_experts): "
+                          "routes exist in mixture-of-experts models only (e.g. tiny:qwen3-vl-moe); drop the flag.")
+    if algo_cfg.routing_replay == "rollout" and (rollout_cfg.use_vllm or rollout_cfg.max_turns > 1):
+        what = "--use_vllm" if rollout_cfg.use_vllm else "--max_turns > 1"
+        raise ConfigError(f"--routing_replay rollout records routes in the HF rollout engine; with {what} nothing records "
+                          "them here: use --routing_replay off (the importance weights then correct the gap).")
+
+
+def configured_experts(model: str) -> int | None:
+    """Experts per MoE layer in `model`'s config (0: dense); None where the config cannot be read yet (a hub id
+    not downloaded: loading says so)."""
+    import json
+    from pathlib import Path
+
+    from mmgrpo.models.loading import local_model_folder
+    from mmgrpo.models.real_configs import RANDOM_PREFIX, REAL_SIZES, parse_random_name
+    from mmgrpo.models.tiny import resolve_model_path
+
+    if model.startswith(RANDOM_PREFIX):  # its published numbers: nothing to build
+        return REAL_SIZES[parse_random_name(model)[0]].text.get("num_experts", 0)
+    try:
+        config = json.loads((Path(local_model_folder(resolve_model_path(model))) / "config.json").read_text())
+    except (ConfigError, OSError, ValueError):
+        return None
+    text = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
+    return int(text.get("num_experts") or text.get("num_local_experts") or 0)
 
 
 def check_sft_flags(cfg: SFTConfig) -> None:
