@@ -44,9 +44,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import torch
-
 from mmgrpo.errors import ConfigError
+
+# torch and transformers load inside the functions: `mmgrpo estimate --help` answers at once
 
 GB = 1e9
 CUDA_RESERVE_BYTES, ALLOCATOR_SLACK = 2**30, 0.05  # context, cuBLAS workspace, NCCL; fragmentation
@@ -153,6 +153,8 @@ def _submodule(model, name: str):
 
 def model_shape(cfg) -> ModelShape:
     """Sizes and parameter counts from a weightless (meta device) model of `cfg.model.model`."""
+    import torch
+
     from mmgrpo.models.train_type import lora_targets, part_of
 
     config, template_class, skeleton = _skeleton(cfg.model.model, cfg.model.model_type)
@@ -505,10 +507,10 @@ def build_estimate_parser():
 def main(argv: list[str] | None = None) -> None:
     from mmgrpo.config import TrainConfig
     from mmgrpo.config.flags import config_from_namespace
-    from mmgrpo.training.startup_checks import check_train_flags
 
     argv = list(argv or [])
     ns = build_estimate_parser().parse_args(argv)
+    from mmgrpo.training.startup_checks import check_train_flags  # after --help
     options = EstimateOptions(world_size=ns.world_size, device_memory_gb=ns.device_memory_gb, image_pixels=ns.image_pixels,
                               images_per_prompt=ns.images_per_prompt, prompt_text_tokens=ns.prompt_text_tokens)  # fmt: skip
     if options.world_size < 1 or options.device_memory_gb <= 0 or options.images_per_prompt < 0:
@@ -565,6 +567,8 @@ def measure_step_memory(cfg) -> dict:
     """Two real GRPO steps of `cfg` in this process; the peak memory of the second (the first makes
     the optimizer state), of its rollout and of the rest of it (log-probs, update): the GPU's max
     allocated bytes, or on the CPU the `TrackedMemory` peak."""
+    import torch
+
     from mmgrpo.engine import grpo_step, rollout_sampler
     from mmgrpo.parallel.tracked_memory import TrackedMemory
     from mmgrpo.runstate.state import seed_everything
