@@ -291,6 +291,38 @@ def test_forward_logprobs_match_generate_and_grpo_step(family, media, processors
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_on_video_batches(family, processors, models):
+    """The group-shared prefix (forward, greedy and sampled rollouts) equals the naive paths on the
+    batches tests/test_shared_prefix.py cannot mix into its image batches: a text row beside videos."""
+    from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
+    from tests.test_shared_prefix import (
+        GROUP,
+        _assert_grads_equal,
+        _assert_greedy_equals_hf_generate,
+        _completions,
+        _logps_and_grads,
+        _naive_hidden,
+        _prompts,
+        _sampled_logps_and_naive,
+    )
+
+    template, model = get_template(family, processors[family]), models[family]
+    assert supports_shared_prefix(model, template) == (True, "")
+    batch = template.collate(_prompts(template, ("text", "video", "question")))
+    ids, mask = _completions(3)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+    expected, expected_grads = _logps_and_grads(model, lambda: _naive_hidden(model, template, batch, ids, mask), ids, mask, weights)
+    got, grads = _logps_and_grads(
+        model, lambda: shared_prefix_hidden(model, template, batch, ids, mask, GROUP), ids, mask, weights
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    _assert_grads_equal(expected_grads, grads, template, batch)
+    _assert_greedy_equals_hf_generate(model, template, _prompts(template, ("text", "video", "video")), "sdpa")
+    logps, expected = _sampled_logps_and_naive(model, template, batch)
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+
+
 def test_a_batch_of_images_and_videos_is_refused(processors, models):
     """transformers' GLM forward fills every <|image|> token from the images: with a video beside them
     it fails (shown), so collate names the samples instead."""
