@@ -337,6 +337,15 @@ def test_a_batch_of_images_and_videos_is_refused(processors, models):
             model(**batch)
 
 
+def test_what_vllm_cannot_take_is_said(processors):
+    """vLLM 0.32 (tests/test_vllm_families.py): GLM videos need metadata its requests lack; GLM-4.5V's fused
+    experts do not sync into it (a start-up error); images and text run as the policy does."""
+    template = get_template("glm4v", processors["glm4v"])
+    assert "do_sample_frames" in template.vllm_prompt_problem(template.encode_prompt(_sample("v", "<video>?", [], [_video()])))
+    assert template.vllm_prompt_problem(template.encode_prompt(_sample("i", "<image>?", [_image(56, 56)]))) is None
+    assert not template.vllm_mismatch and "fused" in get_template("glm4v-moe", processors["glm4v-moe"]).vllm_mismatch
+
+
 def test_boxes_are_thousandths_of_the_image(processors):
     template = get_template("glm4v", processors["glm4v"])
     assert template.box_convention == "rel1000"

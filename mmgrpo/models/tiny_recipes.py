@@ -630,6 +630,9 @@ def _glm4v_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
             "mrope_section": [temporal, spatial, rotary_half - temporal - spatial],
         },
         "pad_token_id": ids["<|endoftext|>"],
+        # q/k/v have biases (transformers builds them whatever the config says); GLM-4.1V's config.json says
+        # so and vLLM reads it: without it vLLM builds q/k/v without bias and ignores the synced ones
+        "attention_bias": True,
     }
 
 
@@ -675,6 +678,9 @@ def _glm4v_moe_config(dims: dict, vocab_size: int, ids: dict[str, int]):
 
     text = {
         **_glm4v_text(dims, vocab_size, ids),
+        # in GLM-4.5V's config.json (head_dim 128, no q/k norm) and read by vLLM's GLM-4 MoE; transformers ignores them
+        "head_dim": dims["head_dim"],
+        "use_qk_norm": False,
         "moe_intermediate_size": dims["intermediate_size"] // 2,
         "n_routed_experts": 4,
         "num_experts_per_tok": 2,
