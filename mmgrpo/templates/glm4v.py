@@ -196,7 +196,7 @@ class Glm4vTemplate(Template):
             raise DataError(
                 f"samples {', '.join(with_images[:3])} (images) and {', '.join(with_videos[:3])} (videos): "
                 f"transformers' {self.name} forward takes images or videos in one batch, not both (it fills "
-                "every <|image|> token from the images); keep images and videos in separate datasets or runs"
+                "every <|image|> token from the images); train image and video datasets in separate runs"
             )
         return super().collate(prompts)
 
