@@ -164,6 +164,21 @@ def test_multi_turn_parity(family, processors):
     assert "<|assistant|>\n<think>I count them.</think><answer>3</answer><|user|>\nAnd in " in prompt.prompt_text
 
 
+def test_a_tool_turn_follows_the_models_observation_token(processors):
+    """A model turn that calls a tool ends with `<|observation|>` (a stop token); the tool results and the next
+    model turn follow it, as a dataset row of the same conversation renders them."""
+    template = get_template("glm4v", processors["glm4v"])
+    results = [[{"type": "text", "text": "42"}], [{"type": "image"}]]
+    assert template.render_tool_turn(results) == "\n42<|observation|>\n<|begin_of_image|><|image|><|end_of_image|><|assistant|>\n"
+    messages = [{"role": "user", "content": "Ask."}, {"role": "assistant", "content": "call"}]
+    tools = [{"role": "tool", "content": parts} for parts in results]
+    assert template.render(messages + tools) == (
+        template.render(messages, add_generation_prompt=False) + "<|observation|>" + template.render_tool_turn(results)
+    )
+    hf_text = processors["glm4v"].apply_chat_template(messages + tools, add_generation_prompt=True, tokenize=False)
+    assert hf_text == template.render(messages + tools)  # the tiny chat template renders tool turns the same
+
+
 def test_video_timestamps(processors):
     """Each temporal patch's first frame: frames 0, 2, 4, 6 of a 2 fps clip are patches at 0 s and 2 s."""
     video = _video(num_frames=4, fps=2.0)

@@ -21,9 +21,10 @@
 - Pixel budgets (`min_pixels` ...) are the processors': an image counts twice (Glm4vImageProcessor
   resizes it as two frames), a video's budget is per clip.
 
-Boxes: GLM-4.1V and GLM-4.5V answer a grounding question with `[x1,y1,x2,y2]` in 0-1000 of the
-image inside `<|begin_of_box|>...<|end_of_box|>` (the GLM-4.1V-Thinking / GLM-4.5V model cards;
-nothing in transformers' GLM processors rescales coordinates): "rel1000". The box tokens are
+Boxes: GLM-4.1V and GLM-4.5V answer a grounding question with `[x1,y1,x2,y2]` inside
+`<|begin_of_box|>...<|end_of_box|>`, x and y in 0-1000 of the original image from its top-left corner
+(zai-org's GLM-V grounding notes: x = round(x_pixel / W * 1000), y = round(y_pixel / H * 1000); the
+GLM-4.5V model card); nothing in transformers' GLM processors or models rescales coordinates: "rel1000". The box tokens are
 special: decoded completions keep the bare `[x1,y1,x2,y2]`, which the box rewards parse.
 GLM-4.1V-Thinking writes `<think>...</think><answer>...</answer>`; those tags are plain text.
 """
