@@ -415,6 +415,22 @@ def test_freeze_vit_and_lora_find_glm_modules(processors, models):
     assert "lm_head" not in targets
 
 
+def test_lora_on_the_moe_wraps_the_routed_experts():
+    """peft 0.21 puts adapters on transformers' fused routed experts too (a ParamWrapper, which takes no
+    dropout: GLM-4.5V LoRA runs need --lora_dropout 0); a backward reaches them."""
+    from mmgrpo.config.schema import ModelConfig
+    from mmgrpo.models.train_type import apply_train_type
+
+    template_components = get_template("glm4v-moe", load_processor(str(build_tiny("glm4v-moe")))).components
+    model = load_model(str(build_tiny("glm4v-moe")))
+    model, peft_model = apply_train_type(model, template_components, ModelConfig(model="tiny:glm4v-moe", train_type="lora", lora_dropout=0.0))
+    experts = [n for n, p in model.named_parameters() if ".mlp.experts." in n and "lora_" in n and p.requires_grad]
+    assert experts and peft_model is not None
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    model(input_ids=ids).logits.sum().backward()
+    assert all(model.get_parameter(n).grad is not None for n in experts if "lora_B" in n)
+
+
 def test_sft_eval_and_resume_run(tmp_path):
     from mmgrpo.cli import main as cli_main
 
