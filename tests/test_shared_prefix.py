@@ -27,6 +27,7 @@ from mmgrpo.templates import get_template
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2.5-omni+sound",
             "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
 FAMILIES += ["qwen3-omni", "qwen3-omni+sound"]  # MoE thinker: its router and experts act per token
+FAMILIES += ["glm4v", "glm4v-moe"]  # their video batches: tests/test_family_glm4v.py
 GROUP = 3  # G completions per prompt
 
 
@@ -53,6 +54,7 @@ def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
     others = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni")
     paths |= {family: str(build_tiny(family)) for family in others}
+    paths |= {family: str(build_tiny(family)) for family in ("glm4v", "glm4v-moe")}
     out = {}
     for family, path in paths.items():
         model = load_model(path, dtype=torch.float32)  # Qwen2.5-Omni: its thinker
@@ -77,6 +79,9 @@ READS = {
     # the tiny Gemma3 answers "Which is red, <image> or <image>? ..." with one token repeated: no
     # EOS would end rows at different steps in the greedy test
     "gemma3": {"two_images": "images_first", "video": "late_image"},
+    # transformers' GLM forward takes images and videos in separate batches only
+    "glm4v": {"video": "late_image"},
+    "glm4v-moe": {"video": "late_image"},
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
+    GLM4V_CHAT_TEMPLATE,
     QWEN3_OMNI_PARTS,
     QWEN_OMNI_PARTS,
     QWEN_VL_CHAT_TEMPLATE,
@@ -577,6 +578,180 @@ def _gemma3_processor(dims: dict):
     return make
 
 
+# ---------------------------------------------------------------------------------------------
+# GLM-4.1V / GLM-4.5V / GLM-4.6V
+# ---------------------------------------------------------------------------------------------
+
+# GLM-4.1V's special tokens in the real vocabulary's order (ids 151329 ... 151344 for the first sixteen).
+GLM4V_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+    "<|begin_of_box|>",
+    "<|end_of_box|>",
+)
+# The thinking format's tags: whole tokens in GLM's vocabulary, but not special (decoding keeps them).
+GLM4V_TEXT_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def _glm4v_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
+    """GLM-4.1V's language model: RoPE on half of each head (partial_rotary_factor 0.5), that half
+    split into (temporal, height, width) sections in the proportions of the real [8, 12, 12]."""
+    if dims["hidden_size"] != dims["num_attention_heads"] * dims["head_dim"]:
+        raise ConfigError("tiny GLM-4V models take head_dim = hidden_size / num_attention_heads (their config has no head_dim)")
+    rotary_half = dims["head_dim"] // 4  # half of the head rotates; mrope sections cover half of that
+    temporal = rotary_half // 4
+    spatial = (rotary_half - temporal) // 2
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": dims["num_hidden_layers"],
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(dims["rope_theta"] or 10000.0),
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [temporal, spatial, rotary_half - temporal - spatial],
+        },
+        "pad_token_id": ids["<|endoftext|>"],
+        # q/k/v have biases (transformers builds them whatever the config says); GLM-4.1V's config.json says
+        # so and vLLM reads it: without it vLLM builds q/k/v without bias and ignores the synced ones
+        "attention_bias": True,
+    }
+
+
+def _glm4v_vision(dims: dict) -> dict:
+    """GLM-4.1V's vision tower: learned positions on a 4x4 grid (24x24 in the real one), interpolated
+    to each image; a conv downsample and a SwiGLU merger into the LLM width."""
+    return {
+        "depth": dims["vision_depth"],
+        "hidden_size": dims["vision_embed_dim"],
+        "num_heads": dims["vision_num_heads"],
+        "out_hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],  # the merger's
+        "image_size": TILE_SIZE,
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": dims["spatial_merge_size"],
+        "temporal_patch_size": dims["temporal_patch_size"],
+    }
+
+
+def _glm4v_ids(ids: dict[str, int]) -> dict:
+    return {
+        "image_token_id": ids["<|image|>"],
+        "video_token_id": ids["<|video|>"],
+        "image_start_token_id": ids["<|begin_of_image|>"],
+        "image_end_token_id": ids["<|end_of_image|>"],
+        "video_start_token_id": ids["<|begin_of_video|>"],
+        "video_end_token_id": ids["<|end_of_video|>"],
+    }
+
+
+def _glm4v_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Glm4vConfig
+
+    return Glm4vConfig(
+        text_config=_glm4v_text(dims, vocab_size, ids), vision_config=_glm4v_vision(dims), **_glm4v_ids(ids)
+    )
+
+
+def _glm4v_moe_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    """GLM-4.5V: the first layer dense, the others MoE: 4 routed experts (128 in the real one), top-2
+    (8) of them per token, sigmoid router with normalised weights, one shared expert (1)."""
+    from transformers import Glm4vMoeConfig
+
+    text = {
+        **_glm4v_text(dims, vocab_size, ids),
+        # in GLM-4.5V's config.json (head_dim 128, no q/k norm) and read by vLLM's GLM-4 MoE; transformers ignores them
+        "head_dim": dims["head_dim"],
+        "use_qk_norm": False,
+        "moe_intermediate_size": dims["intermediate_size"] // 2,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+    }
+    return Glm4vMoeConfig(text_config=text, vision_config=_glm4v_vision(dims), **_glm4v_ids(ids))
+
+
+def _glm46v_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    """GLM-4.6V's wrapper class over GLM-4.1V's dense LLM and tower (as GLM-4.6V-Flash has them)."""
+    from transformers import Glm46VConfig
+
+    return Glm46VConfig(
+        text_config={"model_type": "glm4v_text", **_glm4v_text(dims, vocab_size, ids)},
+        vision_config={"model_type": "glm4v_vision", **_glm4v_vision(dims)},
+        **_glm4v_ids(ids),
+    )
+
+
+def _glm_router_init(model) -> None:
+    """transformers zero-initialises GLM's MoE router: every expert would score the same."""
+    import torch
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.normal_(0.0, parameter.shape[1] ** -0.5)
+
+
+def glm4v_processor(version: str, dims: dict):
+    """(tokenizer) -> GLM's processor; version "4v" (GLM-4.1V, GLM-4.5V) or "46V" (GLM-4.6V).
+
+    The image budget counts an image twice (GLM's resize treats it as two frames); the video
+    budget is per clip, as Qwen3-VL's."""
+
+    def make(tokenizer):
+        import transformers
+
+        patches = _qwen_patches(dims)
+        image_processor = getattr(transformers, f"Glm{version}ImageProcessor")(
+            size={"shortest_edge": 2 * IMAGE_MIN_PIXELS, "longest_edge": 2 * IMAGE_MAX_PIXELS}, **patches
+        )
+        video_processor = getattr(transformers, f"Glm{version}VideoProcessor")(
+            size={"shortest_edge": 2 * VIDEO_MIN_PIXELS, "longest_edge": 8 * VIDEO_MAX_PIXELS}, **patches
+        )
+        return getattr(transformers, f"Glm{version}Processor")(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=video_processor,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
+def _glm_recipe(family: str, make_config, model_class: str, version: str, **extra) -> TinyRecipe:
+    return TinyRecipe(
+        family=family,
+        special_tokens=GLM4V_SPECIAL_TOKENS,
+        chat_template=GLM4V_CHAT_TEMPLATE,
+        make_config=make_config,
+        model_class=model_class,
+        make_processor=lambda dims: glm4v_processor(version, dims),
+        eos_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),  # GLM-4.1V's generation_config
+        text_tokens=GLM4V_TEXT_TOKENS,
+        **extra,
+    )
+
+
 RECIPES: dict[str, TinyRecipe] = {
     "qwen2-vl": TinyRecipe(
         family="qwen2-vl",
@@ -692,6 +867,11 @@ RECIPES: dict[str, TinyRecipe] = {
         model_class="Qwen2ForCausalLM",
         make_processor=None,
     ),
+    "glm4v": _glm_recipe("glm4v", _glm4v_config, "Glm4vForConditionalGeneration", "4v"),
+    "glm4v-moe": _glm_recipe(
+        "glm4v-moe", _glm4v_moe_config, "Glm4vMoeForConditionalGeneration", "4v", init_weights=_glm_router_init
+    ),
+    "glm46v": _glm_recipe("glm46v", _glm46v_config, "Glm46VForConditionalGeneration", "46V"),
 }
 
 

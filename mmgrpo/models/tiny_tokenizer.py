@@ -118,6 +118,26 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
+# GLM-4.1V-Thinking's format (the official chat_template.jinja renders the same for string contents):
+# "[gMASK]<sop>", then per turn `<|system|>\n`, `<|user|>\n` or `<|assistant|>\n` and the content,
+# no end-of-turn token (the model ends its turn by writing `<|user|>`); each image or video part is
+# one begin / placeholder / end triple. The official template drops tool turns; here they are
+# `<|observation|>\n` turns, GLM's tool-result role (mmgrpo.templates.glm4v renders the same).
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|observation|>\n{% else %}<|{{ message.role }}|>\n{% endif %}"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}"
+    "{% if part.type == 'video' or 'video' in part %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif part.type == 'image' or 'image' in part %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif 'text' in part %}{{ part.text }}"
+    "{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 # ---------------------------------------------------------------------------------------------
 # The fixed tokenizer corpus
 # ---------------------------------------------------------------------------------------------
