@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
+    GEMMA4_CHAT_TEMPLATE,
     QWEN_OMNI_PARTS,
     QWEN_VL_CHAT_TEMPLATE,
     QWEN_VL_PARTS,
@@ -97,6 +98,33 @@ GEMMA3_SPECIAL_TOKENS = (
 # Gemma's vocabulary holds runs of newlines as single tokens, and vLLM's Gemma3 processor looks
 # them up by their text (it merges the "\n\n" around an image with the newlines beside it).
 GEMMA3_NEWLINE_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+# Gemma 4's special tokens (turns, the image / audio / video placeholders and their begin / end tokens,
+# the thinking channel); here they follow the BPE vocabulary like every tiny family's.
+GEMMA4_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|turn>",
+    "<turn|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
+    "<|channel>",
+    "<channel|>",
+    "<|think|>",
+)
+# Gemma 4's image budget is counted in soft tokens: 70 (the smallest its processor takes) pooled 2x2 from
+# at most 280 patches of 8 pixels (the real models: 16-pixel patches pooled 3x3, 280 soft tokens).
+GEMMA4_PATCH_SIZE = 8
+GEMMA4_POOLING = 2
+GEMMA4_MAX_SOFT_TOKENS = 70
+GEMMA4_MEL_BINS = 32  # the audio tower's first conv has as many channels as there are mel bins (128 and 128 in the real ones)
 
 # SigLIP towers (LLaVA-OneVision, Gemma3) see square tiles of TILE_SIZE pixels: (56 / 14)**2 = 16 patches.
 TILE_SIZE = 56
@@ -347,6 +375,98 @@ def _gemma3_init(model) -> None:
         projection.normal_(0.0, projection.shape[0] ** -0.5)
 
 
+def _gemma4_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
+    """Gemma 4's decoder at tiny size, with the structure of its small (E2B / E4B) models.
+
+    Layers come in groups of (sliding, sliding, full): `num_hidden_layers` counts the groups. The full
+    layers have wider heads (`global_head_dim`) and rotate a quarter of them ("proportional" RoPE); the
+    second half of the groups reuse the keys and values of the last layer of each type before them
+    (KV sharing); every layer adds its slice of the per-layer embeddings (PLE). Images attend to
+    themselves both ways in the sliding layers (`use_bidirectional_attention="vision"`, as in the
+    26B and 31B models), and the full layers' values are their keys (`attention_k_eq_v`, 31B).
+    The final-logit soft-capping of the real models (30.0) is left off: the trainer's chunked LM
+    head does not apply it (see docs/models.md).
+    """
+    if dims["rope_theta"]:
+        raise ConfigError("tiny:gemma4 takes no rope_theta override (its local and global rotary bases go together)")
+    groups = dims["num_hidden_layers"]
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * groups
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"],
+        "global_head_dim": 2 * dims["head_dim"],
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "sliding_window": 512,
+        "layer_types": layer_types,
+        "num_kv_shared_layers": 3 * (groups // 2),
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": vocab_size,
+        "use_bidirectional_attention": "vision",
+        "final_logit_softcapping": None,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "pad_token_id": ids["<pad>"],
+    }
+
+
+def _gemma4_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Gemma4Config
+
+    vision = {
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "num_key_value_heads": dims["vision_num_heads"],
+        "head_dim": dims["vision_embed_dim"] // dims["vision_num_heads"],
+        "patch_size": GEMMA4_PATCH_SIZE,
+        "pooling_kernel_size": GEMMA4_POOLING,
+        "position_embedding_size": GEMMA4_MAX_SOFT_TOKENS * GEMMA4_POOLING**2,  # the widest row of patches
+        "use_clipped_linears": True,
+    }
+    audio = {
+        "hidden_size": dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "subsampling_conv_channels": [GEMMA4_MEL_BINS, 8],
+        "output_proj_dims": dims["vision_embed_dim"],
+    }
+    return Gemma4Config(
+        text_config=_gemma4_text(dims, vocab_size, ids),
+        vision_config=vision,
+        audio_config=audio,
+        boi_token_id=ids["<|image>"],
+        eoi_token_id=ids["<image|>"],
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        boa_token_id=ids["<|audio>"],
+        eoa_token_index=ids["<audio|>"],
+        audio_token_id=ids["<|audio|>"],
+    )
+
+
+def _gemma4_init(model) -> None:
+    """What transformers leaves unlike a trained checkpoint: every patch position's embedding is ones
+    (drawn here, so the tower tells positions apart), and the clipped linears' bounds are infinite
+    (the real checkpoints hold finite ones; a checkpoint with inf is refused at save). Bounds of
+    +-1e4 never bind at this size."""
+    import torch
+
+    table = model.model.vision_tower.patch_embedder.position_embedding_table
+    with torch.no_grad():
+        table.normal_(0.0, 0.02)
+        for name, buffer in model.named_buffers():
+            if name.endswith(("input_min", "output_min", "input_max", "output_max")):
+                buffer.fill_(-1e4 if name.endswith("min") else 1e4)
+
+
 def _qwen2_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen2Config
 
@@ -478,6 +598,32 @@ def _gemma3_processor(dims: dict):
     return make
 
 
+def _gemma4_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import (
+            Gemma4AudioFeatureExtractor,
+            Gemma4ImageProcessor,
+            Gemma4Processor,
+            Gemma4VideoProcessor,
+        )
+
+        patches = {
+            "patch_size": GEMMA4_PATCH_SIZE,
+            "pooling_kernel_size": GEMMA4_POOLING,
+            "max_soft_tokens": GEMMA4_MAX_SOFT_TOKENS,
+        }
+        return Gemma4Processor(
+            feature_extractor=Gemma4AudioFeatureExtractor(feature_size=GEMMA4_MEL_BINS),
+            image_processor=Gemma4ImageProcessor(**patches),
+            tokenizer=tokenizer,
+            video_processor=Gemma4VideoProcessor(**patches),
+            image_seq_length=GEMMA4_MAX_SOFT_TOKENS,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
 RECIPES: dict[str, TinyRecipe] = {
     "qwen2-vl": TinyRecipe(
         family="qwen2-vl",
@@ -559,6 +705,27 @@ RECIPES: dict[str, TinyRecipe] = {
         ),
         text_tokens=GEMMA3_NEWLINE_TOKENS,
         init_weights=_gemma3_init,
+    ),
+    "gemma4": TinyRecipe(
+        family="gemma4",
+        special_tokens=GEMMA4_SPECIAL_TOKENS,
+        chat_template=GEMMA4_CHAT_TEMPLATE,
+        make_config=_gemma4_config,
+        model_class="Gemma4ForConditionalGeneration",
+        make_processor=_gemma4_processor,
+        eos_tokens=("<eos>", "<turn|>"),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        tokenizer_bos="<bos>",
+        named_tokens=(
+            ("image_token", "<|image|>"),
+            ("boi_token", "<|image>"),
+            ("eoi_token", "<image|>"),
+            ("audio_token", "<|audio|>"),
+            ("boa_token", "<|audio>"),
+            ("eoa_token", "<audio|>"),
+        ),
+        init_weights=_gemma4_init,
     ),
     "qwen2": TinyRecipe(
         family="qwen2",
