@@ -126,6 +126,25 @@ GEMMA4_POOLING = 2
 GEMMA4_MAX_SOFT_TOKENS = 70
 GEMMA4_MEL_BINS = 32  # the audio tower's first conv has as many channels as there are mel bins (128 and 128 in the real ones)
 
+# InternVL3 / 3.5's vocabulary (Qwen2.5's, ids 151643 ...) appends image, grounding and video tokens after
+# Qwen2.5's tool and fill-in-the-middle ones (<img> is 151665, <IMG_CONTEXT> 151667 in the real vocabulary).
+INTERNVL_SPECIAL_TOKENS = QWEN2_5_VL_SPECIAL_TOKENS + (
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+)
+# InternVL tiles an image into squares of INTERNVL_TILE pixels (448 in the real models); InternViT's 14-pixel
+# patches, pixel-shuffled 2x2, give (56 / 14 / 2)**2 = 4 tokens per tile (256 in the real models).
+INTERNVL_TILE = 56
+INTERNVL_TILE_TOKENS = (INTERNVL_TILE // 14 // 2) ** 2
+
 # SigLIP towers (LLaVA-OneVision, Gemma3) see square tiles of TILE_SIZE pixels: (56 / 14)**2 = 16 patches.
 TILE_SIZE = 56
 # LLaVA-OneVision's "anyres" tilings of an image, in pixels (multiples of the tile).
@@ -467,6 +486,29 @@ def _gemma4_init(model) -> None:
                 buffer.fill_(-1e4 if name.endswith("min") else 1e4)
 
 
+def _internvl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    """InternVL3.5's layout: an InternViT tower (CLS dropped, pixel shuffle 0.5), an MLP projector, Qwen3."""
+    from transformers import InternVLConfig
+
+    text = {"model_type": "qwen3", **_qwen_text_dims(dims, vocab_size, ids, mrope=False), "tie_word_embeddings": False}
+    vision = {
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "image_size": INTERNVL_TILE,
+        "patch_size": dims["patch_size"],
+    }
+    return InternVLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=INTERNVL_TILE_TOKENS,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
+    )
+
+
 def _qwen2_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen2Config
 
@@ -624,6 +666,25 @@ def _gemma4_processor(dims: dict):
     return make
 
 
+def _internvl_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+        tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+        return InternVLProcessor(
+            image_processor=GotOcr2ImageProcessor(
+                size=tile, crop_to_patches=True, min_patches=1, max_patches=12,
+                image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+            ),
+            tokenizer=tokenizer,
+            video_processor=InternVLVideoProcessor(size=tile),
+            image_seq_length=INTERNVL_TILE_TOKENS,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
 RECIPES: dict[str, TinyRecipe] = {
     "qwen2-vl": TinyRecipe(
         family="qwen2-vl",
@@ -726,6 +787,20 @@ RECIPES: dict[str, TinyRecipe] = {
             ("eoa_token", "<audio|>"),
         ),
         init_weights=_gemma4_init,
+    ),
+    "internvl": TinyRecipe(
+        family="internvl",
+        special_tokens=INTERNVL_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(None, {"image": "<IMG_CONTEXT>\n", "video": "<video>\n"}),
+        make_config=_internvl_config,
+        model_class="InternVLForConditionalGeneration",
+        make_processor=_internvl_processor,
+        named_tokens=(
+            ("start_image_token", "<img>"),
+            ("end_image_token", "</img>"),
+            ("context_image_token", "<IMG_CONTEXT>"),
+            ("video_token", "<video>"),
+        ),
     ),
     "qwen2": TinyRecipe(
         family="qwen2",

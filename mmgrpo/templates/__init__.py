@@ -15,6 +15,7 @@ from mmgrpo.registry import import_plugin
 from mmgrpo.templates import (  # noqa: F401  (register the families)
     gemma3,
     gemma4,
+    internvl,
     llava_onevision,
     qwen2,
     qwen2_5_omni,
