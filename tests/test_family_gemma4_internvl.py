@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.errors import DataError
@@ -292,3 +293,41 @@ def test_one_grpo_step_changes_every_trainable_parameter(family, tmp_path, model
     assert before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not train: {unchanged}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sft_then_eval_run_on_the_family(family, tmp_path):
+    from mmgrpo.cli import main as cli_main
+    from mmgrpo.config import SFTConfig
+    from mmgrpo.sft import sft
+
+    final = sft(SFTConfig.from_args([*_common(family), "--per_device_train_batch_size", "4", "--max_steps", "2",
+                                     "--output_dir", str(tmp_path / "sft")]))
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    out = tmp_path / "eval"
+    # the SFT checkpoint's config.json names its family: --model_type is inferred
+    cli_main(["eval", "--model", str(final), "--dataset", "shapes-color:test", "--limit", "4",
+              "--max_completion_length", "8", "--output_dir", str(out)])
+    result = json.loads((out / "eval.json").read_text())
+    assert result["counts"]["all"] == 4 and set(result["metrics"]) == {"answer_format", "vqa_accuracy"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_finds_the_linear_layers_of_every_part_and_trains_them(family, tmp_path):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import train
+
+    plugin = tmp_path / "length.py"
+    plugin.write_text(LENGTH_REWARD)
+    out = train(TrainConfig.from_args([
+        *_common(family), "--reward_funcs", f"{plugin}:length", "--num_generations", "4",
+        "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "1",
+        "--learning_rate", "1e-2", "--beta", "0", "--train_type", "lora", "--target_modules", "all-linear",
+        "--output_dir", str(tmp_path / "run"),
+    ]))
+    adapter = load_file(str(next((out / "checkpoint-1").rglob("adapter_model.safetensors"))))
+    components = get_template(family, load_processor(str(build_tiny(family)))).components
+    for part in [p for p in ("vision", "audio", "aligner", "llm") if p in components]:
+        prefix = components[part].removeprefix("model.")
+        assert any(prefix in name and "lora_B" in name and bool(value.abs().sum() > 0) for name, value in adapter.items()), part

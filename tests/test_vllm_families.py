@@ -34,7 +34,7 @@ pytestmark = pytest.mark.vllm
 
 # Each family's prompts: its medium, and a text-only one (the rows of one batch differ in length)
 PROMPTS = {"qwen2-audio": ["audio", "text_only"], "llava-onevision": ["one_image", "text_only"],
-           "gemma3": ["one_image", "text_only"]}
+           "gemma3": ["one_image", "text_only"], "internvl": ["one_image", "text_only"]}
 GREEDY = SamplingParams(num_generations=2, max_new_tokens=8, greedy=True)
 # vLLM on CPU attends Gemma3's image tokens causally (its attention backend has no bidirectional mode; a
 # run stops at start-up, the last test): here the policy is compared with its image attention causal too

@@ -449,6 +449,7 @@ def _gemma4_config(dims: dict, vocab_size: int, ids: dict[str, int]):
         "pooling_kernel_size": GEMMA4_POOLING,
         "position_embedding_size": GEMMA4_MAX_SOFT_TOKENS * GEMMA4_POOLING**2,  # the widest row of patches
         "use_clipped_linears": True,
+        "default_output_length": GEMMA4_MAX_SOFT_TOKENS,  # the published configs carry it; vLLM reads it
     }
     audio = {
         "hidden_size": dims["vision_embed_dim"],
