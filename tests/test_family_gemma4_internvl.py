@@ -93,7 +93,8 @@ def test_build_is_byte_identical_and_has_the_family_structure(family, tmp_path, 
     assert {hook.placeholder for hook in template.media.values()} <= suppressed
     assert set(template.stop_token_ids).isdisjoint(template.suppress_token_ids)
     assert set(template.eos_token_ids) == set(model.generation_config.eos_token_id)
-    assert not (template.shared_prefix or template.lean_decode)  # not proven for these decoders
+    # the fast paths: proven for InternVL's Qwen decoder by tests/test_shared_prefix.py and tests/test_lean_decode.py
+    assert template.shared_prefix == template.lean_decode == (family == "internvl")
     text = model.config.get_text_config()
     assert getattr(text, "final_logit_softcapping", None) is None  # the chunked LM head applies none
     if family == "gemma4":
@@ -267,6 +268,7 @@ def test_forward_logprobs_match_generate_and_reach_every_tower(family, processor
 # The commands on the family
 # ---------------------------------------------------------------------------------------------
 
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s")  # wall-clock figures (as tests/test_resume.py)
 LENGTH_REWARD = "def length(completions, **columns):\n    return [len(c) % 7 / 6 for c in completions]\n"
 
 
@@ -331,3 +333,26 @@ def test_lora_finds_the_linear_layers_of_every_part_and_trains_them(family, tmp_
     for part in [p for p in ("vision", "audio", "aligner", "llm") if p in components]:
         prefix = components[part].removeprefix("model.")
         assert any(prefix in name and "lora_B" in name and bool(value.abs().sum() > 0) for name, value in adapter.items()), part
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_run_resumed_from_a_checkpoint_logs_the_uninterrupted_run(family, tmp_path):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.engine import train
+
+    plugin = tmp_path / "length.py"
+    plugin.write_text(LENGTH_REWARD)
+    flags = [*_common(family), "--reward_funcs", f"{plugin}:length", "--num_generations", "2",
+             "--per_device_train_batch_size", "4", "--max_completion_length", "6", "--max_steps", "3",
+             "--save_steps", "1", "--learning_rate", "1e-3", "--seed", "3"]
+
+    def metrics(folder):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in row.items() if not any(part in k for part in VARYING)} for row in rows]
+
+    whole = tmp_path / "whole"
+    train(TrainConfig.from_args([*flags, "--output_dir", str(whole)]))
+    resumed = tmp_path / "resumed"
+    train(TrainConfig.from_args([*flags, "--output_dir", str(resumed),
+                                 "--resume_from_checkpoint", str(whole / "checkpoint-2")]))
+    assert metrics(resumed)[-1] == metrics(whole)[-1] and metrics(resumed)[-1]["step"] == 3

@@ -25,7 +25,7 @@ from mmgrpo.rollout.token_sampler import filter_logits
 from mmgrpo.templates import get_template
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2.5-omni+sound",
-            "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
+            "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "internvl"]  # fmt: skip
 GROUP = 3  # G completions per prompt
 
 
@@ -50,7 +50,7 @@ def _audio(seconds, seed=0):
 def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
-    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3")
+    others = ("qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "internvl")
     paths |= {family: str(build_tiny(family)) for family in others}
     out = {}
     for family, path in paths.items():
@@ -73,6 +73,7 @@ READS = {
     # the tiny Gemma3 answers "Which is red, <image> or <image>? ..." with one token repeated: no
     # EOS would end rows at different steps in the greedy test
     "gemma3": {"two_images": "images_first", "video": "late_image"},
+    "internvl": {"video": "late_image"},
 }
 
 

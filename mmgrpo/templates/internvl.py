@@ -69,6 +69,8 @@ class InternVLTemplate(Template):
     }
     stop_tokens = ("<|im_end|>", "<|endoftext|>")
     never_sample_tokens = ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
+    shared_prefix = True  # the prompt's tiles run once per group; completions are text
+    lean_decode = True  # the LLM is Qwen2 (InternVL3) or Qwen3 (3.5): Qwen-style decoder layers
 
     def build_media(self) -> dict:
         return {
