@@ -324,7 +324,7 @@ def test_lora_finds_the_linear_layers_of_every_part_and_trains_them(family, tmp_
     plugin.write_text(LENGTH_REWARD)
     out = train(TrainConfig.from_args([
         *_common(family), "--reward_funcs", f"{plugin}:length", "--num_generations", "4",
-        "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "1",
+        "--per_device_train_batch_size", "16", "--max_completion_length", "8", "--max_steps", "1",
         "--learning_rate", "1e-2", "--beta", "0", "--train_type", "lora", "--target_modules", "all-linear",
         "--output_dir", str(tmp_path / "run"),
     ]))
