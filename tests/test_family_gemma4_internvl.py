@@ -201,6 +201,16 @@ def test_gemma4_rejects_a_clip_too_short_for_one_token(processors):
         get_template("gemma4", processors["gemma4"]).encode_prompt(sample)
 
 
+def test_gemma4_says_what_vllm_cannot_run_as_the_policy(processors):
+    template = get_template("gemma4", processors["gemma4"])
+    assert "id 1500 in this vocabulary" in template.vllm_mismatch  # tests/test_vllm_families.py measures it
+    prompt = template.encode_prompt(_sample("v/1", [{"role": "user", "content": "<audio>?"}], audios=[_audio(0.5)]))
+    if not torch.cuda.is_available():
+        assert "audio tower stops on CPU" in template.vllm_prompt_problem(prompt)
+    image = template.encode_prompt(_sample("v/2", [{"role": "user", "content": "<image>?"}], [_image(56, 56)]))
+    assert template.vllm_prompt_problem(image) is None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_box_convention(family, processors):
     template = get_template(family, processors[family])

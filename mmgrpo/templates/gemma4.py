@@ -125,14 +125,28 @@ class Gemma4Template(Template):
     token_types = {"image": 1, "audio": 3}
     # Fast paths stay off: the decoder's KV-shared layers, per-layer embeddings and four norms per
     # layer are none of what the shared-prefix forward and the lean decode step assume.
-    # vLLM 0.32 (gemma4_mm.py) loads the transformers names itself and expands prompts as the
-    # template does (tests/test_vllm_prompts.py), but computes images otherwise (measured on CPU, the
-    # tiny model, tests/test_vllm_families.py); its CPU kernels fail on the audio tower.
-    vllm_mismatch = (
-        "vLLM 0.32's Gemma 4 gives prompts with images other log-probs than transformers 5.19 (0.14 nat per "
-        "token on the tiny model, up to 0.7 once its weights move, on CPU, with image attention causal on both sides; "
-        "text alone agrees to 2e-5), and on CPU its audio tower stops (a non-contiguous input to its linear kernel)"
-    )
+    # vLLM 0.32 (gemma4_mm.py) loads the transformers names itself, expands prompts as the template
+    # does (tests/test_vllm_prompts.py) and, after a weight sync, gives the policy's log-probs to 2e-5
+    # on images and text (tests/test_vllm_families.py) with two exceptions, below. On CPU its attention
+    # has no bidirectional mode: checkpoints with use_bidirectional_attention="vision" stop at
+    # start-up (mmgrpo/rollout/vllm_requests.py, one_way_media_attention).
+
+    @property
+    def vllm_mismatch(self) -> str:
+        """At the positions of media tokens vLLM reads the per-layer embedding of token 0, transformers
+        that of the pad token: the same row where the pad token is id 0 (the published vocabulary)."""
+        pad = self.tokenizer.pad_token_id
+        if pad in (0, None):
+            return ""
+        return (f"at image and audio tokens vLLM 0.32's Gemma 4 reads the per-layer embedding of token 0, transformers "
+                f"that of the pad token (id {pad} in this vocabulary, 0 in the published one): 0.14 nat per token "
+                "apart on the tiny model")
+
+    def vllm_prompt_problem(self, prompt) -> str | None:
+        if prompt.audios and not torch.cuda.is_available():
+            return ("vLLM 0.32's Gemma 4 audio tower stops on CPU (its linear kernel takes no non-contiguous input), "
+                    f"and this prompt has {len(prompt.audios)} audio clip(s); run vLLM on a GPU")
+        return None
 
     def build_media(self) -> dict:
         media = {
