@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2", "qwen2-audio", "qwen2.5-omni", "llava-onevision", "gemma3",
             "gemma4", "internvl"]
 # What the families tested outside tests/test_families.py take
-MORE_TAKES = {"gemma4": {"image", "audio"}, "internvl": {"image"}}
+MORE_TAKES = {"gemma4": {"image", "video", "audio"}, "internvl": {"image"}}
 # Where vLLM 0.32 expands the media otherwise: a rollout stops naming the sample (tests/test_vllm_families.py);
 # Qwen2.5-Omni's video with its sound interleaved in other chunks (the family is an error at start-up)
 DIFFERS = {("llava-onevision", "two_images"), ("qwen2.5-omni", "video_with_sound")}
