@@ -113,6 +113,8 @@ def test_build_is_byte_identical_and_has_the_family_structure(family, tmp_path, 
         assert not hasattr(layers[4].self_attn, "k_proj")  # a KV-shared layer has no key / value weights
         assert layers[2].self_attn.v_proj is None  # full layers: values are the keys (attention_k_eq_v)
         assert layers[2].self_attn.head_dim == 2 * layers[0].self_attn.head_dim
+        assert all(layer.enable_moe_block and layer.experts.num_experts == 4 for layer in layers)  # beside the MLP
+        assert text.top_k_experts == 2
         assert model.model.audio_tower is not None and template.modalities == ("image", "video", "audio")
     if family == "internvl":
         assert text.model_type == "qwen3" and model.config.downsample_ratio == 0.5
@@ -324,6 +326,9 @@ def test_one_grpo_step_changes_every_trainable_parameter(family, tmp_path, model
     assert before.keys() == after.keys()
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not train: {unchanged}"
+    for name in [n for n in before if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:  # MoE: every expert
+        idle = [e for e in range(before[name].shape[0]) if torch.equal(before[name][e], after[name][e])]
+        assert not idle, f"{name}: experts {idle} did not train"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

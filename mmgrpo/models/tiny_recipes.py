@@ -402,7 +402,9 @@ def _gemma4_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
     second half of the groups reuse the keys and values of the last layer of each type before them
     (KV sharing); every layer adds its slice of the per-layer embeddings (PLE). Images attend to
     themselves both ways in the sliding layers (`use_bidirectional_attention="vision"`, as in the
-    26B and 31B models), and the full layers' values are their keys (`attention_k_eq_v`, 31B).
+    26B and 31B models), the full layers' values are their keys (`attention_k_eq_v`, 31B), and each
+    layer adds 4 experts under top-2 routing to its MLP (26B-A4B: 128 experts, top 8). No published
+    checkpoint has all of these; the tiny model runs every path the template must serve.
     The final-logit soft-capping of the real models (30.0) is left off: the trainer's chunked LM
     head does not apply it (see docs/models.md).
     """
@@ -428,6 +430,10 @@ def _gemma4_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
         "hidden_size_per_layer_input": 16,
         "vocab_size_per_layer_input": vocab_size,
         "use_bidirectional_attention": "vision",
+        "enable_moe_block": True,  # 26B-A4B: beside each layer's MLP, experts under top-k routing
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": dims["intermediate_size"] // 8,
         "final_logit_softcapping": None,
         "bos_token_id": ids["<bos>"],
         "eos_token_id": ids["<eos>"],

@@ -183,11 +183,13 @@ class Gemma4Template(Template):
     expand_in_text = True  # a video's "mm:ss" timestamps are text beside the prompt's own
     # Fast paths stay off: the decoder's KV-shared layers, per-layer embeddings and four norms per
     # layer are none of what the shared-prefix forward and the lean decode step assume.
-    # vLLM 0.32 (gemma4_mm.py) loads the transformers names itself, expands prompts as the template
-    # does (tests/test_vllm_prompts.py) and, after a weight sync, gives the policy's log-probs to 2e-5
-    # on images and text (tests/test_vllm_families.py) with two exceptions, below. On CPU its attention
-    # has no bidirectional mode: checkpoints with use_bidirectional_attention="vision" stop at
-    # start-up (mmgrpo/rollout/vllm_requests.py, one_way_media_attention).
+    # vLLM 0.32 (gemma4_mm.py) loads the transformers names itself and expands prompts as the template
+    # does (tests/test_vllm_prompts.py). Measured on CPU (docs/models.md): as loaded, it gives the
+    # policy's log-probs to 2e-6 once the per-layer embedding row below agrees and image attention is
+    # causal on both sides; after a weight sync too (2.4e-5) without MoE layers, but not with them
+    # (1.5 nat: the synced experts do not reach its CPU MoE kernel). On CPU its attention has no
+    # bidirectional mode: checkpoints with use_bidirectional_attention="vision" stop at start-up
+    # (mmgrpo/rollout/vllm_requests.py, one_way_media_attention).
 
     @property
     def vllm_mismatch(self) -> str:
