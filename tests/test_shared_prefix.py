@@ -28,6 +28,7 @@ FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni"
             "qwen2", "qwen2-audio", "llava-onevision", "gemma3"]  # fmt: skip
 FAMILIES += ["qwen3-omni", "qwen3-omni+sound"]  # MoE thinker: its router and experts act per token
 FAMILIES += ["glm4v", "glm4v-moe"]  # their video batches: tests/test_family_glm4v.py
+FAMILIES += ["internvl"]
 GROUP = 3  # G completions per prompt
 
 
@@ -52,7 +53,8 @@ def _audio(seconds, seed=0):
 def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
-    others = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni")
+    others = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni",
+              "internvl")
     paths |= {family: str(build_tiny(family)) for family in others}
     paths |= {family: str(build_tiny(family)) for family in ("glm4v", "glm4v-moe")}
     out = {}
@@ -82,6 +84,7 @@ READS = {
     # transformers' GLM forward takes images and videos in separate batches only
     "glm4v": {"video": "late_image"},
     "glm4v-moe": {"video": "late_image"},
+    "internvl": {"video": "late_image"},
 }
 
 

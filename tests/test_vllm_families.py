@@ -36,6 +36,7 @@ pytestmark = pytest.mark.vllm
 PROMPTS = {"qwen2-audio": ["audio", "text_only"], "llava-onevision": ["one_image", "text_only"],
            "gemma3": ["one_image", "text_only"]}
 PROMPTS |= {"glm4v": ["one_image", "text_only"]}  # GLM-4.1V; GLM-4.5V (MoE): its own test below
+PROMPTS |= {"internvl": ["one_image", "text_only"]}
 GREEDY = SamplingParams(num_generations=2, max_new_tokens=8, greedy=True)
 # vLLM on CPU attends Gemma3's image tokens causally (its attention backend has no bidirectional mode; a
 # run stops at start-up, the last test): here the policy is compared with its image attention causal too
@@ -312,3 +313,14 @@ def test_glm_v_moe_experts_do_not_sync_and_glm46v_has_no_vllm_class():
     glm46v = str(build_tiny("glm46v"))
     with pytest.raises(ConfigError, match=r"no model class for --model_type 'glm46v'.*Glm46VForConditionalGeneration"):
         VLLMColocateRollout(glm46v, get_template("glm46v", load_processor(glm46v)), max_model_len=1024)
+
+
+def test_gemma4_with_its_pad_token_not_at_0_is_an_error_naming_it():
+    """At media tokens vLLM 0.32's Gemma 4 reads the per-layer embedding of token 0, transformers that of
+    the pad token: the same row in the published vocabulary (pad 0), not in the tiny one (pad 1500), where
+    media prompts get other log-probs (0.14 nat per token, measured): a run stops at start-up."""
+    path = str(build_tiny("gemma4"))
+    template = get_template("gemma4", load_processor(path))
+    with pytest.raises(ConfigError, match=r"'gemma4' from another model than the policy: .*per-layer embedding of token 0"
+                                          r".*id 1500.*Drop --use_vllm"):
+        VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20)

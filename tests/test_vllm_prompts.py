@@ -21,7 +21,10 @@ from tests.test_families import CASES, TAKES, _case, _sample  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2", "qwen2-audio", "qwen2.5-omni", "llava-onevision", "gemma3"]
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2", "qwen2-audio", "qwen2.5-omni", "llava-onevision", "gemma3",
+            "gemma4", "internvl"]
+# What the families tested outside tests/test_families.py take
+MORE_TAKES = {"gemma4": {"image", "video", "audio"}, "internvl": {"image"}}
 # Where vLLM 0.32 expands the media otherwise: a rollout stops naming the sample (tests/test_vllm_families.py);
 # Qwen2.5-Omni's video with its sound interleaved in other chunks (the family is an error at start-up)
 DIFFERS = {("llava-onevision", "two_images"), ("qwen2.5-omni", "video_with_sound")}
@@ -32,7 +35,7 @@ DIFFERS |= {("glm4v", "video"), ("glm4v-moe", "video")}
 
 
 def cases_of(family: str) -> list[str]:
-    takes = TAKES.get(family, {"image", "video"})
+    takes = TAKES.get(family) or MORE_TAKES.get(family, {"image", "video"})
     return [case for case, spec in CASES.items()
             if {k[:-1] for k in ("images", "videos", "audios") if spec.get(k)} <= takes and (family, case) not in DIFFERS]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from mmgrpo.errors import ConfigError
 from mmgrpo.models.tiny_tokenizer import (
     GEMMA3_CHAT_TEMPLATE,
+    GEMMA4_CHAT_TEMPLATE,
     GLM4V_CHAT_TEMPLATE,
     QWEN3_OMNI_PARTS,
     QWEN_OMNI_PARTS,
@@ -103,6 +104,52 @@ GEMMA3_SPECIAL_TOKENS = (
 # Gemma's vocabulary holds runs of newlines as single tokens, and vLLM's Gemma3 processor looks
 # them up by their text (it merges the "\n\n" around an image with the newlines beside it).
 GEMMA3_NEWLINE_TOKENS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+# Gemma 4's special tokens (turns, the image / audio / video placeholders and their begin / end tokens,
+# the thinking channel); here they follow the BPE vocabulary like every tiny family's.
+GEMMA4_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|turn>",
+    "<turn|>",
+    "<|image>",
+    "<image|>",
+    "<|image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
+    "<|channel>",
+    "<channel|>",
+    "<|think|>",
+)
+# Gemma 4's image budget is counted in soft tokens: 70 (the smallest its processor takes) pooled 2x2 from
+# at most 280 patches of 8 pixels (the real models: 16-pixel patches pooled 3x3, 280 soft tokens).
+GEMMA4_PATCH_SIZE = 8
+GEMMA4_POOLING = 2
+GEMMA4_MAX_SOFT_TOKENS = 70
+GEMMA4_MEL_BINS = 32  # the audio tower's first conv has as many channels as there are mel bins (128 and 128 in the real ones)
+
+# InternVL3 / 3.5's vocabulary (Qwen2.5's, ids 151643 ...) appends image, grounding and video tokens after
+# Qwen2.5's tool and fill-in-the-middle ones (<img> is 151665, <IMG_CONTEXT> 151667 in the real vocabulary).
+INTERNVL_SPECIAL_TOKENS = QWEN2_5_VL_SPECIAL_TOKENS + (
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<video>",
+)
+# InternVL tiles an image into squares of INTERNVL_TILE pixels (448 in the real models); InternViT's 14-pixel
+# patches, pixel-shuffled 2x2, give (56 / 14 / 2)**2 = 4 tokens per tile (256 in the real models).
+INTERNVL_TILE = 56
+INTERNVL_TILE_TOKENS = (INTERNVL_TILE // 14 // 2) ** 2
 
 # SigLIP towers (LLaVA-OneVision, Gemma3) see square tiles of TILE_SIZE pixels: (56 / 14)**2 = 16 patches.
 TILE_SIZE = 56
@@ -432,6 +479,128 @@ def _gemma3_init(model) -> None:
         projection.normal_(0.0, projection.shape[0] ** -0.5)
 
 
+def _gemma4_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
+    """Gemma 4's decoder at tiny size, with the structure of its small (E2B / E4B) models.
+
+    Layers come in groups of (sliding, sliding, full): `num_hidden_layers` counts the groups. The full
+    layers have wider heads (`global_head_dim`) and rotate a quarter of them ("proportional" RoPE); the
+    second half of the groups reuse the keys and values of the last layer of each type before them
+    (KV sharing); every layer adds its slice of the per-layer embeddings (PLE). Images attend to
+    themselves both ways in the sliding layers (`use_bidirectional_attention="vision"`, as in the
+    26B and 31B models), the full layers' values are their keys (`attention_k_eq_v`, 31B), and each
+    layer adds 4 experts under top-2 routing to its MLP (26B-A4B: 128 experts, top 8). No published
+    checkpoint has all of these; the tiny model runs every path the template must serve.
+    The final-logit soft-capping of the real models (30.0) is left off: the trainer's chunked LM
+    head does not apply it (see docs/models.md).
+    """
+    if dims["rope_theta"]:
+        raise ConfigError("tiny:gemma4 takes no rope_theta override (its local and global rotary bases go together)")
+    groups = dims["num_hidden_layers"]
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * groups
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": dims["num_attention_heads"],
+        "num_key_value_heads": dims["num_key_value_heads"],
+        "head_dim": dims["head_dim"],
+        "global_head_dim": 2 * dims["head_dim"],
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "max_position_embeddings": dims["max_position_embeddings"],
+        "sliding_window": 512,
+        "layer_types": layer_types,
+        "num_kv_shared_layers": 3 * (groups // 2),
+        "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": vocab_size,
+        "use_bidirectional_attention": "vision",
+        "enable_moe_block": True,  # 26B-A4B: beside each layer's MLP, experts under top-k routing
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": dims["intermediate_size"] // 8,
+        "final_logit_softcapping": None,
+        "bos_token_id": ids["<bos>"],
+        "eos_token_id": ids["<eos>"],
+        "pad_token_id": ids["<pad>"],
+    }
+
+
+def _gemma4_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    from transformers import Gemma4Config
+
+    vision = {
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "num_key_value_heads": dims["vision_num_heads"],
+        "head_dim": dims["vision_embed_dim"] // dims["vision_num_heads"],
+        "patch_size": GEMMA4_PATCH_SIZE,
+        "pooling_kernel_size": GEMMA4_POOLING,
+        "position_embedding_size": GEMMA4_MAX_SOFT_TOKENS * GEMMA4_POOLING**2,  # the widest row of patches
+        "use_clipped_linears": True,
+        "default_output_length": GEMMA4_MAX_SOFT_TOKENS,  # the published configs carry it; vLLM reads it
+    }
+    audio = {
+        "hidden_size": dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "subsampling_conv_channels": [GEMMA4_MEL_BINS, 8],
+        "output_proj_dims": dims["vision_embed_dim"],
+    }
+    return Gemma4Config(
+        text_config=_gemma4_text(dims, vocab_size, ids),
+        vision_config=vision,
+        audio_config=audio,
+        boi_token_id=ids["<|image>"],
+        eoi_token_id=ids["<image|>"],
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        boa_token_id=ids["<|audio>"],
+        eoa_token_index=ids["<audio|>"],
+        audio_token_id=ids["<|audio|>"],
+    )
+
+
+def _gemma4_init(model) -> None:
+    """What transformers leaves unlike a trained checkpoint: every patch position's embedding is ones
+    (drawn here, so the tower tells positions apart), and the clipped linears' bounds are infinite
+    (the real checkpoints hold finite ones; a checkpoint with inf is refused at save). Bounds of
+    +-1e4 never bind at this size."""
+    import torch
+
+    table = model.model.vision_tower.patch_embedder.position_embedding_table
+    with torch.no_grad():
+        table.normal_(0.0, 0.02)
+        for name, buffer in model.named_buffers():
+            if name.endswith(("input_min", "output_min", "input_max", "output_max")):
+                buffer.fill_(-1e4 if name.endswith("min") else 1e4)
+
+
+def _internvl_config(dims: dict, vocab_size: int, ids: dict[str, int]):
+    """InternVL3.5's layout: an InternViT tower (CLS dropped, pixel shuffle 0.5), an MLP projector, Qwen3."""
+    from transformers import InternVLConfig
+
+    text = {"model_type": "qwen3", **_qwen_text_dims(dims, vocab_size, ids, mrope=False), "tie_word_embeddings": False}
+    vision = {
+        "hidden_size": dims["vision_embed_dim"],
+        "intermediate_size": 2 * dims["vision_embed_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_num_heads"],
+        "image_size": INTERNVL_TILE,
+        "patch_size": dims["patch_size"],
+    }
+    return InternVLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=INTERNVL_TILE_TOKENS,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,
+    )
+
+
 def _qwen2_config(dims: dict, vocab_size: int, ids: dict[str, int]):
     from transformers import Qwen2Config
 
@@ -738,6 +907,32 @@ def glm4v_processor(version: str, dims: dict):
     return make
 
 
+def _gemma4_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import (
+            Gemma4AudioFeatureExtractor,
+            Gemma4ImageProcessor,
+            Gemma4Processor,
+            Gemma4VideoProcessor,
+        )
+
+        patches = {
+            "patch_size": GEMMA4_PATCH_SIZE,
+            "pooling_kernel_size": GEMMA4_POOLING,
+            "max_soft_tokens": GEMMA4_MAX_SOFT_TOKENS,
+        }
+        return Gemma4Processor(
+            feature_extractor=Gemma4AudioFeatureExtractor(feature_size=GEMMA4_MEL_BINS),
+            image_processor=Gemma4ImageProcessor(**patches),
+            tokenizer=tokenizer,
+            video_processor=Gemma4VideoProcessor(**patches),
+            image_seq_length=GEMMA4_MAX_SOFT_TOKENS,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
+
+
 def _glm_recipe(family: str, make_config, model_class: str, version: str, **extra) -> TinyRecipe:
     return TinyRecipe(
         family=family,
@@ -750,6 +945,25 @@ def _glm_recipe(family: str, make_config, model_class: str, version: str, **extr
         text_tokens=GLM4V_TEXT_TOKENS,
         **extra,
     )
+
+
+def _internvl_processor(dims: dict):
+    def make(tokenizer):
+        from transformers import GotOcr2ImageProcessor, InternVLProcessor, InternVLVideoProcessor
+
+        tile = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+        return InternVLProcessor(
+            image_processor=GotOcr2ImageProcessor(
+                size=tile, crop_to_patches=True, min_patches=1, max_patches=12,
+                image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+            ),
+            tokenizer=tokenizer,
+            video_processor=InternVLVideoProcessor(size=tile),
+            image_seq_length=INTERNVL_TILE_TOKENS,
+            chat_template=tokenizer.chat_template,
+        )
+
+    return make
 
 
 RECIPES: dict[str, TinyRecipe] = {
@@ -858,6 +1072,41 @@ RECIPES: dict[str, TinyRecipe] = {
         ),
         text_tokens=GEMMA3_NEWLINE_TOKENS,
         init_weights=_gemma3_init,
+    ),
+    "gemma4": TinyRecipe(
+        family="gemma4",
+        special_tokens=GEMMA4_SPECIAL_TOKENS,
+        chat_template=GEMMA4_CHAT_TEMPLATE,
+        make_config=_gemma4_config,
+        model_class="Gemma4ForConditionalGeneration",
+        make_processor=_gemma4_processor,
+        eos_tokens=("<eos>", "<turn|>"),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        tokenizer_bos="<bos>",
+        named_tokens=(
+            ("image_token", "<|image|>"),
+            ("boi_token", "<|image>"),
+            ("eoi_token", "<image|>"),
+            ("audio_token", "<|audio|>"),
+            ("boa_token", "<|audio>"),
+            ("eoa_token", "<audio|>"),
+        ),
+        init_weights=_gemma4_init,
+    ),
+    "internvl": TinyRecipe(
+        family="internvl",
+        special_tokens=INTERNVL_SPECIAL_TOKENS,
+        chat_template=chatml_jinja(None, {"image": "<IMG_CONTEXT>\n", "video": "<video>\n"}),
+        make_config=_internvl_config,
+        model_class="InternVLForConditionalGeneration",
+        make_processor=_internvl_processor,
+        named_tokens=(
+            ("start_image_token", "<img>"),
+            ("end_image_token", "</img>"),
+            ("context_image_token", "<IMG_CONTEXT>"),
+            ("video_token", "<video>"),
+        ),
     ),
     "qwen2": TinyRecipe(
         family="qwen2",

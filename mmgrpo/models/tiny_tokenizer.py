@@ -138,6 +138,30 @@ GLM4V_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# Gemma 4's format (its chat_template.jinja without tools and thinking): <bos>; a system turn
+# `<|turn>system\n...<turn|>\n` whose text parts are each trimmed and followed by a space; turns
+# `<|turn>user|model\n...<turn|>\n` with text parts trimmed and one <|image|> / <|audio|> / <|video|>
+# per medium; the generation prompt `<|turn>model\n` closes an empty thought channel (thinking off).
+GEMMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0].role in ['system', 'developer'] %}<|turn>system\n"
+    "{% if messages[0].content is string %}{{ messages[0].content | trim }}"
+    "{% else %}{% for part in messages[0].content %}{{ part.text | trim + ' ' }}{% endfor %}{% endif %}"
+    "<turn|>\n{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "<|turn>{{ 'model' if message.role == 'assistant' else message.role }}\n"
+    "{% if message.content is string %}{{ message.content | trim }}"
+    "{% else %}{% for part in message.content %}"
+    "{% if part.type == 'text' %}{{ part.text | trim }}"
+    "{% elif part.type == 'image' %}<|image|>{% elif part.type == 'audio' %}<|audio|>"
+    "{% elif part.type == 'video' %}<|video|>{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n<|channel>thought\n<channel|>{% endif %}"
+)
+
 # ---------------------------------------------------------------------------------------------
 # The fixed tokenizer corpus
 # ---------------------------------------------------------------------------------------------

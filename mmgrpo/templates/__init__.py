@@ -14,8 +14,10 @@ from mmgrpo.errors import ConfigError
 from mmgrpo.registry import import_plugin
 from mmgrpo.templates import (  # noqa: F401  (register the families)
     gemma3,
+    gemma4,
     generic,
     glm4v,
+    internvl,
     llava_onevision,
     qwen2,
     qwen2_5_omni,
