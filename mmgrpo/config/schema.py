@@ -50,7 +50,8 @@ class ModelConfig:
     """Python files (`my_template.py`) or modules (`my_pkg.templates`) that register templates, imported before `--model_type` is looked up."""
     attn_implementation: str = flag(
         "sdpa", OneOf("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"), resume="operational")
-    """The attention kernels (transformers' and TRL's name): `sdpa` (PyTorch's fused attention), `eager`, `flash_attention_2`
+    """The attention kernels (transformers' and TRL's name): `sdpa` (PyTorch's fused attention where the model's classes
+    implement it, eager in parts that do not: transformers' default), `eager`, `flash_attention_2`
     (the flash-attn package, CUDA), `flash_attention_3` (flash_attn_interface, Hopper), `flex_attention`. The shared-prefix
     fast path runs on sdpa and eager; with another kernel the step takes the naive path and says so once."""
     gradient_checkpointing: bool = flag(False, resume="operational")

@@ -107,6 +107,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
     from mmgrpo.templates import Template
 
     path = checkpoint_path(name_or_path)
+    if kwargs.get("attn_implementation") == "sdpa":  # transformers' own default: sdpa wherever the model's classes
+        del kwargs["attn_implementation"]  # implement it, eager in the parts that do not (Gemma 4's audio tower)
     saved = AutoConfig.from_pretrained(path)
     model_class, config, extra = (template or Template).model_class(saved)
     if config is not saved:  # the template loads part of the checkpoint (a sub-config)
