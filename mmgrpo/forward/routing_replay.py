@@ -36,6 +36,24 @@ from torch import nn
 NOT_RECORDED = -1  # a position without a recorded route: the router chooses itself
 
 
+def router_problem(text_config: dict) -> str | None:
+    """Why routing replay cannot drive the router a MoE model's text config describes (None: the
+    Qwen3-MoE line's softmax top-k router above, which `moe_routers` finds and `Routing` re-weights).
+
+    >>> router_problem({"num_experts": 4, "num_experts_per_tok": 2}) is None  # Qwen3-VL-MoE, Qwen3.5-MoE, Qwen3-Omni
+    True
+    >>> router_problem({"n_routed_experts": 4, "n_group": 1, "topk_group": 1}).split(":")[0]  # GLM-4.5V
+    'a sigmoid router with grouped top-k selection'
+    """
+    if text_config.get("n_routed_experts"):
+        return ("a sigmoid router with grouped top-k selection: sigmoid scores plus a score-correction bias pick the "
+                "groups (n_group, topk_group), then the experts; replay re-weights a softmax top-k router's choices")
+    if text_config.get("top_k_experts"):
+        return ("a router module beside each layer's MLP (norm, scale, projection, softmax top-k, then a per-expert scale) "
+                "that routing replay neither finds nor re-weights")
+    return None
+
+
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The routers of a model's sparse blocks, in layer order (empty for a dense model)."""
     routers = []

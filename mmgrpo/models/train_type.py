@@ -23,6 +23,7 @@ transformers' `from_pretrained` loads base + adapter from that folder, and `mmgr
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from mmgrpo.fusion.attach import FUSION_ATTR, check_fusion_model, fusion_for_tra
 from mmgrpo.models.loading import load_model, model_skeleton
 
 PARTS = ("vision", "aligner", "llm")
+logger = logging.getLogger("mmgrpo.models")
 
 
 def part_of(name: str, components: dict[str, str]) -> str | None:
@@ -108,10 +110,76 @@ def freeze(model: nn.Module, components: dict[str, str], model_cfg: ModelConfig)
     return trainable
 
 
+def lora_config(model_cfg: ModelConfig, targets: list[str]):
+    """peft's LoraConfig for --lora_rank, --lora_alpha, --lora_dropout on these module names."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
+                      target_modules=targets, bias="none")
+
+
+def peft_rewrites(model: nn.Module, config) -> tuple[list[str], list[str]]:
+    """(targets peft drops, parameter names it wraps instead): peft 0.21 rewrites the targets of models whose
+    MoE layout changed in transformers 5 (model_type glm4v_moe, qwen3_omni_moe ...: its
+    `convert_peft_config_for_transformers`, made to load adapters trained on transformers 4). A target named
+    gate_proj, up_proj or down_proj, the towers' and the shared experts' included, becomes the fused routed
+    experts' parameter (experts.gate_up_proj, experts.down_proj). Read on a copy of `config`; ([], []) where
+    peft has no such step."""
+    import copy as copy_module
+
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # transformers 4, or a peft without the rewrite
+        return [], []
+    rewritten = copy_module.deepcopy(config)
+    convert_peft_config_for_transformers(rewritten, model=model, conversions=None)
+    kept = set(rewritten.target_modules or [])
+    return [t for t in config.target_modules if t not in kept], sorted(rewritten.target_parameters or [])
+
+
+def check_lora_rewrites(model: nn.Module, model_cfg: ModelConfig, targets: list[str]) -> None:
+    """--lora_dropout above 0 where peft would put LoRA on fused expert parameters (`peft_rewrites`): its
+    adapter for a parameter takes no dropout, so peft stops with a ValueError; said here, before weights load."""
+    dropped, wrapped = peft_rewrites(model, lora_config(model_cfg, targets))
+    if not wrapped:
+        return
+    leaves = "/".join(sorted({name.rsplit(".", 1)[-1] for name in dropped}))
+    moved = (f"peft moves this model's LoRA targets: its {len(dropped)} {leaves} layers get no adapter and the fused routed "
+             f"experts' {', '.join(wrapped)} get one")
+    if model_cfg.lora_dropout:
+        raise ConfigError(
+            f"--lora_dropout {model_cfg.lora_dropout}: {moved}, and peft's adapter on a fused parameter takes no dropout. "
+            "Give --lora_dropout 0, or --target_modules without those layers (e.g. q_proj k_proj v_proj o_proj)."
+        )
+    logger.warning("--train_type lora: %s (--target_modules q_proj k_proj v_proj o_proj keeps the experts frozen).", moved)
+
+
+def check_frozen_parts_exist(model_cfg: ModelConfig, components: dict[str, str]) -> None:
+    """A ConfigError for a --freeze_* flag whose part the model lacks (the generic path, --model_type auto,
+    finds parts on the model and may miss one: the flag would freeze nothing), naming the parts found.
+
+    >>> check_frozen_parts_exist(ModelConfig(freeze_aligner=True), {"backbone": "model", "vision": "model.visual", "llm": "model.lm"})
+    Traceback (most recent call last):
+    ...
+    mmgrpo.errors.ConfigError: --freeze_aligner: this model has no aligner that mmgrpo found (parts found: vision = model.visual, llm = model.lm), so the flag would freeze nothing; drop it (--freeze_vit freezes the vision tower with whatever projector lies inside it), or write a template that declares the part (docs/custom_template.md).
+    """
+    hint = " (--freeze_vit freezes the vision tower with whatever projector lies inside it)"
+    found = ", ".join(f"{part} = {components[part]}" for part in ("vision", "audio", "aligner", "llm") if components.get(part))
+    for flag, parts, what in (("freeze_vit", ("vision", "audio"), "vision or audio tower"), ("freeze_aligner", ("aligner",), "aligner"),
+                              ("freeze_llm", ("llm",), "language model")):
+        if getattr(model_cfg, flag) and not any(components.get(part) for part in parts):
+            raise ConfigError(
+                f"--{flag}: this model has no {what} that mmgrpo found (parts found: {found or 'none'}), so the flag would "
+                f"freeze nothing; drop it{hint if flag == 'freeze_aligner' else ''}, or write a template that declares the "
+                "part (docs/custom_template.md)."
+            )
+
+
 def check_trainable(model_cfg: ModelConfig, skeleton: nn.Module, components: dict[str, str]) -> None:
     """The checks of `apply_train_type`, on a weightless (meta device) model, before loading weights."""
+    check_frozen_parts_exist(model_cfg, components)
     if model_cfg.train_type == "lora":
-        lora_targets(skeleton, components, model_cfg)
+        check_lora_rewrites(skeleton, model_cfg, lora_targets(skeleton, components, model_cfg))
     elif model_cfg.train_type == "full":
         freeze(skeleton, components, model_cfg)
 
@@ -129,13 +197,10 @@ def apply_train_type(model: nn.Module, components: dict[str, str], model_cfg: Mo
     if model_cfg.train_type != "lora":
         freeze(model, components, model_cfg)
         return model, None
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     targets = lora_targets(model, components, model_cfg)
-    config = LoraConfig(
-        r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, lora_dropout=model_cfg.lora_dropout,
-        target_modules=targets, bias="none",
-    )
+    config = lora_config(model_cfg, targets)
     torch.manual_seed(seed)  # the same adapter initialisation on every rank
     peft_model = get_peft_model(model, config)
     return model, peft_model

@@ -121,6 +121,9 @@ class Template:
     # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
     # another model than the policy. Checks of prompt ids and weight names turn it off.
     vllm_mismatch: str = ""
+    # The family's forward cannot take images and videos in one batch (GLM-V fills every <|image|>
+    # token from the images): a training set with both is refused at start-up (build.check_modalities).
+    separate_media_batches: bool = False
 
     def __init__(self, processor, **kwargs: Any):
         self.processor = processor

@@ -134,6 +134,7 @@ class Glm4vTemplate(Template):
     token_type_key = "mm_token_type_ids"
     token_types = {"image": 1, "video": 2}
     shared_prefix = True  # full attention; positions from get_rope_index (tests/test_shared_prefix.py)
+    separate_media_batches = True  # images or videos in a batch, not both (see `collate`)
     # Not lean_decode: GLM's decoder layers norm the attention and MLP outputs again
     # (post_self_attn_layernorm, post_mlp_layernorm) and fuse gate and up projections.
 

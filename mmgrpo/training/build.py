@@ -163,12 +163,15 @@ def training_eval(cfg: TrainConfig | SFTConfig) -> TrainingEval:
 
 
 def check_modalities(dataset, template) -> None:
-    """DataError if a dataset's first row has a medium the template's family does not take.
+    """DataError if a dataset's first row has a medium the template's family does not take, or, for a
+    family whose forward takes images or videos in a batch but not both (`separate_media_batches`),
+    if the datasets' first rows hold both.
 
     One row per dataset (of a mixture) is read, not the whole dataset: a later odd row still
-    fails when it is encoded, with its sample id named.
+    fails when it is encoded (or, images beside videos, when its batch is collated), with its sample id named.
     """
     taken = set(template.modalities)
+    first_with = {}  # "image" / "video" -> (dataset name, sample id) of a first row that has it
     for source in getattr(dataset, "sources", [dataset]):
         if not len(source):
             continue
@@ -180,6 +183,16 @@ def check_modalities(dataset, template) -> None:
                     f"{template.name!r} takes only {', '.join(sorted(taken)) or 'text'}; pick a model family "
                     f"that takes {kind} (docs/models.md), or drop this dataset"
                 )
+            if getattr(sample, kind + "s"):
+                first_with.setdefault(kind, (source.name, sample.id))
+    if template.separate_media_batches and "image" in first_with and "video" in first_with:
+        (image_set, image_id), (video_set, video_id) = first_with["image"], first_with["video"]
+        raise DataError(
+            f"dataset {image_set!r} has images (sample {image_id}) and {video_set!r} has videos (sample {video_id}), but "
+            f"--model_type {template.name!r} takes images or videos in one batch, not both (its forward fills every image "
+            "token from the images) and mmgrpo has no per-modality batching: train the image and the video datasets "
+            "in separate runs"
+        )
 
 
 def model_context(model_path) -> int | None:

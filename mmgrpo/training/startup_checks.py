@@ -31,6 +31,7 @@ from mmgrpo.config import (
 )
 from mmgrpo.config.domains import OneOf
 from mmgrpo.errors import ConfigError
+from mmgrpo.forward.routing_replay import router_problem
 from mmgrpo.fusion.attach import check_fusion_flags
 from mmgrpo.grpo import get_advantage
 from mmgrpo.grpo.importance import IS_MODES
@@ -83,19 +84,23 @@ def check_routing_flags(model_cfg: ModelConfig, algo_cfg: AlgoConfig, rollout_cf
                                    ("--router_aux_loss_coef", algo_cfg.router_aux_loss_coef > 0)) if on]
     if not flags:
         return
-    experts = configured_experts(model_cfg.model)
-    if experts == 0:
+    text = moe_text_config(model_cfg.model)
+    if text is not None and not routed_experts(text):
         raise ConfigError(f"{' and '.join(flags)}: {model_cfg.model} is a dense model (its config has no num_experts): "
                           "routes exist in mixture-of-experts models only (e.g. tiny:qwen3-vl-moe); drop the flag.")
+    problem = router_problem(text) if text is not None else None
+    if problem:
+        raise ConfigError(f"{' and '.join(flags)}: {model_cfg.model}'s router is not supported by routing replay and its "
+                          f"load-balancing loss yet ({problem}); drop the flag.")
     if algo_cfg.routing_replay == "rollout" and (rollout_cfg.use_vllm or rollout_cfg.max_turns > 1):
         what = "--use_vllm" if rollout_cfg.use_vllm else "--max_turns > 1"
         raise ConfigError(f"--routing_replay rollout records routes in the HF rollout engine; with {what} nothing records "
                           "them here: use --routing_replay off (the importance weights then correct the gap).")
 
 
-def configured_experts(model: str) -> int | None:
-    """Experts per MoE layer in `model`'s config (0: dense); None where the config cannot be read yet (a hub id
-    not downloaded: loading says so)."""
+def moe_text_config(model: str) -> dict | None:
+    """The text model's part of `model`'s config.json (a random: name: its published numbers); None where the
+    config cannot be read yet (a hub id not downloaded: loading says so)."""
     import json
     from pathlib import Path
 
@@ -104,13 +109,25 @@ def configured_experts(model: str) -> int | None:
     from mmgrpo.models.tiny import resolve_model_path
 
     if model.startswith(RANDOM_PREFIX):  # its published numbers: nothing to build
-        return REAL_SIZES[parse_random_name(model)[0]].text.get("num_experts", 0)
+        return dict(REAL_SIZES[parse_random_name(model)[0]].text)
     try:
         config = json.loads((Path(local_model_folder(resolve_model_path(model))) / "config.json").read_text())
     except (ConfigError, OSError, ValueError):
         return None
-    text = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
-    return int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    return config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
+
+
+def configured_experts(model: str) -> int | None:
+    """Routed experts per MoE layer in `model`'s config (0: dense; GLM-4.5V names them n_routed_experts); None
+    where the config cannot be read yet."""
+    text = moe_text_config(model)
+    return None if text is None else routed_experts(text)
+
+
+def routed_experts(text_config: dict) -> int:
+    """Routed experts per MoE layer in a text config (0: dense), under the names the families give them."""
+    return int(text_config.get("num_experts") or text_config.get("num_local_experts")
+               or text_config.get("n_routed_experts") or 0)
 
 
 def check_sft_flags(cfg: SFTConfig) -> None:
