@@ -56,13 +56,16 @@ def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
         return None
 
 
-def final_logit_softcap(model: nn.Module) -> float | None:
-    """The cap of the model's final-logit soft-capping (its text config's `final_logit_softcapping`:
-    30.0 in Gemma 2 and Gemma 4 checkpoints), or None where it has none (None or 0). Read once by
+def final_logit_softcap(model: nn.Module, template) -> float | None:
+    """The cap of the final-logit soft-capping the model's forward applies (the text config's
+    `final_logit_softcapping`: 30.0 in Gemma 2 and Gemma 4 checkpoints; the field its template
+    names, `Template.logit_softcap_field`), or None where it applies none (None or 0). Read once by
     whatever turns hidden states into logits outside the model's forward (the chunked log-probs,
     the shared-prefix sampler), so they see the distribution the model's forward gives."""
+    if template.logit_softcap_field is None:
+        return None
     text_config = model.config.get_text_config()
-    return float(getattr(text_config, "final_logit_softcapping", None) or 0.0) or None
+    return float(getattr(text_config, template.logit_softcap_field, None) or 0.0) or None
 
 
 class Policy:
@@ -89,7 +92,7 @@ class Policy:
         the sampler's rows, token for token.
         """
         self.model = model
-        self.logit_softcap = final_logit_softcap(model)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
+        self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
         self.call, self.ref_call = call, ref_call

@@ -134,7 +134,7 @@ class SharedPrefixRollout(RolloutEngine):
         self.model, self.template = model, template
         self.core, self.decoder = model_parts(model, template)  # the decode steps run the decoder
         self.lm_head = model.get_submodule(template.components["lm_head"])
-        self.logit_softcap = final_logit_softcap(model)  # sampled from the capped logits, as the policy scores them
+        self.logit_softcap = final_logit_softcap(model, template)  # sampled from the capped logits, as the policy scores them
         self.eos_token_ids = list(template.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.pad_token_id = template.completion_pad_id
         self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
