@@ -25,7 +25,8 @@ gradient, when W is not fp32). The matmul runs in fp32 (at least): bf16 logits a
 ``softcap`` is the final-logit soft-capping of Gemma 2 and Gemma 4 checkpoints (their text config's
 ``final_logit_softcapping``, 30.0 in the published ones): raw logits z become cap * tanh(z / cap),
 after the bias and before the temperature, as transformers' forward caps what the head returns and
-generate's temperature then divides it (``cap_logits``). Its derivative is 1 - tanh(z / cap)**2.
+generate's temperature then divides it (``cap_logits``). Its derivative is 1 - tanh(z / cap)**2,
+one more [chunk_size, V] block in the backward (three at most, with the entropy's gradient).
 transformers caps the head's output in the head's dtype (bf16 in a bf16 model); here it is capped
 in fp32, as the whole head runs (equal for fp32 models).
 
