@@ -151,6 +151,27 @@ def _submodule(model, name: str):
         return None
 
 
+def attention_widths(text) -> tuple[int, int]:
+    """(q_dim, kv_dim) of a decoder layer: query heads x head_dim and KV heads x head_dim, averaged
+    over the layers (rounded) where they differ, so that x layers they total the model's.
+
+    Gemma 4's full-attention layers have wider heads (global_head_dim) and, on the larger models,
+    other KV head counts: its config holds them per layer and raises on reading them globally
+    (transformers' AmbiguousGlobalPerLayerAttributeError, a RuntimeError); they are read per layer then.
+    """
+
+    def widths(layer) -> tuple[int, int]:
+        heads = layer.num_attention_heads
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+        return heads * head_dim, layer.num_key_value_heads * head_dim
+
+    try:
+        return widths(text)
+    except RuntimeError:  # per-layer attributes
+        per_layer = [widths(layer) for layer in text.per_layer_config]
+    return tuple(round(sum(dims) / len(per_layer)) for dims in zip(*per_layer))
+
+
 def model_shape(cfg) -> ModelShape:
     """Sizes and parameter counts from a weightless (meta device) model of `cfg.model.model`."""
     import torch
@@ -161,16 +182,15 @@ def model_shape(cfg) -> ModelShape:
     skeleton.requires_grad_(True)  # `freeze` below marks what this configuration freezes
     components = template_class.components
     text = config.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    q_dim, kv_dim = attention_widths(text)
     first_layer = _submodule(skeleton, f"{components.get('llm')}.layers.0")
     experts, top_k = getattr(text, "num_experts", 0) or 0, getattr(text, "num_experts_per_tok", 0) or 0
     # A token's MLP activations: its k experts' widths (a dense model: the MLP's)
     intermediate = top_k * text.moe_intermediate_size if experts else text.intermediate_size
     shape = ModelShape(
         qk_norm=hasattr(getattr(first_layer, "self_attn", None), "q_norm"), vision_mlp_kind="gated",
-        hidden=text.hidden_size, q_dim=heads * head_dim, intermediate=intermediate,
-        kv_dim=text.num_key_value_heads * head_dim, layers=text.num_hidden_layers, vocab=text.vocab_size,
+        hidden=text.hidden_size, q_dim=q_dim, intermediate=intermediate,
+        kv_dim=kv_dim, layers=text.num_hidden_layers, vocab=text.vocab_size,
         experts=experts, experts_per_token=top_k,
     )  # fmt: skip
     vision = getattr(config, "vision_config", None)

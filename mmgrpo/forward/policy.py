@@ -7,7 +7,8 @@ its reference.
     ref_logps, _ = policy.completion_logprobs(batch, completion_ids, completion_mask, reference=True)
 
 Log-probs come from the last hidden state through a chunked LM head (mmgrpo/grpo/logprobs.py):
-no [batch, seq, vocab] tensor ever exists. Where the template allows it (docs/speed.md), each
+no [batch, seq, vocab] tensor ever exists. A model that soft-caps its final logits (Gemma 2,
+Gemma 4: `final_logit_softcapping`) has them capped there as its own forward caps them. Where the template allows it (docs/speed.md), each
 prompt and its media run once per group and its G completions read the prompt's keys and
 values (mmgrpo/forward/shared_prefix.py); elsewhere the naive path repeats the prompt per
 completion. Both give the same log-probs and gradients (tests/test_shared_prefix.py).
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmgrpo.errors import ConfigError
 from mmgrpo.forward.routing_replay import Routing, moe_routers
 from mmgrpo.forward.shared_prefix import shared_prefix_hidden, supports_shared_prefix
 from mmgrpo.fusion.attach import prompt_length
@@ -56,6 +56,18 @@ def get_submodule(model: nn.Module, dotted: str) -> nn.Module | None:
         return None
 
 
+def final_logit_softcap(model: nn.Module, template) -> float | None:
+    """The cap of the final-logit soft-capping the model's forward applies (the text config's
+    `final_logit_softcapping`: 30.0 in Gemma 2 and Gemma 4 checkpoints; the field its template
+    names, `Template.logit_softcap_field`), or None where it applies none (None or 0). Read once by
+    whatever turns hidden states into logits outside the model's forward (the chunked log-probs,
+    the shared-prefix sampler), so they see the distribution the model's forward gives."""
+    if template.logit_softcap_field is None:
+        return None
+    text_config = model.config.get_text_config()
+    return float(getattr(text_config, template.logit_softcap_field, None) or 0.0) or None
+
+
 class Policy:
     def __init__(
         self,
@@ -79,13 +91,8 @@ class Policy:
         load-balancing loss (mmgrpo/forward/routing_replay.py): the naive path, whose rows are
         the sampler's rows, token for token.
         """
-        softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-        if softcap:
-            raise ConfigError(
-                f"the model's LM head soft-caps its logits (final_logit_softcapping={softcap}); the chunked "
-                "log-prob path does not, so its log-probs would be wrong. This model cannot be trained here yet."
-            )
         self.model = model
+        self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
         self.template = template
         self.logprob_chunk_size = logprob_chunk_size
         self.call, self.ref_call = call, ref_call
@@ -215,6 +222,7 @@ class Policy:
             chunk_size=self.logprob_chunk_size or logits_chunk_rows(lm_head.weight.shape[0]),
             temperature=temperature,
             lm_head_bias=getattr(lm_head, "bias", None),
+            softcap=self.logit_softcap,
             compute_entropy=compute_entropy,
         )
         mask = completion_mask.to(logps.dtype)

@@ -4,10 +4,10 @@ Full-vocabulary logits cost about tokens x vocab x 7 bytes through log_softmax a
 (8.7 GB for 8K tokens at a 152K vocabulary). ``completion_logprobs`` takes the last hidden
 states instead and goes through the B*T rows ``chunk_size`` at a time:
 
-    forward:  logits = (h @ W.T + b) / temperature   (fp32, [chunk, V], freed after the chunk)
+    forward:  logits = softcap(h @ W.T + b) / temperature   (fp32, [chunk, V], freed after the chunk)
               logp   = logits[target] - logsumexp(logits)
     backward: the chunk's logits are computed again and
-              d logits = g * (onehot(target) - softmax(logits)) / temperature
+              d logits = g * (onehot(target) - softmax(logits)) / temperature * softcap'(h @ W.T + b)
 
 so what is saved for backward is hidden, weight, targets and one logsumexp per row, and the
 peak extra memory is a few [chunk_size, V] fp32 blocks (plus one fp32 copy of W, and of its
@@ -21,6 +21,14 @@ gradient, when W is not fp32). The matmul runs in fp32 (at least): bf16 logits a
     >>> reference, _ = naive_completion_logprobs(hidden, weight, target_ids)
     >>> torch.allclose(logps, reference, atol=1e-5)
     True
+
+``softcap`` is the final-logit soft-capping of Gemma 2 and Gemma 4 checkpoints (their text config's
+``final_logit_softcapping``, 30.0 in the published ones): raw logits z become cap * tanh(z / cap),
+after the bias and before the temperature, as transformers' forward caps what the head returns and
+generate's temperature then divides it (``cap_logits``). Its derivative is 1 - tanh(z / cap)**2,
+one more [chunk_size, V] block in the backward (three at most, with the entropy's gradient).
+transformers caps the head's output in the head's dtype (bf16 in a bf16 model); here it is capped
+in fp32, as the whole head runs (equal for fp32 models).
 
 Alignment is the caller's: ``hidden[b, t]`` is the state that predicts ``target_ids[b, t]``
 (i.e. hidden of position p - 1 for the completion token at position p). A negative target id
@@ -50,20 +58,55 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32 for bf16/fp16/fp32, fp64 stays fp64
 
 
-def _chunk_logits(hidden_chunk: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+def cap_logits(logits: Tensor, softcap: float | None) -> Tensor:
+    """Final-logit soft-capping: cap * tanh(logits / cap), as Gemma 2 / Gemma 4 heads apply it;
+    None or 0 leaves the logits as they are (the input is never changed in place).
+
+    >>> cap_logits(torch.tensor([0.0, 1.0, 100.0]), 5.0).tolist()  # ~linear near 0, never beyond 5
+    [0.0, 0.9868766069412231, 5.0]
+    >>> cap_logits(torch.tensor([100.0]), None).tolist()
+    [100.0]
+    """
+    if not softcap:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
+def _raw_logits(hidden_chunk: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     # autocast off: under a bf16 autocast region the matmul would otherwise run in bf16
     with torch.autocast(hidden_chunk.device.type, enabled=False):
         logits = hidden_chunk.to(weight.dtype) @ weight.T  # [chunk, V]
     if bias is not None:
         logits = logits + bias
-    if temperature != 1.0:
-        logits = logits / temperature
     return logits
+
+
+def _chunk_logits(hidden_chunk: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, softcap: float) -> Tensor:
+    logits = _raw_logits(hidden_chunk, weight, bias)  # a new [chunk, V] block: capped and scaled in place
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)  # cap_logits
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _chunk_logits_and_cap_slope(
+    hidden_chunk: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, softcap: float
+) -> tuple[Tensor, Tensor | None]:
+    """The chunk's logits (as `_chunk_logits`) and d capped / d raw = 1 - tanh(z / cap)**2 [chunk, V]
+    (None without a cap): one more [chunk, V] block, for the backward."""
+    if not softcap:
+        return _chunk_logits(hidden_chunk, weight, bias, temperature, softcap), None
+    tanh = _raw_logits(hidden_chunk, weight, bias).div_(softcap).tanh_()  # [chunk, V], in place
+    logits = tanh * softcap  # the forward's rounding, op for op: its saved logsumexp stays exact
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits, tanh.square_().neg_().add_(1.0)  # in place: the slope replaces tanh
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target_ids, chunk_size, temperature, compute_entropy):
+    def forward(ctx, hidden, weight, bias, target_ids, chunk_size, temperature, softcap, compute_entropy):
         # hidden [M, H], weight [V, H], bias [V] | None, target_ids [M]
         compute_dtype = _compute_dtype(hidden.dtype)
         weight_c = weight.to(compute_dtype)  # no copy when already fp32
@@ -76,7 +119,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(num_rows, dtype=compute_dtype) if compute_entropy else None
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight_c, bias_c, temperature)  # [chunk, V]
+            logits = _chunk_logits(hidden[rows], weight_c, bias_c, temperature, softcap)  # [chunk, V]
             chunk_lse = torch.logsumexp(logits, dim=-1)  # [chunk]
             logsumexp[rows] = chunk_lse
             logps[rows] = logits.gather(-1, safe_targets[rows, None]).squeeze(-1) - chunk_lse
@@ -88,7 +131,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             del logits
         logps = torch.where(valid, logps, 0.0)
         ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, logsumexp, entropy)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.softcap = chunk_size, temperature, softcap
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logps, entropy
 
@@ -111,7 +154,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
             hidden_chunk = hidden[rows].to(compute_dtype)  # [chunk, H]
-            logits = _chunk_logits(hidden_chunk, weight_c, bias_c, ctx.temperature)  # [chunk, V]
+            # cap_slope: d capped / d raw logits [chunk, V], or None without a soft cap
+            logits, cap_slope = _chunk_logits_and_cap_slope(hidden_chunk, weight_c, bias_c, ctx.temperature, ctx.softcap)
             if grad_entropy is None:
                 # d logp / d logits = onehot(target) - softmax; the softmax is built in place
                 grad_logits = logits.sub_(logsumexp[rows, None]).exp_()  # [chunk, V], softmax
@@ -126,18 +170,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, targets[rows, None], grad_logps[rows, None])
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
+            if cap_slope is not None:  # through cap * tanh(z / cap) to the raw logits z
+                grad_logits.mul_(cap_slope)
             if need_hidden:
                 grad_hidden[rows] = (grad_logits @ weight_c).to(hidden.dtype)
             if need_weight:
                 grad_weight.addmm_(grad_logits.T, hidden_chunk)
             if need_bias:
                 grad_bias += grad_logits.sum(0)
-            del logits, grad_logits
+            del logits, grad_logits, cap_slope
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def completion_logprobs(
@@ -148,6 +194,7 @@ def completion_logprobs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
+    softcap: float | None = None,
     compute_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of ``target_ids`` (and optionally the entropy), chunked over rows.
@@ -162,6 +209,8 @@ def completion_logprobs(
         temperature: logits are divided by it, as the sampler did, so the log-probs are those
             of the distribution the completions were drawn from.
         lm_head_bias: [V] or None.
+        softcap: the model's final-logit soft-capping (``final_logit_softcapping``): logits become
+            cap * tanh(logits / cap) before the temperature; None or 0: none.
         compute_entropy: also return the entropy of each row's distribution (with grad: an entropy
             term in the loss, --entropy_coeff, trains through it; unused, it costs no backward work).
 
@@ -183,6 +232,7 @@ def completion_logprobs(
         target_ids.reshape(-1),
         chunk_size,
         float(temperature),
+        float(softcap or 0.0),
         compute_entropy,
     )
     logps = logps.view(batch, seq_len)
@@ -196,6 +246,7 @@ def naive_completion_logprobs(
     *,
     temperature: float = 1.0,
     lm_head_bias: Tensor | None = None,
+    softcap: float | None = None,
     compute_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The same result the obvious way (full [B, T, V] logits); the reference in tests."""
@@ -204,7 +255,7 @@ def naive_completion_logprobs(
         logits = hidden.to(compute_dtype) @ lm_head_weight.to(compute_dtype).T  # [B, T, V]
     if lm_head_bias is not None:
         logits = logits + lm_head_bias.to(compute_dtype)
-    logits = logits / temperature
+    logits = cap_logits(logits, softcap) / temperature
     log_probs = torch.log_softmax(logits, dim=-1)  # [B, T, V]
     valid = target_ids >= 0
     logps = log_probs.gather(-1, target_ids.clamp(min=0)[..., None]).squeeze(-1)  # [B, T]

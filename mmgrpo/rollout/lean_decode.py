@@ -20,8 +20,8 @@ module (mRoPE included: a generated token has equal temporal/height/width positi
 positions follow the model exactly. The template vouches that its family's decoder layers run
 exactly this sequence (`Template.lean_decode`); `supports` then checks what the loaded layers
 could still change: plain nn.Linear projections (a LoRA-wrapped projection adds its adapters in
-its forward, which the step does not call), SiLU, no sliding window. Anything else decodes
-through transformers.
+its forward, which the step does not call), SiLU, no sliding window, no attention soft-capping.
+Anything else decodes through transformers.
 tests/test_lean_decode.py checks tokens identical and log-probs equal to 1e-5 (fp32) against
 the transformers path.
 """
@@ -88,6 +88,8 @@ class LeanDecoder:
         config = language_model.config
         if getattr(config, "hidden_act", "silu") != "silu":
             return False, f"hidden_act {config.hidden_act!r} (the lean step implements SiLU)"
+        if getattr(config, "attn_logit_softcapping", None):  # Gemma 2: the step's SDPA does not cap scores
+            return False, f"attention soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
         if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             return False, "sliding-window layers"
         if type(language_model.embed_tokens) is not nn.Embedding:

@@ -50,9 +50,10 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mmgrpo.forward.policy import plain_call
+from mmgrpo.forward.policy import final_logit_softcap, plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
 from mmgrpo.fusion.attach import keep_prompts
+from mmgrpo.grpo.logprobs import cap_logits
 from mmgrpo.rollout.base import (
     Rollout,
     RolloutEngine,
@@ -133,6 +134,7 @@ class SharedPrefixRollout(RolloutEngine):
         self.model, self.template = model, template
         self.core, self.decoder = model_parts(model, template)  # the decode steps run the decoder
         self.lm_head = model.get_submodule(template.components["lm_head"])
+        self.logit_softcap = final_logit_softcap(model, template)  # sampled from the capped logits, as the policy scores them
         self.eos_token_ids = list(template.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.pad_token_id = template.completion_pad_id
         self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
@@ -182,7 +184,7 @@ class SharedPrefixRollout(RolloutEngine):
         hidden = core(
             **prompt_kwargs, position_ids=positions, past_key_values=recorded, use_cache=True
         ).last_hidden_state
-        logits = self.lm_head(hidden[:, -1]).float().repeat_interleave(group, dim=0)  # [N, V]
+        logits = self._logits(hidden[:, -1]).repeat_interleave(group, dim=0)  # [N, V]
 
         # 2. the decode steps' K/V stores, from the prompts' recorded K/V
         position = next_position.repeat_interleave(group, dim=-1)[..., None]  # [3, N, 1] or [N, 1]
@@ -226,8 +228,12 @@ class SharedPrefixRollout(RolloutEngine):
                     budgets = None if budgets is None else budgets[kept]
                     advance.keep(kept)
                     keep_prompts(self.model, kept[::group] // group)  # fusion modules' memory: whole groups
-            logits = self.lm_head(advance(token, step)).float()  # [n, V]
+            logits = self._logits(advance(token, step))  # [n, V]
         return tokens, logps
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 next-token logits [n, V] of final hidden states [n, H], soft-capped where the model caps them."""
+        return cap_logits(self.lm_head(hidden).float(), self.logit_softcap)
 
     @staticmethod
     def _drop_finished(finished: torch.Tensor, group: int) -> torch.Tensor | None:

@@ -95,6 +95,11 @@ class Template:
     token_type_key: str | None = None  # per-token modality ids the forward needs: "mm_token_type_ids" ...
     token_types: dict[str, int] = {}  # modality -> its value under token_type_key (text is 0)
     expand_in_text = False  # hooks return text spliced in before tokenizing (see module docstring)
+    # The text config's field whose cap the family's forward applies to its logits after the LM head
+    # (cap * tanh(logits / cap): Gemma 2, Gemma 4, Gemma 3's text-only class); None: the forward applies
+    # none whatever the config says (Gemma3ForConditionalGeneration). The chunked log-probs and the
+    # shared-prefix sampler read the cap once through it (mmgrpo/forward/policy.py:final_logit_softcap).
+    logit_softcap_field: str | None = "final_logit_softcapping"
     # What the fast paths may assume about the family's model (docs/speed.md). A template vouches
     # for these; nothing outside mmgrpo/templates/ inspects a model's family or class:
     # - shared_prefix: the backbone runs a prompt (its media included) once and the completions of

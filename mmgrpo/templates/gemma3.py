@@ -9,7 +9,8 @@
   Pan-and-scan crops are not used.
 - The forward needs `token_type_ids` (1 on image soft tokens, 0 elsewhere, completions
   included): image tokens attend to each other both ways. Positions are plain 1-D RoPE.
-- Gemma3ForConditionalGeneration applies no final-logit soft-capping.
+- Gemma3ForConditionalGeneration applies no final-logit soft-capping, whatever its text config
+  says (transformers' Gemma3ForCausalLM does): `logit_softcap_field = None`.
 
 Boxes: `[x1, y1, x2, y2]` in 0-1000 of the image ("rel1000"). Gemma3 has no grounding format
 of its own; this is Gemini's normalisation in x-first order, to be taught by the reward.
@@ -56,6 +57,7 @@ class Gemma3Template(Template):
     hf_model_types = ("gemma3",)  # config.json model_type(s): --model_type is inferred from them
 
     box_convention = "rel1000"
+    logit_softcap_field = None  # its forward never caps the logits (see the module docstring)
     components = {
         "backbone": "model",  # vision tower + projector + LLM without lm_head
         "vision": "model.vision_tower",
