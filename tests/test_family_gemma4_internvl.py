@@ -104,7 +104,7 @@ def test_build_is_byte_identical_and_has_the_family_structure(family, tmp_path, 
     # the fast paths: proven for InternVL's Qwen decoder by tests/test_shared_prefix.py and tests/test_lean_decode.py
     assert template.shared_prefix == template.lean_decode == (family == "internvl")
     text = model.config.get_text_config()
-    assert getattr(text, "final_logit_softcapping", None) is None  # the chunked LM head applies none
+    assert getattr(text, "final_logit_softcapping", None) is None  # a capped copy: tests/test_softcap.py
     if family == "gemma4":
         assert text.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
         assert text.kv_sharing_modes == [None, "store", "store", "reuse", "reuse", "reuse"]

@@ -490,8 +490,8 @@ def _gemma4_text(dims: dict, vocab_size: int, ids: dict[str, int]) -> dict:
     26B and 31B models), the full layers' values are their keys (`attention_k_eq_v`, 31B), and each
     layer adds 4 experts under top-2 routing to its MLP (26B-A4B: 128 experts, top 8). No published
     checkpoint has all of these; the tiny model runs every path the template must serve.
-    The final-logit soft-capping of the real models (30.0) is left off: the trainer's chunked LM
-    head does not apply it (see docs/models.md).
+    The final-logit soft-capping of the real models (30.0) is left off: at tiny scale the logits stay
+    far below it; tests/test_softcap.py runs a capped copy.
     """
     if dims["rope_theta"]:
         raise ConfigError("tiny:gemma4 takes no rope_theta override (its local and global rotary bases go together)")

@@ -20,8 +20,8 @@ expansion itself, this one hands both to the model's own processor:
   forward in the order of the image tokens.
 - the model's parts are found on it (`find_components`): the backbone at `base_model_prefix`, the
   LM head from `get_output_embeddings()`, the text decoder from `get_decoder()`, the vision tower
-  from `get_encoder("image")` and the projector under one of its usual names; --vit_lr and
-  --aligner_lr are start-up errors where that part is not found.
+  from `get_encoder("image")` and the projector under one of its usual names; --vit_lr,
+  --aligner_lr and --freeze_vit / --freeze_aligner are start-up errors where that part is not found.
 - what ends a turn is read off the chat template (the special token it writes after an assistant
   turn); the processor's media tokens are never sampled.
 
@@ -29,7 +29,8 @@ What it does not do: boxes (no box convention: a box reward or metric is refused
 the fast paths (shared prefix, lean decode: always the naive forward), vLLM (its prompts are
 not checked against the policy's), pixel budgets (the processor's saved settings apply), videos,
 audio, and images returned by tools. Log-probs are the LM head over the backbone's last hidden state:
-a model that changes its logits after the head (soft-capping, a logit scale) needs a template.
+a model that changes its logits after the head otherwise than `final_logit_softcapping` (which is applied),
+e.g. a logit scale, needs a template.
 A template file adds golden prompt ids, the box convention, the fast paths and vLLM prompt parity
 (docs/models.md, "The generic path"; docs/custom_template.md).
 """
