@@ -98,7 +98,8 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_with_any_flags(tmp_path):
         first.send_signal(signal.SIGSTOP)  # frozen: its folder must stay exactly as it is
         before = snapshot(out)
         for flags in ([], ["--overwrite_output_dir"], ["--resume_from_checkpoint", "latest"]):
-            second = subprocess.run([sys.executable, "-m", "mmgrpo", "train", "--output_dir", str(out), *flags],
+            second = subprocess.run([sys.executable, "-m", "mmgrpo", "train", "--model", "tiny:qwen2-vl", "--output_dir",
+                                     str(out), *flags],
                                     env=ENV, capture_output=True, text=True, timeout=300)
             assert second.returncode == 2, second.stderr[-2000:]
             assert second.stderr.strip() == (

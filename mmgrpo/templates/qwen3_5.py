@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 
 from mmgrpo.templates.base import Template, register_template
-from mmgrpo.templates.hooks import QwenImages, QwenVideos, qwen_mrope_positions
+from mmgrpo.templates.hooks import qwen_mrope_positions
 from mmgrpo.templates.qwen2_vl import QWEN_VL_COMPONENTS, QWEN_VL_NEVER_SAMPLE, qwen_vl_part
-from mmgrpo.templates.qwen3_vl import TimestampedVideos
+from mmgrpo.templates.qwen3_vl import qwen3_vl_media
 
 OPEN_THINKING = "<think>\n"  # generation prompt's end with thinking on: the completion reasons first
 EMPTY_THINKING = "<think>\n\n</think>\n\n"  # ...and with thinking off: the completion is the answer
@@ -122,26 +122,7 @@ class Qwen3_5Template(Template):
         )
 
     def build_media(self) -> dict:
-        o = self.options
-        videos = QwenVideos(
-            self.processor.video_processor,
-            "<|video_pad|>",
-            self.token_id("<|video_pad|>"),
-            o.video_min_pixels,
-            o.video_max_pixels,
-        )
-        return {
-            "image": QwenImages(
-                self.processor.image_processor,
-                "<|image_pad|>",
-                self.token_id("<|image_pad|>"),
-                o.min_pixels,
-                o.max_pixels,
-            ),
-            "video": TimestampedVideos(
-                videos, self.tokenizer, self.token_id("<|vision_start|>"), self.token_id("<|vision_end|>")
-            ),
-        }
+        return qwen3_vl_media(self)  # Qwen3-VL's processor and placeholders
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return render_qwen3_5(messages, add_generation_prompt, self.thinking)

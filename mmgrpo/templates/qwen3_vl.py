@@ -77,6 +77,24 @@ class TimestampedVideos:
         return self.videos.patches_per_item(batch)
 
 
+def qwen3_vl_media(template: Template) -> dict:
+    """Qwen3-VL's media hooks (Qwen3.5 takes the same): Qwen images, timestamped Qwen videos."""
+    o = template.options
+    videos = QwenVideos(
+        template.processor.video_processor, "<|video_pad|>", template.token_id("<|video_pad|>"),
+        o.video_min_pixels, o.video_max_pixels,
+    )
+    return {
+        "image": QwenImages(
+            template.processor.image_processor, "<|image_pad|>", template.token_id("<|image_pad|>"),
+            o.min_pixels, o.max_pixels,
+        ),
+        "video": TimestampedVideos(
+            videos, template.tokenizer, template.token_id("<|vision_start|>"), template.token_id("<|vision_end|>")
+        ),
+    }
+
+
 @register_template("qwen3-vl")
 class Qwen3VLTemplate(Template):
     """Template of Qwen3-VL; options: min_pixels, max_pixels (per image), video_min_pixels,
@@ -95,26 +113,7 @@ class Qwen3VLTemplate(Template):
     lean_decode = True  # Qwen3 layers: the lean step's per-head q/k RMSNorm
 
     def build_media(self) -> dict:
-        o = self.options
-        videos = QwenVideos(
-            self.processor.video_processor,
-            "<|video_pad|>",
-            self.token_id("<|video_pad|>"),
-            o.video_min_pixels,
-            o.video_max_pixels,
-        )
-        return {
-            "image": QwenImages(
-                self.processor.image_processor,
-                "<|image_pad|>",
-                self.token_id("<|image_pad|>"),
-                o.min_pixels,
-                o.max_pixels,
-            ),
-            "video": TimestampedVideos(
-                videos, self.tokenizer, self.token_id("<|vision_start|>"), self.token_id("<|vision_end|>")
-            ),
-        }
+        return qwen3_vl_media(self)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML without a default system turn; each medium -> start, ONE placeholder, end."""
