@@ -35,7 +35,7 @@ DIFFERS |= {("glm4v", "video"), ("glm4v-moe", "video")}
 
 
 def cases_of(family: str) -> list[str]:
-    takes = TAKES.get(family) or MORE_TAKES.get(family, {"image", "video"})
+    takes = TAKES[family] if family in TAKES else MORE_TAKES.get(family, {"image", "video"})  # qwen2 takes set()
     return [case for case, spec in CASES.items()
             if {k[:-1] for k in ("images", "videos", "audios") if spec.get(k)} <= takes and (family, case) not in DIFFERS]
 
