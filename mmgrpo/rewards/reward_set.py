@@ -96,8 +96,6 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
         names = [reward for _, reward in scoped]
         if any(scope for scope, _ in scoped):
             routes = explicit_routes(entries, scoped, algo_cfg, dataset)
-        elif len(sources) > 1:  # a mixture: a box reward skips the VQA rows, an answer reward the grounding rows
-            routes = task_routes(entries, bound_rewards(algo_cfg, names, max_completion_length), sources)
     else:
         sources = getattr(dataset, "sources", [dataset])
         routes = {source.name: list(source.reward_funcs) for source in sources}
@@ -120,6 +118,8 @@ def build_rewards(algo_cfg: AlgoConfig, dataset, max_completion_length: int, jud
             "give one weight per reward, in that order."
         )
     funcs = bound_rewards(algo_cfg, names, max_completion_length)
+    if algo_cfg.reward_funcs and routes is None and len(sources) > 1:
+        routes = task_routes(entries, funcs, sources)  # one unscoped list over a mixture: each reward where it can score
     specs = entries
     # reward models and the judge (build_model_rewards below): after the functions, for every sample
     for model_reward in build_model_rewards(algo_cfg, judge_vllm):
