@@ -117,8 +117,8 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, *, templat
         model = model_class.from_pretrained(path, dtype=dtype, **extra, **kwargs).eval()
     except OSError as err:  # a file transformers looks for and cannot read: one line naming the folder
         raise CheckpointError(f"model {name_or_path!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    except ValueError as err:  # e.g. an attention kernel the model's classes do not implement
-        if "attn" not in str(err) and "attention" not in str(err):
+    except ValueError as err:  # an attention kernel asked for that the model's classes do not implement
+        if "attn_implementation" not in kwargs or ("attn" not in str(err) and "attention" not in str(err)):
             raise
         raise ConfigError(f"model {name_or_path!r} with --attn_implementation {kwargs.get('attn_implementation')}: "
                           f"{str(err).splitlines()[0]} Use sdpa or eager.") from None

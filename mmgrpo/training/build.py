@@ -70,7 +70,9 @@ def precision_note(bf16_asked: bool) -> str:
     """Why a run trains in float32: asked, or no GPU with bfloat16 here."""
     if bf16_asked is False and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "float32 (--bf16 false)"
-    return "float32 (no GPU with bfloat16 here; --bf16 forces bfloat16 autocast)"
+    if torch.cuda.is_available():
+        return "float32 (this GPU has no bfloat16)"
+    return "float32 (no GPU here; --bf16 turns on CPU bfloat16 autocast)"
 
 
 @dataclass(frozen=True)
