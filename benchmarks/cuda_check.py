@@ -20,6 +20,9 @@ have none: run it where one is).
 4. A user's defaults on the GPU: `mmgrpo train` without --bf16 (bf16 autocast where the GPU has it,
    recorded in config.yaml, said in the start-up summary) and `mmgrpo eval` without --device or
    --torch_dtype (the GPU, bfloat16), timed against `mmgrpo eval --device cpu --torch_dtype float32`.
+5. fp16 with loss scaling on the GPU (what a V100/T4 user runs): one process with torch's GradScaler
+   and one DeepSpeed ZeRO-3 rank with DeepSpeed's loss scaler (float16 DeepSpeed has no CPU kernel,
+   so this is its only check): finite losses, the scale and overflow counts of each step.
 
 Prints a table and writes `cuda_check.json` into --out.
 """
@@ -206,6 +209,34 @@ def check_defaults(out: Path) -> dict:
     return result
 
 
+def check_fp16(out: Path) -> dict:
+    """Part 5: --fp16 in one process and under DeepSpeed ZeRO-3 (one rank): the loss scale per step."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    reward = out / "length_reward.py"
+    reward.write_text(LENGTH_REWARD)
+    result = {}
+    for name, launch in (("fp16_single", [sys.executable, "-m", "mmgrpo", "train"]),
+                         ("fp16_zero3", [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                                         "-m", "mmgrpo", "train", "--deepspeed", "zero3"])):
+        run = out / name
+        shutil.rmtree(run, ignore_errors=True)
+        done = subprocess.run([*launch, "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--fp16",
+                               "--num_generations", "8", "--per_device_train_batch_size", "32", "--max_steps", "4",
+                               "--max_completion_length", "16", "--reward_funcs", f"{reward}:length",
+                               "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no",
+                               "--output_dir", str(run)], env=env, capture_output=True, text=True)
+        if done.returncode:
+            result[name] = {"error": done.stderr[-1500:]}
+            continue
+        lines = rows(run)
+        result[name] = {"loss_scale": [line.get("fp16/loss_scale") for line in lines],
+                        "overflow": [line.get("fp16/overflow") for line in lines],
+                        "skipped": sum(line["skipped"] for line in lines),
+                        "finite_loss": all(line["loss"] == line["loss"] for line in lines),
+                        "grad_norm": [round(line["grad_norm"], 4) for line in lines]}
+    return result
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/cuda_check", help="Folder for the runs and cuda_check.json.")
@@ -226,6 +257,8 @@ def main(argv=None) -> None:
             print(name, json.dumps(result[name], indent=1), flush=True)
     result["defaults"] = check_defaults(out)
     print("defaults", json.dumps(result["defaults"], indent=1), flush=True)
+    result["fp16"] = check_fp16(out)
+    print("fp16", json.dumps(result["fp16"], indent=1), flush=True)
     (out / "cuda_check.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

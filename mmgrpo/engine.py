@@ -102,7 +102,7 @@ class Timers:
 
 def rollout_sampler(run: Run) -> RolloutSampler:
     """The run's rollout engine, generating under the policy's autocast."""
-    return RolloutSampler(run.rollout, run.bf16, run.device)
+    return RolloutSampler(run.rollout, run.compute_dtype, run.device)
 
 
 def rollout_setup(run: Run) -> RolloutSetup:
@@ -164,7 +164,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     if cfg.eval.fusion_probe_steps and step % cfg.eval.fusion_probe_steps == 0:  # before the update: the sampling policy
         with timers("probe"):
             probe_metrics = probe(run.policy, encoded, batch, G, rows=cfg.eval.fusion_probe_rows, strategy=run.strategy,
-                                  temperature=cfg.rollout.temperature, bf16=run.bf16)
+                                  temperature=cfg.rollout.temperature, dtype=run.compute_dtype)
     with timers("update"):
         loss_metrics = update_policy(run, batch, plan, routings)
 
@@ -334,7 +334,7 @@ def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, referenc
     routings: where each forward's routes (MoE) are appended, for the step's routing metrics."""
     policy, temperature = run.policy, run.cfg.rollout.temperature
     per_batch = []
-    with torch.no_grad(), autocast(run.bf16, run.device):
+    with torch.no_grad(), autocast(run.compute_dtype, run.device):
         for mb, forward in plan:
             rows = batch.rows(mb)
             routing = routing_of(run, rows, forward)
@@ -352,6 +352,8 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | 
 
     A non-finite loss or gradient norm skips the step on every rank (`skipped` 1 in the metrics;
     the loop counts them); the learning-rate schedule advances either way, so it stays in step with the steps.
+    Under --fp16 an update whose gradients overflowed is skipped by the loss scaler, which halves its
+    scale (`fp16/overflow`, `fp16/loss_scale`): the normal start of float16 training, not counted as a skip.
     """
     cfg, strategy = run.cfg, run.strategy
     # Packed under a token budget, the micro-batches of a rollout batch vary in number: all of them
@@ -361,7 +363,7 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | 
     updates = [pairs[start:start + accumulation] for start in range(0, len(pairs), accumulation)]
     total_tokens = batch.loss_mask.sum().clamp(min=1) * cfg.algo.num_iterations
     token_weighted: dict[str, float] = {}  # metrics averaged over tokens of the whole step
-    update_losses, grad_norm, skipped = [], float("nan"), False
+    update_losses, grad_norm, skipped, overflows = [], float("nan"), False, 0
     for _ in range(cfg.algo.num_iterations):
         for update in updates:
             parts = [(batch.rows(mb), forward) for mb, forward in update]
@@ -395,7 +397,9 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | 
                 break
             grad_norm = strategy.optimizer_step(run.optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             update_losses.append(update_loss)
-            if not math.isfinite(grad_norm):  # the strategy did not step (mmgrpo/parallel/guards.py): a skip like a NaN loss
+            if strategy.overflowed:  # --fp16: the loss scaler skipped this update and lowered its scale; no fault
+                overflows += 1
+            elif not math.isfinite(grad_norm):  # the strategy did not step (mmgrpo/parallel/guards.py): a skip like a NaN loss
                 warnings.warn(f"non-finite gradient norm ({grad_norm}): update skipped", stacklevel=1)
                 skipped = True
                 break
@@ -403,7 +407,8 @@ def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | 
             break
     run.scheduler.step()
     loss = sum(update_losses) / len(update_losses) if update_losses else float("nan")  # a NaN loss: never appended
-    return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped)}
+    fp16 = {"fp16/overflow": overflows, "fp16/loss_scale": strategy.loss_scale} if strategy.precision == "fp16" else {}
+    return {**token_weighted, "loss": loss, "grad_norm": float(grad_norm), "skipped": int(skipped), **fp16}
 
 
 def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_tokens: torch.Tensor,
@@ -414,7 +419,7 @@ def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_toke
     routes to replay, and its load-balancing loss, added with --router_aux_loss_coef (the caller
     detaches its hooks after the backward)."""
     cfg = run.cfg
-    with autocast(run.bf16, run.device):
+    with autocast(run.compute_dtype, run.device):
         logps, entropy = run.policy.completion_logprobs(
             forward, rows.completion_ids, rows.completion_mask, temperature=cfg.rollout.temperature, compute_entropy=True,
             routing=routing,

@@ -109,7 +109,7 @@ def sft(cfg: SFTConfig) -> Path:
     check_modalities(dataset, template)
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    strategy = build_strategy(DistConfig(), cfg.optim, cfg.bf16)  # one process
+    strategy = build_strategy(DistConfig(), cfg.optim, cfg.precision)  # one process
     model, peft_model = load_trainable_model(cfg.model, cfg.optim, path, template, strategy, cfg.seed)
     policy = Policy(model, template, shared_prefix=cfg.model.shared_prefix)
     seed_everything(cfg.seed)
@@ -138,18 +138,20 @@ def sft(cfg: SFTConfig) -> Path:
             step_samples = sum(len(mask) for _, _, mask in micro)
             step_loss = 0.0
             for batch, ids, mask in micro:
-                with autocast(strategy.bf16, strategy.device):
+                with autocast(strategy.compute_dtype, strategy.device):
                     logps, _ = policy.completion_logprobs(batch, ids, mask)
                     if cfg.loss_normalization == "sample":
                         loss = sample_mean_loss(logps, mask, step_samples)
                     else:  # the mean over the step's target tokens
                         loss = -(logps * mask).sum() / step_tokens
-                loss.backward()
+                strategy.backward(loss)  # scaled under --fp16
                 step_loss += loss.item()
             grad_norm = strategy.optimizer_step(optimizer, cfg.optim.max_grad_norm)  # clip, step, zero grads
             learning_rate, group_lrs = scheduler.get_last_lr()[0], group_rates(optimizer, scheduler)
             scheduler.step()
             metrics = {"step": step, "loss": step_loss, "grad_norm": grad_norm, "learning_rate": learning_rate, **group_lrs}
+            if strategy.loss_scale is not None:  # --fp16: an overflowed step was skipped and the scale halved
+                metrics.update({"fp16/overflow": int(strategy.overflowed), "fp16/loss_scale": strategy.loss_scale})
             started = time.perf_counter()
             state.step = step
             scores = run.evaluate(evaluator, step, state, final=step == total)

@@ -84,7 +84,7 @@ def test_deepspeed_json_autos_are_filled(tmp_path):
                                  "--gradient_accumulation_steps", "2", "--bf16", "--offload_optimizer"])
     check_train_flags(cfg)
     assert cfg.dist.strategy == "zero3"
-    config = deepspeed_config(cfg.dist, cfg.optim, world_size=2, hidden_size=128, bf16=cfg.bf16)
+    config = deepspeed_config(cfg.dist, cfg.optim, world_size=2, hidden_size=128, precision=cfg.precision)
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 2
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
     zero = config["zero_optimization"]
@@ -213,7 +213,7 @@ def test_two_ranks_match_one_process(parallel, one_process, one_process_batch_sc
     sent = json.loads((tmp_path / "rollout_weights.json").read_text())
     assert sent["sent"] == sent["trainable"] > 0 and sent["max_gap"] == 0.0, sent
 
-    # LoRA + bf16 through train(): only adapters saved (none in the frozen vision tower), and they trained
+    # LoRA + bf16 (FSDP2: fp16 with loss scaling) through train(): only adapters saved (none in the frozen vision tower), and they trained
     from safetensors.torch import load_file
 
     adapter = load_file(tmp_path / "lora" / "checkpoint-1" / "adapter_model.safetensors")
@@ -223,6 +223,8 @@ def test_two_ranks_match_one_process(parallel, one_process, one_process_batch_sc
     assert any(float(value.abs().max()) > 0 for key, value in adapter.items() if "lora_B" in key)
     metrics = json.loads((tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["memory/peak_gb"] > 0 and metrics["loss"] is not None
+    if parallel == "fsdp2":  # the sharded scaler agreed on every rank; no overflow at this scale
+        assert metrics["fp16/loss_scale"] == 2.0**16 and metrics["fp16/overflow"] == 0 and metrics["skipped"] == 0
     print(f"{parallel}: {seconds:.0f} s, {(tmp_path / 'timings.json').read_text()}")
 
 

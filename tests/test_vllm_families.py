@@ -57,8 +57,7 @@ def perturb(model):
 
 
 def single_process():
-    return SingleProcess(None, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False,
-                         bf16=False)
+    return SingleProcess(None, rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
 
 
 def policy_logps(model, template, prompts, rollout):

@@ -413,6 +413,13 @@ class RunOptions:
     bf16: bool | None = None
     """bfloat16 autocast over fp32 master weights. Unset: on where the GPU has bfloat16 (Ampere and later), float32
     on the CPU and on older GPUs (said in one line); `--bf16` on the CPU: CPU bfloat16 autocast; `--bf16 false`: float32."""
+    fp16: bool = False
+    """float16 autocast over fp32 master weights with dynamic loss scaling, for GPUs without bfloat16 (V100, T4):
+    the loss is scaled before backward, a step whose gradients overflow is skipped and the scale halved
+    (`fp16/overflow` and `fp16/loss_scale` in the metrics; not counted by --max_nonfinite_steps while the scale is above 1)."""
+    torch_dtype: str | None = flag(None, OneOf("auto", "bfloat16", "float16", "float32"))
+    """The precision the forwards compute in, by the name TRL and ms-swift use: `bfloat16` is --bf16, `float16` --fp16,
+    `float32` neither, `auto` (or unset) --bf16's default. The master weights and optimizer states stay float32."""
     torch_threads: int | None = flag(None, count(1), resume="operational")
     """torch intra-op threads (CPU). Default: torch's choice."""
 
@@ -428,6 +435,11 @@ class RunOptions:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def precision(self) -> str:
+        """What the forwards compute in: `bf16`, `fp16` or `fp32` (after start-up resolved --bf16, --fp16 and --torch_dtype)."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
 
 @dataclass

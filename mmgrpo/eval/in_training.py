@@ -37,7 +37,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +44,7 @@ import torch
 
 from mmgrpo.config import EvalConfig
 from mmgrpo.errors import ConfigError
+from mmgrpo.forward.policy import autocast
 from mmgrpo.runstate.checkpoint import save_atomically
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class TrainingEval:
         scores, counts = {}, []
         try:
             for dataset, metrics, prefix in self.evals:
-                with torch.autocast(strategy.device.type, dtype=torch.bfloat16) if strategy.bf16 else nullcontext():
+                with autocast(strategy.compute_dtype, strategy.device):
                     result = evaluate(
                         rollout,
                         template,

@@ -98,7 +98,7 @@ def attention_shares(decoder, columns: dict[str, torch.Tensor], queries: torch.T
 
 
 def measure_reliance(policy: Policy, prompts: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor, *,
-                     strategy: Strategy | None = None, temperature: float = 1.0, bf16: bool = False) -> dict[str, float]:
+                     strategy: Strategy | None = None, temperature: float = 1.0, dtype: torch.dtype | None = None) -> dict[str, float]:
     """The probe on R completions, one per prompt (prompts: R PromptInputs; completion_ids, mask [R, T]).
 
     strategy: a sharded run's (its ranks run the same forwards: every modality some rank has).
@@ -132,7 +132,7 @@ def measure_reliance(policy: Policy, prompts: list, completion_ids: torch.Tensor
 
     metrics = {}
     # every forward eager, so the blanked ones differ from the first by the medium alone
-    with torch.no_grad(), autocast(bf16, policy.device), eager_attention(decoder):
+    with torch.no_grad(), autocast(dtype, policy.device), eager_attention(decoder):
         with attention_shares(decoder, full_columns, queries, per_layer):
             with_media = mean_logp(batch)
         answered = completion_mask.sum(1) > 0
@@ -162,7 +162,7 @@ def probe_rows(num_prompts: int, group: int, limit: int) -> list[int]:
 
 
 def probe_step(policy: Policy, encoded: list, batch: Rollout, group: int, *, rows: int, strategy: Strategy | None = None,
-               temperature: float = 1.0, bf16: bool = False) -> dict[str, float]:
+               temperature: float = 1.0, dtype: torch.dtype | None = None) -> dict[str, float]:
     """The probe on a GRPO step's completions (--fusion_probe_steps), before the step's update: the
     first completion of each of the first `rows` prompts (--fusion_probe_rows). encoded: the B
     prompts (PromptInputs); batch: their B x `group` completions; the rest as `measure_reliance`."""
@@ -170,5 +170,5 @@ def probe_step(policy: Policy, encoded: list, batch: Rollout, group: int, *, row
     probed = batch.select(picked)
     return measure_reliance(
         policy, [encoded[r // group] for r in picked], probed.completion_ids, probed.completion_mask,
-        strategy=strategy, temperature=temperature, bf16=bf16,
+        strategy=strategy, temperature=temperature, dtype=dtype,
     )

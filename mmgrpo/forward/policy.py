@@ -229,5 +229,6 @@ class Policy:
         return logps * mask, (entropy * mask if entropy is not None else None)
 
 
-def autocast(bf16: bool, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+def autocast(dtype: torch.dtype | None, device: torch.device):
+    """Autocast to `dtype` (bfloat16 under --bf16, float16 under --fp16) on `device`'s kind; None: float32."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()

@@ -1,6 +1,6 @@
 """Training beyond one process: `--parallel none | fsdp2 | zero3` (docs/distributed.md).
 
-`build_strategy(cfg.dist, cfg.optim, cfg.bf16)` opens the process group and returns the strategy
+`build_strategy(cfg.dist, cfg.optim, cfg.precision)` opens the process group and returns the strategy
 the training step calls; see mmgrpo/parallel/base.py for the interface.
 
     base.py      the Strategy interface, its collectives, Prepared, the Wrapper module
@@ -18,15 +18,15 @@ from mmgrpo.parallel.launch import configure_precision, init_process_group, pick
 __all__ = ["Prepared", "Strategy", "build_strategy", "rank_errors", "validate_parallel"]
 
 
-def build_strategy(dist_cfg: DistConfig, optim_cfg: OptimConfig, bf16: bool) -> Strategy:
+def build_strategy(dist_cfg: DistConfig, optim_cfg: OptimConfig, precision: str) -> Strategy:
     """The strategy the flags name (`dist_cfg.strategy`; SFT, one process, passes `DistConfig()`),
     with the process group up and the device chosen. optim_cfg: the batch sizes and clipping ZeRO-3's
-    config repeats; bf16: --bf16, on where the device supports it."""
+    config repeats; precision: `bf16` (--bf16, where the device supports it), `fp16` (--fp16) or `fp32`."""
     name = dist_cfg.strategy
     rank, world_size, local_rank, created = init_process_group(dist_cfg.ddp_timeout, sharded=name != "none")
     device = pick_device(local_rank)
     kwargs = dict(rank=rank, world_size=world_size, local_rank=local_rank, device=device, owns_group=created,
-                  bf16=configure_precision(device, bf16))
+                  precision=configure_precision(device, precision))
     if name == "fsdp2":
         from mmgrpo.parallel.fsdp2 import FSDP2
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from mmgrpo.config import DistConfig
 from mmgrpo.forward.policy import plain_call
+from mmgrpo.parallel.guards import step_unless_nonfinite
 from mmgrpo.parallel.media import add_dummy_medium
 
 
@@ -85,13 +86,25 @@ class Strategy:
 
     def __init__(
         self, dist_cfg: DistConfig, *, rank: int, world_size: int, local_rank: int, device: torch.device,
-        owns_group: bool, bf16: bool
+        owns_group: bool, precision: str = "fp32"
     ):
         self.dist_cfg = dist_cfg  # --offload_param, --gather_for_generation ... (what a sharding strategy reads)
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
         self.owns_group = owns_group
-        self.bf16 = bf16  # --bf16 where the device supports it (launch.configure_precision)
+        self.precision = precision  # "bf16" | "fp16" | "fp32": what the flags asked and the device allows (launch.configure_precision)
+        # fp16's dynamic loss scale (torch.amp's GradScaler): made by `prepare`, which knows the optimizer's parameters
+        self.scaler: torch.amp.GradScaler | None = None
+        self.overflowed = False  # the last optimizer_step was an fp16 overflow the scaler skipped
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of forwards and rollouts; None: float32."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
 
     @property
     def is_main(self) -> bool:
@@ -131,6 +144,49 @@ class Strategy:
     def zero_grad(self, optimizer) -> None:
         """Drop accumulated gradients without stepping (a skipped update)."""
         optimizer.zero_grad(set_to_none=True)
+
+    # -- fp16 loss scaling (SingleProcess, FSDP2; DeepSpeed scales its own) ----------------------
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: times the loss scale under --fp16, so small float16 gradients
+        do not flush to zero."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def clip_and_step(self, optimizer, max_grad_norm: float, norm_of=lambda norm: norm) -> float:
+        """Unscale (fp16), clip to max_grad_norm (0: no clipping), step, zero the gradients; the norm
+        before clipping. `norm_of` turns clip_grad_norm_'s result into the global norm (FSDP2: a DTensor).
+
+        Under --fp16 an overflow (an inf/NaN gradient) is the loss scale's business: the scaler skips
+        the step and halves the scale (`overflowed`). Once the scale is at 1 or below, scaling cannot be
+        the cause, and the step counts as non-finite like any other (mmgrpo/parallel/guards.py).
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # FSDP2's ShardedGradScaler agrees on overflow across ranks
+        norm = norm_of(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
+        if self.scaler is None:
+            step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step; the norm tells the loop
+            return float(norm)
+        scale = self.scaler.get_scale()
+        # The step is taken here, not by scaler.step: the global norm decides it alike on every rank, and
+        # a fused AdamW over FSDP2's DTensors does not take the scaler's found_inf tensor.
+        stepped = step_unless_nonfinite(optimizer, norm)
+        self.scaler.update()  # halves the scale after an overflow unscale_ found, doubles it after 2000 clean steps
+        self.overflowed = not stepped and scale > 1
+        return float(norm)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale now (None without --fp16)."""
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    def loss_scale_state(self) -> dict:
+        """The fp16 loss scale and its growth counter, for a checkpoint ({} without --fp16)."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_loss_scale_state(self, state: dict) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
 
     def full_tensors(self, model: nn.Module, names: list[str]):
         """(HF name, full tensor) of each named parameter, one at a time, on every rank: what a

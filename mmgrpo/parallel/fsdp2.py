@@ -5,8 +5,9 @@
 Each transformer block (the model's `_no_split_modules`: decoder layers, vision blocks) is its
 own FSDP unit, all-gathered just before its forward and freed after; the `Wrapper` root holds
 the rest (embeddings, final norm, LM head, patch embedding, merger). With --bf16 the gathered
-weights are bfloat16 and gradients are reduced in float32 (MixedPrecisionPolicy); the sharded
-master weights and AdamW states stay float32. Gradients are averaged over ranks.
+weights are bfloat16 (--fp16: float16, the loss scaled by torch's ShardedGradScaler) and gradients
+are reduced in float32 (MixedPrecisionPolicy); the sharded master weights and AdamW states stay
+float32. Gradients are averaged over ranks.
 
 Log-prob forwards and rollouts run inside the root's forward (`Prepared.call`), so the root's
 weights are gathered for the whole call. During a rollout the blocks stay gathered from their
@@ -38,7 +39,6 @@ from torch.distributed.tensor import DTensor
 
 from mmgrpo.forward.policy import plain_call
 from mmgrpo.parallel.base import Prepared, Strategy, Wrapper, hf_state_dict
-from mmgrpo.parallel.guards import step_unless_nonfinite
 
 OPTIMIZER_SHARDS = "optimizer"  # a torch.distributed.checkpoint folder inside checkpoint-N
 
@@ -62,10 +62,14 @@ class FSDP2(Strategy):
         return torch.device("cpu")  # fully_shard moves each rank's shards to its device
 
     def prepare(self, model, ref_model, make_optimizer) -> Prepared:
-        if self.bf16:
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.compute_dtype is not None:  # bf16 / fp16 gathered weights, float32 gradient reduction
+            mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         else:
             mp_policy = MixedPrecisionPolicy()
+        if self.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=self.device.type)  # all-reduces "found an overflow" over ranks
         offload = CPUOffloadPolicy() if self.dist_cfg.offload_param else OffloadPolicy()
         self.wrapper = shard(model, mp_policy, offload)
         ref_call = shard(ref_model, mp_policy, OffloadPolicy()) if ref_model is not None else plain_call
@@ -91,15 +95,11 @@ class FSDP2(Strategy):
                 block.reshard()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()  # each unit's gradients are reduce-scattered (averaged) as its backward ends
+        self.scaled(loss).backward()  # each unit's gradients are reduce-scattered (averaged) as its backward ends
 
     def optimizer_step(self, optimizer, max_grad_norm: float) -> float:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # the global norm over all shards
-        step_unless_nonfinite(optimizer, norm)  # a NaN/inf norm: no step (mmgrpo/parallel/guards.py); the norm tells the loop
-        return float(norm)
+        # the global norm over all shards
+        return self.clip_and_step(optimizer, max_grad_norm, norm_of=lambda n: n.full_tensor() if isinstance(n, DTensor) else n)
 
     def full_tensors(self, model, names: list[str]):
         # The root keeps its weights gathered after a forward with no backward (a log-prob pass):

@@ -80,21 +80,21 @@ def bf16_by_default() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def configure_precision(device: torch.device, bf16: bool) -> bool:
+def configure_precision(device: torch.device, precision: str) -> str:
     """TF32 matmuls on Ampere+; bf16 only where the device supports it (a notice otherwise).
 
-    Returns whether bf16 stays on.
+    Returns the precision the run computes in: `precision`, or `fp32` where bf16 is missing.
     """
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device)[0] >= 8:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        if bf16 and not torch.cuda.is_bf16_supported():
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
             notice(f"{torch.cuda.get_device_name(device)} has no bfloat16: --bf16 ignored, training in float32.")
-            return False
+            return "fp32"
     elif device.type == "cpu" and env_world_size() > 1:
         notice("no GPU: training on CPU, ranks talk over gloo.")
-    return bf16
+    return precision
 
 
 @contextmanager

@@ -51,18 +51,23 @@ def _is_set(value) -> bool:
 
 
 def deepspeed_config(dist_cfg: DistConfig, optim_cfg: OptimConfig, world_size: int, hidden_size: int | None = None,
-                     *, bf16: bool) -> dict:
+                     *, precision: str) -> dict:
     """The DeepSpeed config for this run: --deepspeed's JSON (if a path) with the flags filled in
     (the batch sizes and clipping of `optim_cfg`, the offloads of `dist_cfg`).
 
-    bf16: whether bf16 is on (--bf16 before the model loads; the strategy passes what the device allows).
+    precision: `bf16`, `fp16` or `fp32` (--bf16 / --fp16; the strategy passes what the device allows).
+    Under fp16 DeepSpeed scales the loss itself (dynamic: `loss_scale` 0), starting at 2**16 as torch's
+    GradScaler does; a JSON's own fp16 section keeps its values.
 
     >>> from mmgrpo.config import TrainConfig
     >>> cfg = TrainConfig.from_args(["--per_device_train_batch_size", "4", "--num_generations", "4", "--bf16"])
-    >>> ds = deepspeed_config(cfg.dist, cfg.optim, world_size=2, bf16=cfg.bf16)
-    >>> ds["train_batch_size"], ds["bf16"], ds["zero_optimization"]["stage"]
-    (8, {'enabled': True}, 3)
+    >>> ds = deepspeed_config(cfg.dist, cfg.optim, world_size=2, precision="bf16")
+    >>> ds["train_batch_size"], ds["bf16"], ds["zero_optimization"]["stage"], "fp16" in ds
+    (8, {'enabled': True}, 3, False)
+    >>> deepspeed_config(cfg.dist, cfg.optim, world_size=2, precision="fp16")["fp16"]["loss_scale"]
+    0
     """
+    bf16, fp16 = precision == "bf16", precision == "fp16"
     spec = dist_cfg.deepspeed
     user = {} if spec in (None, "zero3") else _load_json(spec)
     source = f"--deepspeed {spec}"
@@ -78,8 +83,8 @@ def deepspeed_config(dist_cfg: DistConfig, optim_cfg: OptimConfig, world_size: i
             raise ConfigError(f"{source} sets {key} {user[key]} but {flag} gives {value}: set it to \"auto\" or change the flag.")
     if _is_set(user.get("bf16", {}).get("enabled")) and bool(user["bf16"]["enabled"]) != bf16:
         raise ConfigError(f"{source} sets bf16.enabled {user['bf16']['enabled']} but --bf16 is {bf16}: make them agree (or \"auto\").")
-    if user.get("fp16", {}).get("enabled") is True:
-        raise ConfigError(f"{source} enables fp16: mmgrpo trains in float32 or bfloat16 (--bf16); set fp16.enabled to false.")
+    if _is_set(user.get("fp16", {}).get("enabled")) and bool(user["fp16"]["enabled"]) != fp16:
+        raise ConfigError(f"{source} sets fp16.enabled {user['fp16']['enabled']} but --fp16 is {fp16}: make them agree (or \"auto\").")
     zero = user.get("zero_optimization", {})
     if _is_set(zero.get("stage")) and int(zero["stage"]) != 3:
         raise ConfigError(f"{source} is ZeRO stage {zero['stage']}: --parallel zero3 needs stage 3 (or use --parallel fsdp2).")
@@ -90,7 +95,10 @@ def deepspeed_config(dist_cfg: DistConfig, optim_cfg: OptimConfig, world_size: i
     config = copy.deepcopy(user)
     config.update({key: value for key, (value, _) in ours.items()})
     config["bf16"] = {**config.get("bf16", {}), "enabled": bf16}
-    config.pop("fp16", None)
+    if fp16:
+        config["fp16"] = {"loss_scale": 0, "initial_scale_power": 16, "min_loss_scale": 1, **config.get("fp16", {}), "enabled": True}
+    else:
+        config.pop("fp16", None)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = 3
     for key, derive in AUTO_FROM_HIDDEN.items():
@@ -137,7 +145,7 @@ class ZeRO3(Strategy):
         import deepspeed
 
         hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
-        config = deepspeed_config(self.dist_cfg, self.optim_cfg, self.world_size, hidden_size, bf16=self.bf16)
+        config = deepspeed_config(self.dist_cfg, self.optim_cfg, self.world_size, hidden_size, precision=self.precision)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=Wrapper(model), model_parameters=trainable, optimizer=make_optimizer, config=config
@@ -171,9 +179,21 @@ class ZeRO3(Strategy):
         self.engine.backward(loss, scale_wrt_gas=False)  # our losses are normalised for the whole update already
 
     def optimizer_step(self, optimizer, max_grad_norm: float) -> float:
-        self.engine.step()  # clips to gradient_clipping (= --max_grad_norm), steps, zeroes
+        scale = self.engine.optimizer.loss_scale if self.precision == "fp16" else None
+        self.engine.step()  # clips to gradient_clipping (= --max_grad_norm), steps, zeroes; fp16: skips an overflow
+        # An fp16 overflow DeepSpeed skipped while the scale could still drop is the loss scale's business (base.clip_and_step)
+        self.overflowed = scale is not None and not self.engine.was_step_applied() and scale > 1
+        if self.overflowed:
+            return float("inf")
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def loss_scale_state(self) -> dict:
+        return {}  # DeepSpeed keeps its loss scaler in its own checkpoint (save_sharded_optimizer)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return float(self.engine.optimizer.loss_scale) if self.precision == "fp16" else None
 
     def zero_grad(self, optimizer) -> None:
         self.engine.optimizer.zero_grad(set_to_none=True)

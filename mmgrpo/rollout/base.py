@@ -271,12 +271,12 @@ class RolloutSampler:
     precision of its forwards; autocast holds per thread, so the worker's thread enters it itself."""
 
     engine: RolloutEngine
-    bf16: bool = False  # --bf16 where the device supports it
+    dtype: torch.dtype | None = None  # the policy's autocast dtype (--bf16, --fp16); None: float32
     device: torch.device = torch.device("cpu")  # the policy's, whose autocast applies
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
-        with autocast(self.bf16, self.device):
+        with autocast(self.dtype, self.device):
             return self.engine.generate(prompts, sampling)
 
 

@@ -65,7 +65,7 @@ def build_vllm_engine(rollout_cfg: RolloutConfig, model_path: str, template, str
     distributed = strategy is not None and strategy.world_size > 1
     return VLLMColocateRollout(
         model_path, template, max_model_len=max_model_len(rollout_cfg, max_prompt_length), seed=seed,
-        dtype="bfloat16" if strategy is not None and strategy.bf16 else "float32",
+        dtype={"bf16": "bfloat16", "fp16": "float16"}.get(strategy.precision if strategy is not None else "", "float32"),
         gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization,
         tensor_parallel_size=rollout_cfg.vllm_tensor_parallel_size, enable_sleep_mode=rollout_cfg.vllm_enable_sleep_mode,
         kv_cache_memory_bytes=rollout_cfg.vllm_kv_cache_memory_bytes, distributed=distributed,

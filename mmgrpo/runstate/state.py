@@ -54,6 +54,8 @@ class TrainState:
     (mmgrpo/training/resume_flags.py)."""
     resumed: list = field(default_factory=list)
     """Each resume so far: {"after_step": N, "changed": {flag: [old, new]}} (config.yaml shows them too)."""
+    loss_scale: dict = field(default_factory=dict)
+    """--fp16: the loss scaler's state (torch.amp.GradScaler's: scale, growth counter); {} otherwise."""
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainState:

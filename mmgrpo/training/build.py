@@ -61,17 +61,19 @@ def startup_summary(cfg, model: torch.nn.Module, template, dataset, strategy: St
         f"data    {data}: {len(dataset):,} prompts",
         f"batch   {prompts_per_step} prompts x G={G} = {prompts_per_step * G} completions a step (per process), "
         f"{steps} step{'s' if steps != 1 else ''}, up to {cfg.rollout.max_completion_length} new tokens",
-        f"device  {devices}, {'bf16 autocast' if strategy.bf16 else precision_note(cfg.bf16)}, {cfg.model.attn_implementation} attention, "
+        f"device  {devices}, {precision_note(strategy.precision, cfg.bf16)}, {cfg.model.attn_implementation} attention, "
         f"rollouts on {'vLLM (' + cfg.rollout.vllm_mode + ')' if cfg.rollout.use_vllm else 'transformers'}",
     ])
 
 
-def precision_note(bf16_asked: bool) -> str:
-    """Why a run trains in float32: asked, or no GPU with bfloat16 here."""
+def precision_note(precision: str, bf16_asked: bool) -> str:
+    """What the forwards compute in and, for float32, why: asked, or no GPU with bfloat16 here."""
+    if precision != "fp32":
+        return "bf16 autocast" if precision == "bf16" else "fp16 autocast with dynamic loss scaling"
     if bf16_asked is False and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "float32 (--bf16 false)"
     if torch.cuda.is_available():
-        return "float32 (this GPU has no bfloat16)"
+        return "float32 (this GPU has no bfloat16; --fp16 trains in float16 with loss scaling)"
     return "float32 (no GPU here; --bf16 turns on CPU bfloat16 autocast)"
 
 
@@ -93,9 +95,9 @@ class ModelRun:
         return self.strategy.device
 
     @property
-    def bf16(self) -> bool:
-        """--bf16 where the device supports it."""
-        return self.strategy.bf16
+    def compute_dtype(self) -> torch.dtype | None:
+        """The forwards' autocast dtype (--bf16 where the device supports it, --fp16); None: float32."""
+        return self.strategy.compute_dtype
 
     def media_options(self) -> dict:
         return media_options(self.template, self.cfg.model)
@@ -274,7 +276,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     check_completion_budgets(cfg, dataset, model_context(path))
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    strategy = build_strategy(cfg.dist, cfg.optim, cfg.bf16)  # process group up (torchrun), device and precision picked
+    strategy = build_strategy(cfg.dist, cfg.optim, cfg.precision)  # process group up (torchrun), device and precision picked
     model, peft_model = load_trainable_model(cfg.model, cfg.optim, path, template, strategy, cfg.seed)
     if cfg.rollout.use_vllm and fusion_of(model) is not None:
         raise ConfigError(

@@ -90,6 +90,7 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
     state.flags = cfg.to_dict()  # what a resumed run is compared with (mmgrpo/training/resume_flags.py)
     state.rollout_in_flight = len(in_flight)
     state.data = batches.state_dict()
+    state.loss_scale = strategy.loss_scale_state()
     extra_files: dict[str, object] = {}
     if step_log is not None:
         extra_files[STEP_LOG_FILE] = json.dumps(step_log) + "\n"
@@ -123,6 +124,7 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
             f"checkpoint {path} continues a run that started from --model {state.model} (its KL reference); "
             f"this run has --model {run.cfg.model.model}. Resume with --model {state.model}."
         )
+    strategy.load_loss_scale_state(state.loss_scale)
     apply_resume_changes(run, state)  # changed schedule flags take effect now; every change is recorded
     position = {**state.data, "rank": strategy.rank}  # ranks move in step: rank 0's position is each one's
     batches.load_state_dict(position)

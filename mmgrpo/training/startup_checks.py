@@ -58,7 +58,7 @@ def check_train_flags(cfg: TrainConfig) -> None:
     if cfg.dist.strategy == "zero3":
         from mmgrpo.parallel.zero3 import deepspeed_config
 
-        deepspeed_config(cfg.dist, cfg.optim, env_world_size(), bf16=cfg.bf16)  # a contradicting JSON is an error now
+        deepspeed_config(cfg.dist, cfg.optim, env_world_size(), precision=cfg.precision)  # a contradicting JSON is an error now
     cfg.validate()
     get_advantage(cfg.algo.advantage_estimator)  # a ConfigError listing the registered ones
     problem = OneOf(*IS_MODES).problem("vllm_importance_sampling_mode", cfg.algo.vllm_importance_sampling_mode)
@@ -150,14 +150,27 @@ def check_common_parts(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> None:
 
 
 def fill_precision(cfg: TrainConfig | SFTConfig) -> None:
-    """--bf16 left unset becomes what this machine has (`bf16_by_default`: a GPU with bfloat16), so config.yaml and the checkpoints' flags record the precision the run
-    used; --bf16 on a GPU without bfloat16 is an error."""
+    """--torch_dtype, --bf16 and --fp16 become one precision, recorded as --bf16 / --fp16 (config.yaml and
+    the checkpoints' flags say what the run used): --torch_dtype names one of them; --bf16 left unset becomes
+    what this machine has (`bf16_by_default`: a GPU with bfloat16). Contradictions, --bf16 on a GPU without
+    bfloat16 and DeepSpeed's float16 on the CPU (which it lacks) are errors."""
     import torch
 
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("--bf16 and --fp16 together: choose one (bfloat16 where the GPU has it, float16 on older GPUs).")
+    named = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(cfg.torch_dtype or "auto")
+    if named is not None:
+        if (cfg.bf16 is not None and cfg.bf16 != (named == "bf16")) or (cfg.fp16 and named != "fp16"):
+            given = "--bf16 " + str(cfg.bf16).lower() if cfg.bf16 is not None else "--fp16"
+            raise ConfigError(f"--torch_dtype {cfg.torch_dtype} and {given} disagree: give one of them.")
+        cfg.bf16, cfg.fp16 = named == "bf16", named == "fp16"
     if cfg.bf16 is None:
-        cfg.bf16 = bf16_by_default()  # the start-up summary's device line says which (build_run)
+        cfg.bf16 = not cfg.fp16 and bf16_by_default()  # the start-up summary's device line says which (build_run)
     elif cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16; leave --bf16 out to train in float32.")
+        raise ConfigError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16; use --fp16 (float16 with loss scaling) "
+                          "or leave --bf16 out to train in float32.")
+    if cfg.fp16 and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "zero3" and not torch.cuda.is_available():
+        raise ConfigError("--fp16 with --deepspeed: DeepSpeed has no float16 on the CPU; use --parallel fsdp2 here, or a GPU.")
 
 
 def fill_model_type(model_cfg: ModelConfig) -> None:
