@@ -11,7 +11,8 @@ a full-attention block does not; shared-prefix log-probs and gradients equal the
 (tied head: the embedding's gradient comes from both uses); the lean decode step's greedy tokens
 equal HF generate's; a GRPO step trains every trainable weight (full training with the LLM frozen:
 the fp32 optimizer state of the whole 3B width would be 7 GB, over what a CI test may hold) and
-LoRA with --freeze_vit trains its adapters only. The untied 7B head (slow): greedy decode and
+LoRA with --freeze_vit trains its adapters only. Qwen3-VL-30B-A3B at one layer (its 128 experts,
+1.3B parameters): a LoRA step trains every adapter. The untied 7B head (slow): greedy decode and
 log-probs at 3584 wide.
 
 The heavy tests share one xdist group, so at most one full-width model is in memory at a time
@@ -45,6 +46,7 @@ from test_shared_prefix import (  # noqa: E402  (the naive-vs-shared-prefix chec
 
 MODEL_3B = "random:qwen2.5-vl-3b?num_hidden_layers=1&vision_depth=2"
 MODEL_7B = "random:qwen2.5-vl-7b?num_hidden_layers=1&vision_depth=1"
+MODEL_MOE = "random:qwen3-vl-30b-a3b?num_hidden_layers=1&vision_depth=1"
 heavy = pytest.mark.xdist_group("real_size")  # one full-width model in memory at a time
 
 # The published totals of the checkpoints (safetensors), in billions.
@@ -235,11 +237,11 @@ class TestTiedHead3B:
         _assert_greedy_equals_hf_generate(model, template, _prompts_3b(template), "sdpa")
 
 
-def _run(tmp_path, *flags):
+def _run(tmp_path, *flags, model: str = MODEL_3B):
     from mmgrpo.config import TrainConfig
 
     cfg = TrainConfig.from_args([
-        "--model", MODEL_3B, "--dataset", "shapes-color", "--reward_funcs", f"{dist_worker.WORKER}:length_reward",
+        "--model", model, "--dataset", "shapes-color", "--reward_funcs", f"{dist_worker.WORKER}:length_reward",
         "--num_generations", "2", "--per_device_train_batch_size", "4", "--max_completion_length", "6",
         "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--output_dir", str(tmp_path), "--max_steps", "1",
         *flags,
@@ -289,6 +291,25 @@ def test_lora_with_freeze_vit_at_full_width(tmp_path):
     assert any(".language_model.layers.0.mlp." in name for name in trainable)
     assert changed == trainable, f"did not train: {sorted(trainable - changed)}"
     assert run.policy.ref_model is None  # the base model with its adapters off
+
+
+@heavy
+def test_moe_lora_step_at_full_width(tmp_path):
+    """Qwen3-VL-30B-A3B's width at one layer (2048 wide, 128 experts of 768 with top-8 routing, the
+    untied 151,936-row head, one 1152-wide vision block with its deepstack tap; 1.3B parameters):
+    one LoRA GRPO step changes every adapter and nothing else. The fused experts are one tensor, not
+    linear layers: LoRA adapts attention and the merger."""
+    run = _run(tmp_path, "--train_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--freeze_vit",
+               "--beta", "0.04", model=MODEL_MOE)
+    assert sum(p.numel() for p in run.model.parameters()) > 1.2e9
+    generator = torch.Generator().manual_seed(0)
+    for name, param in run.model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, where A gets no gradient: make every adapter act
+            param.data = torch.randn(param.shape, generator=generator) * 0.05
+    changed, trainable = _step_changes(run)
+    assert trainable and all("lora_" in name for name in trainable)
+    assert any(".language_model.layers.0.self_attn." in name for name in trainable)
+    assert changed == trainable, f"did not train: {sorted(trainable - changed)}"
 
 
 @pytest.mark.slow
