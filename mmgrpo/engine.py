@@ -55,7 +55,12 @@ from mmgrpo.grpo.batching import (
     scatter_rows,
 )
 from mmgrpo.grpo.dynamic_weights import DynamicWeights
-from mmgrpo.grpo.importance import logp_gap_by_group, sampling_importance_weights
+from mmgrpo.grpo.importance import (
+    logp_gap_by_group,
+    mismatch_by_modality,
+    off_policy_sequence_mask,
+    sampling_importance_weights,
+)
 from mmgrpo.grpo.losses import policy_loss
 from mmgrpo.rollout.base import Rollout, RolloutSampler, step_seed
 from mmgrpo.rollout.pipeline import RolloutPipeline
@@ -144,7 +149,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     # and the importance weights that correct for the sampler (mmgrpo/grpo/importance.py).
     staleness = (step - 1) - batch.versions()  # [N] optimizer steps the policy is past the weights that sampled each row
     correct = (run.rollout.separate_weights and batch.logps is not None
-               and cfg.algo.vllm_importance_sampling_correction)
+               and (cfg.algo.vllm_importance_sampling_correction or cfg.algo.opsm_delta is not None))
     sampling_metrics, routings = {}, []  # routings: each forward's replayed or compared routes (MoE)
     if cfg.algo.num_iterations > 1 or correct:
         with timers("old"):
@@ -157,6 +162,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
 
     with timers("adv"):
         batch.advantages, adv_stats, weight_metrics = advantages_of(run, samples, batch, weights_rule)
+        if correct:  # off-policy sequence masking reads the advantages; the gap per modality reads the final weights
+            sampling_metrics.update(mask_off_policy(cfg, rollout, batch, [s.modality for s in samples for _ in range(G)]))
 
     rates = {"learning_rate": run.scheduler.get_last_lr()[0],  # the rate this step's updates use
              **group_rates(run.optimizer, run.scheduler)}  # learning_rate/vit ... (--vit_lr, --aligner_lr, --fusion_lr)
@@ -249,13 +256,28 @@ def sampler_correction(cfg: TrainConfig, rollout: Rollout, old_logps: torch.Tens
     (truncated completions too). With their metrics: sampling/*, and asynchronous, the log-prob gap
     by the steps a row lags (staleness/logp_diff_mean_<k>)."""
     sampler_logps = rollout.logps.to(old_logps.device)  # [N, T]
-    weights, stats = sampling_importance_weights(old_logps, sampler_logps, rollout.model_mask,
-                                                 cfg.algo.vllm_importance_sampling_mode, cap=cfg.algo.vllm_importance_sampling_cap)
+    weights, stats = sampling_importance_weights(old_logps, sampler_logps, rollout.model_mask, cfg.algo.vllm_importance_sampling_mode,
+                                                 cap=cfg.algo.vllm_importance_sampling_cap, floor=cfg.algo.vllm_importance_sampling_floor)
+    if not cfg.algo.vllm_importance_sampling_correction:  # measured only (--opsm_delta alone)
+        weights = torch.ones_like(weights)
     metrics = {f"sampling/{key}": float(value) for key, value in stats.items()}
     if cfg.rollout.staleness_bound:  # asynchronous: how the gap grows with the steps a row lags
         gaps = logp_gap_by_group(old_logps, sampler_logps, rollout.model_mask, staleness)
         metrics.update({f"staleness/logp_diff_mean_{k}": gap for k, gap in gaps.items()})
     return weights.expand_as(old_logps), metrics  # a sequence mode's [N, 1]: the same weight on every token
+
+
+def mask_off_policy(cfg: TrainConfig, rollout: Rollout, batch: Rollout, modalities: list[str]) -> dict:
+    """After the advantages: --opsm_delta's off-policy sequence mask folded into the batch's importance
+    weights, then the rollout-training mismatch of each modality's rows under the final weights
+    (mismatch/<modality>/*; mmgrpo/grpo/importance.py). modalities: each row's."""
+    sampler_logps = rollout.logps.to(batch.old_logps.device)  # [N, T]
+    metrics = {}
+    if cfg.algo.opsm_delta is not None:
+        keep = off_policy_sequence_mask(batch.old_logps, sampler_logps, rollout.model_mask, batch.advantages, cfg.algo.opsm_delta)
+        batch.importance_weights = batch.importance_weights * keep  # [N, T] * [N, 1]
+        metrics["sampling/opsm_masked_frac"] = float(1 - keep.mean())
+    return {**metrics, **mismatch_by_modality(batch.old_logps, sampler_logps, rollout.model_mask, batch.importance_weights, modalities)}
 
 
 def advantages_of(run: Run, samples: list, batch: Rollout, weights_rule: DynamicWeights | None) -> tuple[torch.Tensor, dict, dict]:

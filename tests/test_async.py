@@ -103,6 +103,36 @@ def test_the_run_follows_the_schedule_and_never_trains_staler_than_k(tmp_path, f
         assert logged[3]["staleness/logp_diff_mean_2"] > 1e-3
 
 
+def test_the_mismatch_is_masked_and_measured_per_modality(tmp_path):
+    """IcePop's two-sided token band and off-policy sequence masking on stale rows: the masked shares are
+    logged, and the gap per modality of the mixture's rows (shapes-color: image, shapes-motion: video)."""
+    cfg = config(tmp_path, "--max_staleness", "2", "--max_steps", "4", "--dataset", "shapes-color", "shapes-motion",
+                 "--vllm_importance_sampling_mode", "token_mask", "--vllm_importance_sampling_floor", "0.9",
+                 "--vllm_importance_sampling_cap", "1.1", "--opsm_delta", "0")
+    logged = metrics_of(train(cfg))
+    stale = logged[2:]  # rows two steps back: the weights moved twice
+    assert all(0 < m["sampling/masked_frac"] < 1 and m["sampling/kl"] > 0 for m in stale)
+    assert any(m["sampling/opsm_masked_frac"] > 0 for m in stale)  # delta 0: a drifted negative-advantage row
+    modalities = {key.split("/")[1] for m in stale for key in m if key.startswith("mismatch/")}
+    assert modalities == {"image", "video"}
+    for m in stale:
+        for modality in {key.split("/")[1] for key in m if key.startswith("mismatch/")}:
+            assert m[f"mismatch/{modality}/logp_diff_max"] >= m[f"mismatch/{modality}/logp_diff_mean"] > 0
+            assert m[f"mismatch/{modality}/masked_frac"] >= 0 and m[f"mismatch/{modality}/kl"] > 0
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--vllm_importance_sampling_floor", "4"), "floor 4.0 is above --vllm_importance_sampling_cap 3.0"),
+    (("--vllm_importance_sampling_mode", "icepop"), "choose one of token_truncate, token_mask, .*geometric_mask"),
+    (("--opsm_delta", "-1"), "--opsm_delta -1.0"),
+])
+def test_a_mismatch_setting_that_cannot_work_is_one_line(tmp_path, flags, match):
+    from mmgrpo.training.startup_checks import check_train_flags
+
+    with pytest.raises(ConfigError, match=match):
+        check_train_flags(config(tmp_path, *flags))
+
+
 def test_max_staleness_must_be_at_least_one(tmp_path):
     for value in ("0", "-1"):
         with pytest.raises(ConfigError, match=f"--max_staleness {value}: give K >= 1"):

@@ -109,6 +109,10 @@ def validate_train(cfg) -> None:
             f"--loss_type dr_grpo with --scale_rewards {cfg.algo.scale_rewards}: Dr. GRPO also drops the std scaling "
             "of advantages; add --scale_rewards none for the algorithm of the paper (docs/algorithm.md).", stacklevel=2,
         )
+    floor, cap = cfg.algo.vllm_importance_sampling_floor, cfg.algo.vllm_importance_sampling_cap
+    if floor is not None and floor > cap:
+        raise ConfigError(f"--vllm_importance_sampling_floor {floor} is above --vllm_importance_sampling_cap {cap}: "
+                          "the band [floor, cap] would be empty; give a floor below the cap.")
     parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
     one_process = cfg.dist.strategy == "none"
     if cfg.algo.max_tokens_per_microbatch and not one_process:

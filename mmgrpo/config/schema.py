@@ -265,10 +265,18 @@ class AlgoConfig:
     """Where completions come from other weights than the policy's own module (vLLM, --async_generate): recompute
     their log-probs with the policy and weight each token's loss by the trainer/sampler probability ratio (TRL's name)."""
     vllm_importance_sampling_mode: str = "token_truncate"
-    """token_truncate | token_mask | sequence_truncate | sequence_mask: per token or per completion; ratios above
-    --vllm_importance_sampling_cap are cut to it (truncate) or zeroed (mask)."""
+    """token_truncate | token_mask | sequence_truncate | sequence_mask | geometric_truncate | geometric_mask: the
+    trainer/sampler ratio per token, per completion, or per completion as the geometric mean over its tokens; ratios
+    outside [--vllm_importance_sampling_floor, --vllm_importance_sampling_cap] are cut to the band (truncate) or
+    zeroed (mask; token_mask with a floor is IcePop's two-sided mask). Formulas: docs/algorithm.md."""
     vllm_importance_sampling_cap: float = flag(3.0, above(0, what="a ratio", finite=False))
     """Upper bound of the importance sampling ratio (TRL's name; its newer name is vllm_importance_sampling_clip_max)."""
+    vllm_importance_sampling_floor: float | None = flag(None, at_least(0, what="a ratio"))
+    """Lower bound of the ratio (unset: none); with a *_mask mode, e.g. 0.5 with a cap of 5, tokens or completions the
+    trainer finds far less likely than the sampler did are left out as well."""
+    opsm_delta: float | None = flag(None, at_least(0))
+    """Off-policy sequence masking (DeepSeek-V3.2): leave out a completion whose advantage is negative and whose mean
+    log(sampler / trainer) probability over its tokens exceeds this (e.g. 0.1 to 1). Unset: off."""
     modality_weights: list[str] = field(default_factory=list)
     """`image=1.0 video=0.5`: each completion's advantage times its sample's modality weight (text, image, video, audio, mixed; default 1)."""
     dynamic_modality_weights: bool = False
