@@ -12,6 +12,7 @@ once, on the one `Timers` the loop makes for the step and hands to the rollout p
     resample     --dynamic_sample / --first_stage_generations: more rounds
     plan         the log-prob forwards' micro-batches, their prompts collated once  (`grpo_step` from here)
     old, ref     log-probs under the rollout policy (num_iterations > 1) and the reference (beta > 0)
+    teacher      log-probs under --teacher_model (on-policy distillation)
     adv          advantages by --advantage_estimator, modality weights
     probe        every --fusion_probe_steps: modality reliance on a few completions (mmgrpo/eval/reliance.py)
     update       num_iterations x (micro-batches -> loss -> backward) -> clip -> AdamW step
@@ -77,9 +78,9 @@ from mmgrpo.training.output_dir import preflight
 from mmgrpo.training.resume import resume_run, save_run
 from mmgrpo.training.startup_checks import check_train_flags
 
-PHASES = ("data", "weight_sync", "rollout", "reward", "resample", "plan", "old", "ref", "adv", "probe", "update",
-          "eval", "save")  # the table above, in its order
-OCCASIONAL = ("resample", "old", "ref", "probe")  # logged only on the steps that run them
+PHASES = ("data", "weight_sync", "rollout", "reward", "resample", "plan", "old", "ref", "teacher", "adv", "probe",
+          "update", "eval", "save")  # the table above, in its order
+OCCASIONAL = ("resample", "old", "ref", "teacher", "probe")  # logged only on the steps that run them
 
 
 class Timers:
@@ -151,7 +152,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     correct = (run.rollout.separate_weights and batch.logps is not None
                and (cfg.algo.vllm_importance_sampling_correction or cfg.algo.opsm_delta is not None))
     sampling_metrics, routings = {}, []  # routings: each forward's replayed or compared routes (MoE)
-    if cfg.algo.num_iterations > 1 or correct:
+    distill = run.policy.teacher_model is not None  # on-policy distillation: the student's own log-probs are the baseline
+    if cfg.algo.num_iterations > 1 or correct or distill:
         with timers("old"):
             batch.old_logps = completion_logprobs_of(run, batch, plan, routings=routings)
             if correct:
@@ -159,6 +161,10 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     if cfg.algo.beta > 0:
         with timers("ref"):
             batch.ref_logps = completion_logprobs_of(run, batch, plan, reference=True, routings=routings)
+    if distill:
+        with timers("teacher"):
+            batch.teacher_logps = completion_logprobs_of(run, batch, plan, teacher=True)
+            sampling_metrics["distill/reverse_kl"] = reverse_kl(batch)
 
     with timers("adv"):
         batch.advantages, adv_stats, weight_metrics = advantages_of(run, samples, batch, weights_rule)
@@ -350,22 +356,31 @@ def routing_of(run: Run, rows: Rollout, forward: ForwardBatch, aux: bool = False
 
 
 def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, reference: bool = False,
-                           routings: list | None = None) -> torch.Tensor:
+                           routings: list | None = None, teacher: bool = False) -> torch.Tensor:
     """Log-probs [N, T] of every completion, without gradients: under the policy as it sampled
-    them (the ratio's denominator when num_iterations > 1) or under the reference (the KL term).
+    them (the ratio's denominator when num_iterations > 1), under the reference (the KL term) or
+    under --teacher_model (on-policy distillation).
     routings: where each forward's routes (MoE) are appended, for the step's routing metrics."""
     policy, temperature = run.policy, run.cfg.rollout.temperature
     per_batch = []
     with torch.no_grad(), autocast(run.compute_dtype, run.device):
         for mb, forward in plan:
             rows = batch.rows(mb)
-            routing = routing_of(run, rows, forward)
-            logps, _ = policy.completion_logprobs(forward, rows.completion_ids, rows.completion_mask,
-                                                  temperature=temperature, reference=reference, routing=routing)
+            routing = None if teacher else routing_of(run, rows, forward)
+            logps, _ = policy.completion_logprobs(forward, rows.completion_ids, rows.completion_mask, temperature=temperature,
+                                                  reference=reference, teacher=teacher, routing=routing)
             per_batch.append(logps)
             if routing is not None and routings is not None:
                 routings.append(routing)
     return scatter_rows(per_batch, plan.micro_batches, batch.completion_ids.shape)
+
+
+def reverse_kl(batch: Rollout) -> float:
+    """The student-to-teacher reverse KL over the tokens the loss counts, estimated on the student's own
+    samples: the mean of log p_student - log p_teacher (what on-policy distillation drives down)."""
+    mask = batch.loss_mask.bool()
+    gap = (batch.old_logps - batch.teacher_logps)[mask]
+    return float(gap.mean()) if gap.numel() else 0.0
 
 
 def update_policy(run: Run, batch: Rollout, plan: ForwardPlan, routings: list | None = None) -> dict:
@@ -441,13 +456,16 @@ def micro_batch_loss(run: Run, rows: Rollout, forward: ForwardBatch, update_toke
     routes to replay, and its load-balancing loss, added with --router_aux_loss_coef (the caller
     detaches its hooks after the backward)."""
     cfg = run.cfg
+    advantages = rows.advantages  # [n]
+    if rows.teacher_logps is not None:  # on-policy distillation: each token's reward is log p_teacher - log p_student
+        advantages = advantages[:, None] + cfg.algo.teacher_kl_coef * (rows.teacher_logps - rows.old_logps)  # [n, T]
     with autocast(run.compute_dtype, run.device):
         logps, entropy = run.policy.completion_logprobs(
             forward, rows.completion_ids, rows.completion_mask, temperature=cfg.rollout.temperature, compute_entropy=True,
             routing=routing,
         )
         loss, metrics = policy_loss(
-            logps, rows.old_logps, rows.ref_logps, rows.advantages, rows.loss_mask, run.loss_config,
+            logps, rows.old_logps, rows.ref_logps, advantages, rows.loss_mask, run.loss_config,
             num_items_in_batch=update_tokens, num_sequences_in_batch=update_sequences,
             importance_weights=rows.importance_weights,
         )

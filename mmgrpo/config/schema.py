@@ -243,6 +243,12 @@ class AlgoConfig:
     """Loss aggregation: grpo | bnpo | dr_grpo | dapo | cispo (see docs/algorithm.md), or a loss registered with `register_loss`."""
     beta: float = flag(0.04, at_least(0))
     """KL coefficient to the reference model (k3 estimator). 0 loads no reference model."""
+    teacher_model: str | None = None
+    """On-policy distillation: a model of the same family and tokenizer (folder, hub id, tiny:) whose per-token
+    log-probs of the student's own completions become a reward, log p_teacher - log p_student per token, weighted by
+    --teacher_kl_coef and added to the rewards' advantages (docs/algorithm.md). One process."""
+    teacher_kl_coef: float = flag(1.0, at_least(0))
+    """--teacher_model's weight: each completion token's advantage gains teacher_kl_coef x (log p_teacher - log p_student)."""
     epsilon: float = flag(0.2, above(0))
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = flag(0.28, at_least(0))

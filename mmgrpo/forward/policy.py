@@ -81,6 +81,7 @@ class Policy:
         ref_call: Callable = plain_call,
         disable_adapters: Callable | None = None,
         per_row_routing: bool = False,
+        teacher_model: nn.Module | None = None,
     ):
         """
         shared_prefix: run each prompt once per group where `supports_shared_prefix` allows it.
@@ -90,6 +91,7 @@ class Policy:
         per_row_routing: an MoE model whose forwards replay recorded routes or add the router's
         load-balancing loss (mmgrpo/forward/routing_replay.py): the naive path, whose rows are
         the sampler's rows, token for token.
+        teacher_model: --teacher_model, frozen, of the same family: it reads the policy's batches.
         """
         self.model = model
         self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
@@ -97,6 +99,7 @@ class Policy:
         self.logprob_chunk_size = logprob_chunk_size
         self.call, self.ref_call = call, ref_call
         self.ref_model, self.disable_adapters = ref_model, disable_adapters
+        self.teacher_model = teacher_model
         self.shared_prefix, self.naive_reason = False, "off (--shared_prefix false)"
         if shared_prefix:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
@@ -151,17 +154,20 @@ class Policy:
         temperature: float = 1.0,
         compute_entropy: bool = False,
         reference: bool = False,
+        teacher: bool = False,
         routing: Routing | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of each completion token given its prompt (see `_completion_logprobs`).
 
         reference: under the reference model: the frozen copy, or (LoRA) this model with its
-        adapters disabled.
+        adapters disabled. teacher: under --teacher_model.
         routing: an MoE model's recorded routes to replay or compare, its load-balancing loss
         (mmgrpo/forward/routing_replay.py); its hooks stay on the routers until the caller's
         `routing.detach()` after the backward (without gradients: detached here).
         """
         kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, routing=routing)
+        if teacher:
+            return self._completion_logprobs(batch, completion_ids, completion_mask, model=self.teacher_model, **kwargs)
         if not reference:
             return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, **kwargs)
         if self.ref_model is not None:

@@ -31,7 +31,7 @@ from torch import nn
 from mmgrpo.config import ModelConfig, OptimConfig
 from mmgrpo.errors import ConfigError
 from mmgrpo.fusion.attach import FUSION_ATTR, check_fusion_model, fusion_for_training
-from mmgrpo.models.loading import load_model, model_skeleton
+from mmgrpo.models.loading import load_model, load_template, model_skeleton, template_options
 
 PARTS = ("vision", "aligner", "llm")
 logger = logging.getLogger("mmgrpo.models")
@@ -236,3 +236,24 @@ def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) ->
     shared = {id(p): p for p in model.parameters() if not p.requires_grad} if share_frozen and not bf16 else {}
     ref_model = copy.deepcopy(model, memo=dict(shared)).eval().requires_grad_(False)
     return ref_model.to(torch.bfloat16) if bf16 else ref_model
+
+
+def load_teacher(name: str, model_cfg: ModelConfig, student_template, *, bf16: bool, device: torch.device) -> nn.Module:
+    """--teacher_model, frozen, in the compute dtype on `device`: the model whose log-probs of the
+    student's completions are on-policy distillation's signal. It reads the student's encoded
+    prompts and completion ids, so its family (the prompt tokens, media placeholders, positions) and
+    its tokenizer must be the student's: either differing is a ConfigError naming both. model_cfg: the
+    student's loading options (pixel limits, attention), which the teacher shares."""
+    path, _, template = load_template(name, None, **template_options(model_cfg))
+    if template.name != student_template.name:
+        raise ConfigError(f"--teacher_model {name} is a {template.name} model and --model {model_cfg.model} a "
+                          f"{student_template.name} one: the teacher reads the student's prompt tokens and media, so it "
+                          "must be of the same family.")
+    ours, theirs = student_template.tokenizer.get_vocab(), template.tokenizer.get_vocab()
+    if ours != theirs:
+        raise ConfigError(f"--teacher_model {name} has another tokenizer than --model {model_cfg.model} "
+                          f"({len(theirs):,} against {len(ours):,} tokens, {len(set(theirs.items()) ^ set(ours.items())):,} "
+                          "differing): a token's log-prob must mean the same token for both.")
+    teacher = load_model(path, template=template, attn_implementation=model_cfg.attn_implementation)
+    teacher = teacher.eval().requires_grad_(False).to(device)
+    return teacher.to(torch.bfloat16) if bf16 else teacher

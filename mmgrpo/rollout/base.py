@@ -89,7 +89,7 @@ class SamplingParams:
 # Rollout fields by how they follow the rows: [N, T] tensors right-padded by `concat` (the value
 # it pads with; None: the pad token id), [N] / [F, N] tensors, and per-row lists.
 _PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0,
-           "old_logps": 0.0, "ref_logps": 0.0, "importance_weights": 0.0}
+           "old_logps": 0.0, "ref_logps": 0.0, "teacher_logps": 0.0, "importance_weights": 0.0}
 _ROW_TENSORS = ("truncated", "rewards", "row_versions", "advantages")
 _ROW_LISTS = ("completion_media", "texts", "routed_experts")
 
@@ -128,6 +128,7 @@ class Rollout:
     # every field, so a micro-batch gets all of its rows' tensors in one call and none is copied by hand.
     old_logps: torch.Tensor | None = None  # [B * G, T] under the policy that sampled (num_iterations > 1, another sampler)
     ref_logps: torch.Tensor | None = None  # [B * G, T] under the reference (beta > 0)
+    teacher_logps: torch.Tensor | None = None  # [B * G, T] under --teacher_model (on-policy distillation)
     importance_weights: torch.Tensor | None = None  # [B * G, T]: the sampler correction (mmgrpo/grpo/importance.py)
     advantages: torch.Tensor | None = None  # [B * G]
 

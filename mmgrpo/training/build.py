@@ -31,7 +31,7 @@ from mmgrpo.fusion.attach import bypassed, fusion_of
 from mmgrpo.grpo.losses import LossConfig
 from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.saving import save_model_folder
-from mmgrpo.models.train_type import load_trainable_model, reference_copy
+from mmgrpo.models.train_type import load_teacher, load_trainable_model, reference_copy
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards, judge_vllm_options
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine
@@ -300,10 +300,12 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
                       highlight=False, markup=False, emoji=False)  # "shapes-color:train:" is no emoji
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
+    teacher = (load_teacher(cfg.algo.teacher_model, cfg.model, template, bf16=strategy.bf16, device=strategy.device)
+               if cfg.algo.teacher_model else None)
     policy = Policy(
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
         ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
-        per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0,
+        per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0, teacher_model=teacher,
     )
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
