@@ -12,7 +12,7 @@ One launch per strategy runs every check, to pay the start-up (imports, DeepSpee
               keep the vision-tower calls equal, synced_gpus the decoding steps)
     save      the sharded model saved as one HF folder (rank 0 writes) plus log-probs of a batch
               under the sharded model, for the test to compare after from_pretrained
-    lora      `train()` with LoRA adapters (vision frozen), bf16 (FSDP2: fp16, loss scaled), beta > 0 (reference = adapters
+    lora      `train()` with LoRA adapters (vision frozen), bf16 (FSDP2: fp16, loss scaled), a sharded teacher, beta > 0 (reference = adapters
               off), from the data loader: adapters only change; metrics.jsonl has memory/peak_gb
 
 Rewards used here are plain functions in this file (`--reward_funcs tests/dist_worker.py:fn`).
@@ -282,7 +282,8 @@ def main() -> None:
 
     precision = "--fp16" if parallel == "fsdp2" else "--bf16"  # DeepSpeed has no float16 on the CPU
     cfg = config(parallel, int(os.environ["WORLD_SIZE"]), out / "lora", "--train_type", "lora", "--lora_rank", "4",
-                 "--freeze_vit", precision, "--lora_dropout", "0", "--learning_rate", "1e-2")
+                 "--freeze_vit", precision, "--lora_dropout", "0", "--learning_rate", "1e-2",
+                 "--teacher_model", "tiny:qwen2-vl")  # on-policy distillation: the teacher sharded as the reference is
     train(cfg)
     timings["lora"] = time.perf_counter() - start
     if rank == 0:

@@ -246,7 +246,7 @@ class AlgoConfig:
     teacher_model: str | None = None
     """On-policy distillation: a model of the same family and tokenizer (folder, hub id, tiny:) whose per-token
     log-probs of the student's own completions become a reward, log p_teacher - log p_student per token, weighted by
-    --teacher_kl_coef and added to the rewards' advantages (docs/algorithm.md). One process."""
+    --teacher_kl_coef and added to the rewards' advantages (docs/algorithm.md). Sharded like the reference under FSDP2 / ZeRO-3."""
     teacher_kl_coef: float = flag(1.0, at_least(0))
     """--teacher_model's weight: each completion token's advantage gains teacher_kl_coef x (log p_teacher - log p_student)."""
     epsilon: float = flag(0.2, above(0))

@@ -82,6 +82,7 @@ class Policy:
         disable_adapters: Callable | None = None,
         per_row_routing: bool = False,
         teacher_model: nn.Module | None = None,
+        teacher_call: Callable = plain_call,
     ):
         """
         shared_prefix: run each prompt once per group where `supports_shared_prefix` allows it.
@@ -91,7 +92,8 @@ class Policy:
         per_row_routing: an MoE model whose forwards replay recorded routes or add the router's
         load-balancing loss (mmgrpo/forward/routing_replay.py): the naive path, whose rows are
         the sampler's rows, token for token.
-        teacher_model: --teacher_model, frozen, of the same family: it reads the policy's batches.
+        teacher_model, teacher_call: --teacher_model, frozen, of the same family (it reads the policy's
+        batches), and how it runs (sharded as the reference is).
         """
         self.model = model
         self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
@@ -99,7 +101,7 @@ class Policy:
         self.logprob_chunk_size = logprob_chunk_size
         self.call, self.ref_call = call, ref_call
         self.ref_model, self.disable_adapters = ref_model, disable_adapters
-        self.teacher_model = teacher_model
+        self.teacher_model, self.teacher_call = teacher_model, teacher_call
         self.shared_prefix, self.naive_reason = False, "off (--shared_prefix false)"
         if shared_prefix:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
@@ -167,7 +169,8 @@ class Policy:
         """
         kwargs = dict(temperature=temperature, compute_entropy=compute_entropy, routing=routing)
         if teacher:
-            return self._completion_logprobs(batch, completion_ids, completion_mask, model=self.teacher_model, **kwargs)
+            return self.teacher_call(self._completion_logprobs, batch, completion_ids, completion_mask,
+                                     model=self.teacher_model, **kwargs)
         if not reference:
             return self.call(self._completion_logprobs, batch, completion_ids, completion_mask, **kwargs)
         if self.ref_model is not None:

@@ -4,7 +4,7 @@
 
 The step reads the same for every strategy (`none`, `fsdp2`, `zero3`):
 
-    prepared = strategy.prepare(model, ref_model, make_optimizer)   # shard, then the optimizer on the shards
+    prepared = strategy.prepare(model, ref_model, make_optimizer, teacher)  # shard, then the optimizer on the shards
     batch = strategy.align_media(batch, template)            # every rank runs the vision tower equally often
     strategy.backward(loss)
     grad_norm = strategy.optimizer_step(optimizer, max_grad_norm)   # clip, step, zero the grads
@@ -44,11 +44,12 @@ from mmgrpo.parallel.media import add_dummy_medium
 @dataclass(frozen=True)
 class Prepared:
     """What `Strategy.prepare` returns: the optimizer over the weights that train, and how the
-    policy's forwards, the reference's forwards and rollouts run (plain calls in one process)."""
+    policy's forwards, the reference's and the teacher's forwards and rollouts run (plain calls in one process)."""
 
     optimizer: torch.optim.Optimizer
     call: Callable = plain_call
     ref_call: Callable = plain_call
+    teacher_call: Callable = plain_call  # --teacher_model (on-policy distillation), sharded as the reference is
     rollout_call: Callable = plain_call
     # a context a whole rollout runs in: the weights gathered once for all its decoding steps
     rollout_scope: Callable[[], AbstractContextManager] = nullcontext
@@ -129,9 +130,10 @@ class Strategy:
         fp32 partitions, and the torch optimizer it wraps no longer matches its own state)."""
         return self.world_size > 1 or self.name == "zero3"
 
-    def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer) -> Prepared:
-        """Prepare the model (and reference model) for training; `make_optimizer(params)` builds the
-        optimizer on the parameters that train (after sharding: on the shards)."""
+    def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer,
+                teacher: nn.Module | None = None) -> Prepared:
+        """Prepare the model (and the frozen reference and teacher models) for training;
+        `make_optimizer(params)` builds the optimizer on the parameters that train (after sharding: on the shards)."""
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ class FSDP2(Strategy):
     def load_device(self) -> torch.device:
         return torch.device("cpu")  # fully_shard moves each rank's shards to its device
 
-    def prepare(self, model, ref_model, make_optimizer) -> Prepared:
+    def prepare(self, model, ref_model, make_optimizer, teacher=None) -> Prepared:
         if self.compute_dtype is not None:  # bf16 / fp16 gathered weights, float32 gradient reduction
             mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         else:
@@ -73,10 +73,12 @@ class FSDP2(Strategy):
         offload = CPUOffloadPolicy() if self.dist_cfg.offload_param else OffloadPolicy()
         self.wrapper = shard(model, mp_policy, offload)
         ref_call = shard(ref_model, mp_policy, OffloadPolicy()) if ref_model is not None else plain_call
+        teacher_call = shard(teacher, mp_policy, OffloadPolicy()) if teacher is not None else plain_call
         return Prepared(
             optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]),  # on the shards (DTensors)
             call=self.wrapper,
             ref_call=ref_call,
+            teacher_call=teacher_call,
             rollout_call=self.wrapper,
             rollout_scope=self.blocks_gathered if self.dist_cfg.gather_for_generation else nullcontext,
         )

@@ -11,7 +11,8 @@ from mmgrpo.parallel.base import Prepared, Strategy
 class SingleProcess(Strategy):
     name = "none"
 
-    def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer) -> Prepared:
+    def prepare(self, model: nn.Module, ref_model: nn.Module | None, make_optimizer,
+                teacher: nn.Module | None = None) -> Prepared:
         if self.precision == "fp16":
             self.scaler = torch.amp.GradScaler(self.device.type)
         return Prepared(optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad]))

@@ -141,7 +141,7 @@ class ZeRO3(Strategy):
     def load_device(self) -> torch.device:
         return torch.device("cpu")  # deepspeed.initialize moves each rank's partition to its device
 
-    def prepare(self, model, ref_model, make_optimizer) -> Prepared:
+    def prepare(self, model, ref_model, make_optimizer, teacher=None) -> Prepared:
         import deepspeed
 
         hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
@@ -150,16 +150,21 @@ class ZeRO3(Strategy):
         self.engine, optimizer, _, _ = deepspeed.initialize(
             model=Wrapper(model), model_parameters=trainable, optimizer=make_optimizer, config=config
         )
-        ref_call = plain_call
+        # frozen models (the reference, the teacher): partitioned alike, without an optimizer
+        frozen_config = {k: v for k, v in config.items() if k not in ("gradient_clipping", "zero_force_ds_cpu_optimizer")}
+        frozen_config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+        ref_call, teacher_call = plain_call, plain_call
         if ref_model is not None:
-            ref_config = {k: v for k, v in config.items() if k not in ("gradient_clipping", "zero_force_ds_cpu_optimizer")}
-            ref_config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
-            ref_call, *_ = deepspeed.initialize(model=Wrapper(ref_model), config=ref_config)
+            ref_call, *_ = deepspeed.initialize(model=Wrapper(ref_model), config=frozen_config)
             ref_call.eval()
+        if teacher is not None:
+            teacher_call, *_ = deepspeed.initialize(model=Wrapper(teacher), config=frozen_config)
+            teacher_call.eval()
         return Prepared(
             optimizer=optimizer.optimizer,  # the torch AdamW inside (LR schedulers want a torch Optimizer)
             call=self.engine,  # the engine's forward also gathers weights read outside their module (the LM head)
             ref_call=ref_call,
+            teacher_call=teacher_call,
             # Rollouts call the module itself: each submodule gathers its weights (or all are gathered at once).
             rollout_scope=self.all_gathered if self.dist_cfg.gather_for_generation else nullcontext,
         )

@@ -299,13 +299,14 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         console.print(startup_summary(cfg, model, template, dataset, strategy, prompts_per_step, steps), soft_wrap=True,
                       highlight=False, markup=False, emoji=False)  # "shapes-color:train:" is no emoji
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
-    prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components))
-    teacher = (load_teacher(cfg.algo.teacher_model, cfg.model, template, bf16=strategy.bf16, device=strategy.device)
+    teacher = (load_teacher(cfg.algo.teacher_model, cfg.model, template, bf16=strategy.bf16, device=strategy.load_device)
                if cfg.algo.teacher_model else None)
+    prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components), teacher)
     policy = Policy(
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
         ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
         per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0, teacher_model=teacher,
+        teacher_call=prepared.teacher_call,
     )
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")

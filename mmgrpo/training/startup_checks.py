@@ -53,9 +53,6 @@ def check_train_flags(cfg: TrainConfig) -> None:
     fill_model_type(cfg.model)
     fill_precision(cfg)
     check_resume_flags(cfg)  # resuming: a changed flag the run must keep is named first
-    if cfg.algo.teacher_model and cfg.dist.strategy != "none":
-        raise ConfigError(f"--teacher_model with --parallel {cfg.dist.strategy}: on-policy distillation runs in one process "
-                          "for now (the teacher is not sharded); drop --parallel, or use a rollout server for generation.")
     check_common_parts(cfg.model, cfg.optim)
     validate_parallel(cfg.dist, cfg.model, cfg.optim, cfg.rollout.num_generations)
     if cfg.dist.strategy == "zero3":
