@@ -70,9 +70,25 @@ def cmd_sft(argv):
 
 
 def cmd_export(argv):
-    from mmgrpo.models.saving import export_main
+    import argparse
 
-    export_main(argv)
+    from mmgrpo.errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        prog="mmgrpo export",
+        description="Write a LoRA checkpoint as a plain Hugging Face folder: base weights with the adapter merged in.",
+    )
+    parser.add_argument("--model", required=True, help="A checkpoint folder of a --train_type lora run (holds adapter_config.json).")
+    parser.add_argument("--output_dir", required=True, help="Where the merged model and its processor are written.")
+    parser.add_argument("--merge_lora", action="store_true", help="Merge the adapter into the base weights (required).")
+    parser.add_argument("--base_model", default=None, help="The base model (default: the one adapter_config.json names).")
+    parser.add_argument("--model_type", default=None, help="The model family (default: the one the training run recorded in the checkpoint).")
+    args = parser.parse_args(argv)  # before torch is imported: --help stays instant
+    if not args.merge_lora:
+        raise ConfigError("mmgrpo export writes merged LoRA weights: pass --merge_lora.")
+    from mmgrpo.models.saving import merge_lora
+
+    print(f"merged model written to {merge_lora(args.model, args.output_dir, args.base_model, args.model_type)}")
 
 
 def cmd_datasets(argv):
@@ -124,9 +140,12 @@ def cmd_estimate(argv):
 
 
 def cmd_rollout_server(argv):
-    from mmgrpo.rollout.vllm_server import main as server_main
+    from mmgrpo.config.server import server_parser
 
-    server_main(argv)
+    args = server_parser().parse_args(argv)  # before torch and vLLM are imported: --help stays instant
+    from mmgrpo.rollout.vllm_server import main as serve
+
+    serve(args)
 
 
 def cmd_demo(argv):

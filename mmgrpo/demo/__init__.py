@@ -92,6 +92,7 @@ def scores_line(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None):
+    args = parse_args(argv)  # before the heavy imports: --help stays instant
     import torch
 
     from mmgrpo.config import TrainConfig
@@ -99,7 +100,6 @@ def main(argv: list[str] | None = None):
     from mmgrpo.eval.compare import compare, write_compare
     from mmgrpo.eval.report import write_report
 
-    args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     out = Path(args.output_dir)
     started = time.perf_counter()

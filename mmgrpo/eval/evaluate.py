@@ -214,10 +214,10 @@ def check_counts(args) -> None:
 
 
 def main(argv: list[str]) -> dict:
+    args = eval_parser().parse_args(argv)  # before the heavy imports: --help stays instant
     from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.data.prompt_batches import media_options
 
-    args = eval_parser().parse_args(argv)
     check_counts(args)
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry, media_root=args.media_root,
                               system_prompt=args.system)

@@ -11,7 +11,6 @@ resumed run need no --model_type.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -94,20 +93,3 @@ def merge_lora(adapter_dir: str, output_dir: str, base_model: str | None = None,
     merged.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
     return out
-
-
-def export_main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="mmgrpo export",
-        description="Write a LoRA checkpoint as a plain Hugging Face folder: base weights with the adapter merged in.",
-    )
-    parser.add_argument("--model", required=True, help="A checkpoint folder of a --train_type lora run (holds adapter_config.json).")
-    parser.add_argument("--output_dir", required=True, help="Where the merged model and its processor are written.")
-    parser.add_argument("--merge_lora", action="store_true", help="Merge the adapter into the base weights (required).")
-    parser.add_argument("--base_model", default=None, help="The base model (default: the one adapter_config.json names).")
-    parser.add_argument("--model_type", default=None, help="The model family (default: the one the training run recorded in the checkpoint).")
-    args = parser.parse_args(argv)
-    if not args.merge_lora:
-        raise ConfigError("mmgrpo export writes merged LoRA weights: pass --merge_lora.")
-    out = merge_lora(args.model, args.output_dir, args.base_model, args.model_type)
-    print(f"merged model written to {out}")
