@@ -164,6 +164,11 @@ class Template:
         audio = self.media.get("audio")
         return getattr(audio, "sampling_rate", None)
 
+    @property
+    def max_audio_samples(self) -> int | None:
+        """The longest audio clip the family's encoder takes, in samples (None: any length)."""
+        return getattr(self.media.get("audio"), "max_samples", None)
+
     def token_id(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
         if token_id is None or token_id == self.tokenizer.unk_token_id:
