@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.registry import Registry
+from mmgrpo.registry import Registry, describe
 
 MEDIA_TAGS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(tag) for tag in MEDIA_TAGS) + ")")
@@ -75,6 +75,9 @@ class MediaOptions:
     video_fps: float | None = None  # frame sampling: read by the data loader that decodes videos
     video_nframes: int | None = None
     video_max_frames: int | None = None
+
+
+BOX_CONVENTIONS = ("rel1000", "rel1", "abs_input", "")  # see Template._box_scale
 
 
 class Template:
@@ -691,6 +694,12 @@ def register_template(name: str):
     """Class decorator: register a Template under `name` (`--model_type`). Duplicates are an error."""
 
     def register(cls: type[Template]) -> type[Template]:
+        convention = getattr(cls, "box_convention", None)
+        if convention not in BOX_CONVENTIONS:  # checked here: a plugin's typo would mis-scale every box reward
+            raise ConfigError(
+                f"template {name!r} ({describe(cls)}) declares box_convention {convention!r}; give one of "
+                + ", ".join(repr(c) for c in BOX_CONVENTIONS) + " ('' for a family that reads no boxes)"
+            )
         TEMPLATES.register(name, cls)
         cls.name = name
         return cls
