@@ -41,7 +41,19 @@ DEEP_IMAGES = {
     "16-bit PNG": lambda: _encoded((RAMP * 65535).astype(np.uint16), "PNG"),
     "float TIFF": lambda: _encoded(RAMP.astype(np.float32), "TIFF"),
     "32-bit integer TIFF holding 16-bit values": lambda: _encoded((RAMP * 65535).astype(np.int32), "TIFF"),
+    "16-bit big-endian TIFF": lambda: _encoded((RAMP * 65535).astype(">u2"), "TIFF"),
 }
+DEEP_ARRAYS = {
+    "uint16": lambda: (RAMP * 65535).astype(np.uint16),
+    "float32 0-1": lambda: RAMP.astype(np.float32),
+    "float64 0-1000": lambda: RAMP * 1000,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEEP_ARRAYS))
+def test_deep_arrays_are_scaled_to_8_bits(kind):
+    grey = np.asarray(load_image(DEEP_ARRAYS[kind]()))[:, :, 0].astype(int)
+    assert np.abs(grey - np.rint(RAMP * 255)).max() <= 1, (kind, grey.min(), grey.max())
 
 
 @pytest.mark.parametrize("form", ["path", "bytes", "dict", "data URI", "video frame"])

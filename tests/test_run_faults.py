@@ -5,6 +5,7 @@ the run naming the checkpoint; a folder that turns read-only is one line and kee
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,17 @@ def test_nonfinite_state_after_a_resume_stops_the_run_naming_the_checkpoint(trai
     with pytest.raises(CheckpointError, match=rf"checkpoint {target} holds NaN/inf \({expected}.*\); training on it"):
         train(config(out, "--max_steps", "3", "--save_steps", "1", "--resume_from_checkpoint", "latest"))
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]  # nothing trained, nothing saved
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng_state_0.pth"])
+def test_an_unreadable_state_file_without_checksums_is_one_error_naming_it(trained, tmp_path, name):
+    out = _copy(trained, tmp_path)
+    target = out / "checkpoint-2"
+    (target / name).write_bytes(bytes((target / name).stat().st_size))  # zeros, same size
+    _without_checksums(target)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {target}: {re.escape(name)} cannot be loaded \(.*\); it is "
+                                              "corrupt or from another run"):
+        train(config(out, "--max_steps", "3", "--save_steps", "1", "--resume_from_checkpoint", "latest"))
 
 
 # ---- a folder that turns read-only ----------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A reference is one of: a path (relative to `media_root`, absolute, or `file://`), an http(s) URL
 (downloaded once into a cache, mmgrpo/processors/remote.py), raw bytes,
 a base64 data URI (`data:image/png;base64,...`), a dict `{"bytes": ..., "path": ...}` (the
-Hugging Face `datasets` Image feature with decode=False), a `PIL.Image`, or a uint8 array [H, W, 3].
+Hugging Face `datasets` Image feature with decode=False), a `PIL.Image`, or an array [H, W] or
+[H, W, 3] (uint8; uint16 and float are scaled as below).
 
 Every image is made what a viewer shows: turned upright by its EXIF orientation, and brought to
 8 bits per channel by scaling, never by clipping (a 16-bit PNG spans 0-65535, a float TIFF 0-1;
@@ -43,11 +44,11 @@ def load_image(ref, media_root: str | os.PathLike | None = None) -> PIL.Image.Im
     if isinstance(ref, PIL.Image.Image):
         return _as_displayed(ref, "image")
     if isinstance(ref, np.ndarray):
-        if ref.dtype != np.uint8 or ref.ndim not in (2, 3):
+        if ref.ndim not in (2, 3) or not (ref.dtype.kind == "u" and ref.dtype.itemsize <= 2 or ref.dtype.kind == "f"):
             raise DataError(
-                f"image array must be uint8 [H, W] or [H, W, 3], got {ref.dtype} {list(ref.shape)}"
+                f"image array must be uint8, uint16 or float [H, W] or [H, W, 3], got {ref.dtype} {list(ref.shape)}"
             )
-        return _as_displayed(PIL.Image.fromarray(ref), "image array")
+        return _as_displayed(PIL.Image.fromarray(_array_to_8_bits(ref)), "image array")
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
             return _decode(ref["bytes"], describe_ref(ref))
@@ -101,25 +102,33 @@ def _as_displayed(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
     return _to_rgb(image)
 
 
-def _scaled_to_8_bits(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
-    """A 16-bit, 32-bit integer or float grey image -> mode "L", its range scaled onto 0-255.
+def _array_to_8_bits(pixels: np.ndarray, name: str = "image array") -> np.ndarray:
+    """A uint16 array scaled from 0-65535, a float one from 0-1 (min-max stretched when it lies outside), to uint8.
 
-    16-bit: 0-65535 -> 0-255. 32-bit integers: as 16-bit when they fit in it, else 0-max. Float: 0-1 -> 0-255
-    when every pixel lies in [0, 1] (the usual convention), else min-max stretched; NaN/inf pixels are refused.
+    >>> _array_to_8_bits(np.array([[0, 65535]], np.uint16)).tolist(), _array_to_8_bits(np.array([[0.0, 0.5]])).tolist()
+    ([[0, 255]], [[0, 128]])
     """
-    pixels = np.asarray(image).astype(np.float64)  # [H, W]
-    if image.mode == "F":
-        if not np.isfinite(pixels).all():
-            raise DataError(f"image {name} has NaN or infinite pixels (a float image); re-export it with finite values")
-        low, high = (0.0, 1.0) if pixels.min() >= 0 and pixels.max() <= 1 else (pixels.min(), pixels.max())
-    elif image.mode.startswith("I;16"):
+    pixels = pixels.astype(pixels.dtype.newbyteorder("="), copy=False)  # a big-endian 16-bit TIFF ("I;16B")
+    if pixels.dtype == np.uint8:
+        return pixels
+    values = pixels.astype(np.float64)
+    if pixels.dtype == np.uint16:
         low, high = 0.0, 65535.0
-    else:  # "I": 32-bit integers, usually a 16-bit source read by an older decoder
-        low, high = min(0.0, pixels.min()), 65535.0 if pixels.max() <= 65535 else pixels.max()
-        if pixels.max() <= 255 and pixels.min() >= 0:
-            high = 255.0  # already 8-bit values
-    scaled = (pixels - low) / max(high - low, 1e-12) * 255.0
-    return PIL.Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode "L"
+    else:
+        if not np.isfinite(values).all():
+            raise DataError(f"image {name} has NaN or infinite pixels; re-export it with finite values")
+        low, high = (0.0, 1.0) if values.min() >= 0 and values.max() <= 1 else (values.min(), values.max())
+    return np.clip(np.rint((values - low) / max(high - low, 1e-12) * 255.0), 0, 255).astype(np.uint8)
+
+
+def _scaled_to_8_bits(image: PIL.Image.Image, name: str) -> PIL.Image.Image:
+    """A 16-bit, 32-bit integer or float grey image -> mode "L" (`_array_to_8_bits`). 32-bit integers
+    are read as 8-bit or 16-bit values when they fit in those ranges (a 16-bit PNG an older decoder read)."""
+    pixels = np.asarray(image)  # [H, W]
+    if image.mode == "I":
+        low, high = int(pixels.min()), int(pixels.max())
+        pixels = pixels.astype(np.uint8 if 0 <= low and high <= 255 else np.uint16 if 0 <= low and high <= 65535 else np.float64)
+    return PIL.Image.fromarray(_array_to_8_bits(pixels, name))  # 2-D uint8: mode "L"
 
 
 def _to_rgb(image: PIL.Image.Image) -> PIL.Image.Image:

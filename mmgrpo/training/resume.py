@@ -36,8 +36,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -409,12 +411,26 @@ def load_training_checkpoint(
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"checkpoint {path} has no {name}; it cannot continue this run's {name.split('.')[0]}")
-            obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+            with unreadable_as_checkpoint_error(path, name):
+                obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
     rng = path / rng_file(rank)
     if not rng.is_file():
         raise CheckpointError(f"checkpoint {path} has no {rng.name} (rank {rank}'s random state)")
-    restore_rng(torch.load(rng, weights_only=True))
+    with unreadable_as_checkpoint_error(path, rng.name):
+        restore_rng(torch.load(rng, weights_only=True))
     return state
+
+
+@contextmanager
+def unreadable_as_checkpoint_error(path: Path, name: str):
+    """A file of a checkpoint that torch cannot load (corrupt in a checkpoint saved before checksums, or
+    another run's) as one CheckpointError naming it, not a traceback from the unpickler."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"checkpoint {path}: {name} cannot be loaded ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupt or from another run: "
+                              "resume from an earlier checkpoint") from None
 
 
 def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_model=None, template=None) -> None:
