@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mmgrpo: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
     from mmgrpo.errors import MMGRPOError
+    from mmgrpo.runstate.preemption import exit_on_second_interrupt
 
+    exit_on_second_interrupt()  # a second Ctrl-C during the first one's cleanup: one line, no traceback
     code = 0
     try:
         globals()[f"cmd_{command.replace('-', '_')}"](rest)
@@ -176,11 +178,17 @@ def main(argv: list[str] | None = None) -> None:
         elif os.environ.get("RANK", "0") == "0":  # one line for the whole run
             print(f"mmgrpo {command}: {exc}", file=sys.stderr)
     except OSError as exc:  # a log or file a run writes when the disk fills up (a checkpoint's save says more)
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # the folder turned read-only mid-run
+            print(f"mmgrpo {command}: error: cannot write {exc.filename or 'a file'} ({exc.strerror}): make its folder "
+                  "writable again, then run again (a training run: with --resume_from_checkpoint latest; its "
+                  "checkpoints are kept)", file=sys.stderr)
+            code = 2
+        elif exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"mmgrpo {command}: error: no space left writing {exc.filename or 'a file'}: free space on its disk, "
-              "then run again (a training run: with --resume_from_checkpoint latest)", file=sys.stderr)
-        code = 2
+        else:
+            print(f"mmgrpo {command}: error: no space left writing {exc.filename or 'a file'}: free space on its disk, "
+                  "then run again (a training run: with --resume_from_checkpoint latest)", file=sys.stderr)
+            code = 2
     except KeyboardInterrupt:
         print(f"mmgrpo {command}: interrupted", file=sys.stderr)
         code = 130

@@ -22,6 +22,12 @@ returns the same module, and a failing import is a ConfigError naming the file.
     >>> import math
     >>> import_plugin("math") is math
     True
+
+An import is bounded in time ($MMGRPO_PLUGIN_TIMEOUT seconds, default 120): a plugin that loops,
+sleeps or waits for input at import is interrupted (a signal to the main thread) and becomes a
+ConfigError naming the file; one that cannot be interrupted (it swallows the interruption, or waits
+in native code with the GIL released) ends the process `GRACE_S` seconds later with one line naming the file, instead of
+hanging the run. A plugin that calls `sys.exit` while importing is a ConfigError too.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -118,6 +127,87 @@ def import_plugin(spec: str, what: str = "plugin") -> ModuleType:
     key = os.path.realpath(os.path.expanduser(spec)) if is_file_spec(spec) else spec
     if key in _LOADED:
         return _LOADED[key]
+    with _bounded_import(spec, what):
+        return _import(spec, what, key)
+
+
+PLUGIN_TIMEOUT_S = 120.0  # importing torch and transformers on a slow shared disk stays well under it
+IMPORT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") and hasattr(signal, "pthread_kill") else None
+GRACE_S = 10.0  # past the time limit (at most the limit again): how long the interruption may take before the process ends
+
+
+class _ImportTimeout(BaseException):  # noqa: N818 (a plugin's own `except Exception` must not swallow it)
+    pass
+
+
+def _plugin_timeout() -> float:
+    value = os.environ.get("MMGRPO_PLUGIN_TIMEOUT", "")
+    try:
+        timeout = float(value) if value else PLUGIN_TIMEOUT_S
+    except ValueError:
+        raise ConfigError(f"$MMGRPO_PLUGIN_TIMEOUT={value!r} is not a number of seconds") from None
+    if not timeout > 0 or timeout == float("inf"):
+        raise ConfigError(f"$MMGRPO_PLUGIN_TIMEOUT={value!r}: give a positive, finite number of seconds")
+    return timeout
+
+
+class _bounded_import:  # noqa: N801 (used as a context manager, like contextlib's)
+    """The import of `spec` in a time limit. A watchdog thread waits; at the limit it signals the main
+    thread (a real-time signal, as mmgrpo/rewards/timeout.py does), whose handler raises inside the
+    import, every 0.2 s until it ends; past the grace period it ends the process with one line."""
+
+    def __init__(self, spec: str, what: str):
+        self.spec, self.what, self.timeout = spec, what, _plugin_timeout()
+        self.grace = min(GRACE_S, self.timeout)
+        self.done, self.expired = threading.Event(), False
+        self.interrupt = (IMPORT_SIGNAL is not None and threading.current_thread() is threading.main_thread())
+        self.main = threading.get_ident()
+
+    def __enter__(self):
+        if self.interrupt:
+            self.previous = signal.signal(IMPORT_SIGNAL, self._interrupt)
+        threading.Thread(target=self._watch, name=f"import {self.spec}", daemon=True).start()
+
+    def _interrupt(self, signum, frame):
+        if self.expired and not self.done.is_set():  # a late signal, after the import ended: ignored
+            raise _ImportTimeout()
+
+    def _watch(self):
+        if self.done.wait(self.timeout):
+            return
+        self.expired = True
+        give_up = time.monotonic() + (self.grace if self.interrupt else 0)
+        while self.interrupt and time.monotonic() < give_up:
+            signal.pthread_kill(self.main, IMPORT_SIGNAL)
+            if self.done.wait(0.2):
+                return
+        try:
+            os.write(2, (f"mmgrpo: error: {self.what} {self.spec!r} has been importing for "
+                         f"{self.timeout + (self.grace if self.interrupt else 0):.0f} s and cannot be interrupted (an "
+                         "endless loop or a wait at module level?): exiting. Fix the file, or raise "
+                         "$MMGRPO_PLUGIN_TIMEOUT if it is only slow\n").encode())
+        finally:
+            os._exit(2)
+
+    def __exit__(self, kind, error, traceback):
+        self.done.set()
+        if self.interrupt:
+            signal.signal(IMPORT_SIGNAL, self.previous)
+        if kind is _ImportTimeout:
+            raise ConfigError(
+                f"{self.what} {self.spec!r} did not finish importing within {self.timeout:g} s "
+                "($MMGRPO_PLUGIN_TIMEOUT): an endless loop or a wait at module level? Fix the file, or raise "
+                "the limit if it is only slow"
+            ) from None
+        if kind is not None and issubclass(kind, SystemExit):
+            raise ConfigError(
+                f"{self.what} {self.spec!r} called sys.exit({error.code!r}) while importing; a plugin must "
+                "define its functions or classes without ending the program"
+            ) from None
+        return False
+
+
+def _import(spec: str, what: str, key: str) -> ModuleType:
     if not is_file_spec(spec):
         try:
             module = importlib.import_module(spec)

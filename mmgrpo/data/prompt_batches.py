@@ -344,10 +344,14 @@ class PackedBatch:
 
 
 def media_options(template, model_cfg) -> dict:
-    """`Sample.load_media` options for training and evaluation alike: video frame sampling and,
-    with use_audio_in_video, each video's sound track at the audio tower's rate.
+    """`Sample.load_media` options for training and evaluation alike: video frame sampling, the
+    longest audio clip the audio encoder takes and, with use_audio_in_video, each video's sound
+    track at the audio tower's rate.
     model_cfg: anything with video_fps, video_nframes and use_audio_in_video (a ModelConfig)."""
     options = {"fps": model_cfg.video_fps, "nframes": model_cfg.video_nframes}
+    if getattr(template, "max_audio_samples", None):  # longer clips are cut here, with one warning per dataset, not by the encoder in silence
+        options["max_audio_samples"] = template.max_audio_samples
+        options["sampling_rate"] = template.sampling_rate or 16000
     if model_cfg.use_audio_in_video:
         options.update(audio_in_video=True, sampling_rate=template.sampling_rate or 16000)
     return options

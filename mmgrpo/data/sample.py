@@ -67,12 +67,15 @@ class Sample:
         max_frames: int | None = None,
         sampling_rate: int = 16000,
         audio_in_video: bool = False,
+        max_audio_samples: int | None = None,
     ) -> LoadedSample:
         """Decode every medium; a failure is a `DataError` naming this sample, the field and the file.
 
         fps / nframes / max_frames: video frame sampling (see `mmgrpo.processors.video.load_video`).
         sampling_rate: the rate audio is resampled to (the model's feature extractor rate).
         audio_in_video: also decode each video file's sound track, at `sampling_rate`, into `Video.audio`.
+        max_audio_samples: the longest clip the audio encoder takes; a longer clip (or sound track) is cut to
+            it, with one warning per dataset saying by how much (`Template.max_audio_samples`).
         """
         from mmgrpo.processors.audio import load_audio
         from mmgrpo.processors.image import load_image
@@ -103,7 +106,43 @@ class Sample:
                         f"sample {self.id}, field '{kind}[{position}]': cannot load it "
                         f"({type(err).__name__}: {err}); check the file"
                     ) from err
+        if max_audio_samples:
+            decoded["audios"] = [
+                _cut_audio(audio, max_audio_samples, sampling_rate, f"sample {self.id}, field 'audios[{position}]'")
+                for position, audio in enumerate(decoded["audios"])
+            ]
+            for position, video in enumerate(decoded["videos"]):
+                if video.audio is not None:
+                    where = f"sample {self.id}, the sound track of 'videos[{position}]'"
+                    video.audio = _cut_audio(video.audio, max_audio_samples, sampling_rate, where)
         return LoadedSample(id=self.id, messages=self.messages, columns=self.columns, **decoded)
+
+
+_CUT_WARNED: set[str] = set()  # datasets whose long audio was reported already (once per dataset and process)
+
+
+def _cut_audio(audio, max_samples: int, sampling_rate: int, where: str):
+    """`audio` cut to its first `max_samples` samples (what the encoder takes); the first cut of a dataset
+    is reported in one warning saying how much was cut.
+
+    >>> import numpy as np
+    >>> _cut_audio(np.zeros(5, np.float32), 3, 1, "sample doctest/train/0, field 'audios[0]'").shape
+    (3,)
+    """
+    if len(audio) <= max_samples:
+        return audio
+    dataset = dataset_of(where.split(",")[0].removeprefix("sample "))
+    if dataset not in _CUT_WARNED:
+        _CUT_WARNED.add(dataset)
+        import logging
+
+        logging.getLogger("mmgrpo.data").warning(
+            "%s: audio is %.1f s long; the audio encoder takes %.1f s, so the last %.1f s are cut. Longer clips of "
+            "dataset %s are cut the same way (reported once); split the clips to keep all of them.",
+            where, len(audio) / sampling_rate, max_samples / sampling_rate, (len(audio) - max_samples) / sampling_rate,
+            dataset,
+        )
+    return audio[:max_samples]
 
 
 @dataclass

@@ -217,8 +217,10 @@ def main(argv: list[str]) -> dict:
     args = eval_parser().parse_args(argv)  # before the heavy imports: --help stays instant
     from mmgrpo.data.catalog import resolve_dataset
     from mmgrpo.data.prompt_batches import media_options
+    from mmgrpo.runstate.run_lock import refuse_live_run
 
     check_counts(args)
+    refuse_live_run(args.output_dir)  # inside a live training run's folder (its lock): refused before any model loads
     dataset = resolve_dataset(args.dataset, split="test", extra_files=args.dataset_registry, media_root=args.media_root,
                               system_prompt=args.system)
     metrics = args.metrics or dataset.reward_funcs

@@ -106,6 +106,7 @@ class Fusion(nn.Module):
         self.placeholder_ids = list(placeholder_ids)
         self.enabled = True
         self.trained = False  # weights loaded from a checkpoint (not fresh gates at 0)
+        self._checked_finite: set[int] = set()  # layers whose module's output was checked finite once
         self.reset()
 
     def reset(self) -> None:
@@ -191,15 +192,32 @@ class Fusion(nn.Module):
             self._prepared[layer] = module.prepare(self._memory, self._memory_mask, hidden, self._text_mask)
         memory, mask = self._prepared[layer], self._memory_mask
         if self._rows is None:
-            return module(hidden, memory, mask)
+            return self._checked(layer, hidden, module(hidden, memory, mask))
         kind, value = self._rows
         if kind == "group":  # [B * G, L, H] -> [B, G * L, H]: each group reads its prompt's memory once
             rows, length, width = hidden.shape
             prompts = mask.shape[0]
-            folded = module(hidden.reshape(prompts, (rows // prompts) * length, width), memory, mask)
+            folded_hidden = hidden.reshape(prompts, (rows // prompts) * length, width)
+            folded = self._checked(layer, folded_hidden, module(folded_hidden, memory, mask))
             return folded.reshape(rows, length, width)
         memory = {key: tensor.index_select(0, value) for key, tensor in memory.items()}
-        return module(hidden, memory, mask.index_select(0, value))
+        return self._checked(layer, hidden, module(hidden, memory, mask.index_select(0, value)))
+
+    def _checked(self, layer: int, hidden: torch.Tensor, out) -> torch.Tensor:
+        """The module's output, if it is a tensor of hidden's shape; its values are checked finite on its
+        first call (a module that makes NaN does so at once; checking every call would sync the GPU at
+        every layer). Otherwise a ConfigError naming the module, its layer and what it returned."""
+        name = f"fusion module {self.spec.module!r} after decoder layer {layer}"
+        if not isinstance(out, torch.Tensor) or out.shape != hidden.shape:
+            got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ConfigError(f"{name} returned {got} for hidden states of shape {list(hidden.shape)}; its forward "
+                              "must return a tensor of the hidden states' shape [batch, length, hidden] (docs/fusion.md)")
+        if layer not in self._checked_finite:
+            if not bool(torch.isfinite(out).all()):
+                raise ConfigError(f"{name} returned NaN or infinite values on its first call; check its forward "
+                                  "(a division by zero, a log of 0, a mask that leaves a softmax nothing)")
+            self._checked_finite.add(layer)
+        return out
 
     def keep_prompts(self, prompts: torch.Tensor) -> None:
         """Only these prompts (indices into the current ones) decode on (a rollout dropping finished groups)."""

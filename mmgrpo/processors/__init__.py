@@ -44,6 +44,10 @@ def resolve_media_path(ref: str | os.PathLike, media_root: str | os.PathLike | N
     path = Path(text).expanduser()
     if not path.is_absolute() and media_root is not None:
         path = Path(media_root).expanduser() / path
+    if path.exists() and not path.is_file():  # read as media, a FIFO or /dev/zero would block or never end
+        raise DataError(
+            f"{kind} path {path} is {_file_kind(path)}, not a regular file; point the dataset at the {kind} file itself"
+        )
     if not path.is_file():
         where = f" (relative to media_root {os.fspath(media_root)!r})" if media_root is not None else ""
         raise DataError(
@@ -51,6 +55,26 @@ def resolve_media_path(ref: str | os.PathLike, media_root: str | os.PathLike | N
             "or point the relative paths elsewhere: --media_root for a data file, media_root in its registry entry"
         )
     return path
+
+
+def _file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words.
+
+    >>> _file_kind(Path("/dev/null")), _file_kind(Path("/"))
+    ('a device file', 'a directory')
+    """
+    import stat
+
+    mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device file"
+    return "not a regular file"
 
 
 def describe_ref(ref) -> str:

@@ -26,8 +26,8 @@ MIN_RATE, MAX_RATE = 1000, 768000  # Hz: plausible source sampling rates
 def load_audio(ref, sampling_rate: int = 16000, media_root: str | os.PathLike | None = None) -> np.ndarray:
     """Decode `ref` to a float32 mono array [num_samples] at `sampling_rate` Hz.
 
-    Raises `DataError` naming the file for a missing, empty or undecodable file or an unusable
-    sampling rate.
+    Raises `DataError` naming the file for a missing, empty or undecodable file, an unusable
+    sampling rate, or NaN / infinite samples.
     """
     if isinstance(ref, dict):
         if ref.get("array") is not None:
@@ -80,6 +80,9 @@ def _finish(samples: np.ndarray, source_rate, sampling_rate: int, name: str) -> 
         )
     if samples.size == 0:  # before the channel mean, which would turn [0 frames, 1 channel] into one NaN
         raise DataError(f"{name} has no samples (0 s of audio); replace the file or drop the row")
+    if not np.isfinite(samples).all():  # one NaN would turn the whole clip's features (and the loss) into NaN
+        bad = int((~np.isfinite(samples)).sum())
+        raise DataError(f"{name} has {bad} NaN or infinite sample(s) of {samples.size}; re-encode the file with finite values")
     if samples.ndim == 2:  # soundfile gives [frames, channels]; arrays may come as [channels, frames]
         channel_axis = 1 if samples.shape[1] <= samples.shape[0] else 0
         samples = samples.mean(axis=channel_axis)

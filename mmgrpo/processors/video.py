@@ -119,7 +119,10 @@ def decode_sound_track(source, name: str, sampling_rate: int) -> np.ndarray | No
         raise DataError(f"cannot decode the sound track of video {name}: {err}; the file is corrupt") from None
     if not chunks:
         return None
-    return np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32)
+    track = np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32)
+    if not np.isfinite(track).all():
+        raise DataError(f"the sound track of video {name} has NaN or infinite samples; re-encode the file")
+    return track
 
 
 def sample_frame_indices(

@@ -39,6 +39,9 @@ def _load_builtins() -> None:
 REWARDS = Registry("reward", flag="--reward_funcs", load=_load_builtins)
 PLUGIN_HINT = "For your own reward pass 'path/to/file.py:function_name'."
 _WARNED: set[str] = set()  # warnings already logged (once per reward and kind)
+# The largest reward magnitude accepted. Rewards live in float32 (1e300 would become inf there) and are
+# weighted and summed; anything near this is a bug (a count of bytes, an unnormalised log-likelihood).
+MAX_REWARD = 1e6
 
 
 def register_reward(name: str):
@@ -124,8 +127,8 @@ def _sample_label(index: int, columns: dict) -> str:
 
 
 def _to_float(value, name: str, index: int, columns: dict, on_error: str = "raise") -> float:
-    """A reward value as a float; None becomes NaN (skipped). A NaN or inf is a RewardError naming
-    the reward and the sample (with on_error="none": skipped, with a warning once); anything
+    """A reward value as a float; None becomes NaN (skipped). A NaN, an inf or a magnitude over MAX_REWARD
+    is a RewardError naming the reward and the sample (with on_error="none": skipped, with a warning once); anything
     else non-numeric is always a RewardError."""
     if value is None:
         return math.nan
@@ -136,10 +139,11 @@ def _to_float(value, name: str, index: int, columns: dict, on_error: str = "rais
             f"reward '{name}' returned {value!r} for {_sample_label(index, columns)}; "
             "a reward returns a float (or None to skip the sample)"
         ) from None
-    if not math.isfinite(number):
+    if not math.isfinite(number) or abs(number) > MAX_REWARD:
         message = (
             f"reward '{name}' returned {number} for {_sample_label(index, columns)}; a reward must be a finite "
-            "number (return None to skip a sample); --reward_errors none skips such values with a warning"
+            f"number within +-{MAX_REWARD:g} (return None to skip a sample); --reward_errors none skips such "
+            "values with a warning"
         )
         if on_error == "raise":
             raise RewardError(message)
@@ -161,6 +165,26 @@ def _timed_out(name: str, n: int, columns: dict, timeout: float, on_error: str, 
     return [None] * n
 
 
+def _no_exit(func: RewardFunc, name: str) -> RewardFunc:
+    """`func`, with a SystemExit it raises (sys.exit, exit()) turned into a RewardError naming it: a reward
+    must never end the run (and `--reward_errors none` does not skip it: it is a bug, not a bad sample)."""
+
+    def call(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except SystemExit as exc:
+            raise _RewardExit(
+                f"reward '{name}' called sys.exit({exc.code!r}) (raised SystemExit); a reward must return its "
+                "values (or raise an exception for a sample it cannot score), never end the program"
+            ) from None
+
+    return call
+
+
+class _RewardExit(BaseException):  # noqa: N818 (passes the reward's batch-then-sample retry untouched)
+    pass
+
+
 def _call_one_reward(
     func: RewardFunc, completions: list[str], columns: dict, on_error: str, timeout: float | None = None
 ) -> list[float]:
@@ -171,6 +195,7 @@ def _call_one_reward(
     """
     name = reward_name(func)
     n = len(completions)
+    func = _no_exit(func, name)
     try:
         values = call_with_timeout(func, (completions,), columns, timeout=timeout, name=name)
     except RewardTimeout:
@@ -279,9 +304,15 @@ def compute_rewards(
             )
         columns[key] = list(column)
 
-    per_func = torch.tensor(
-        [_call_one_reward(f, completions, columns, on_error, timeout) for f in funcs], dtype=torch.float32
-    ).reshape(len(funcs), n)  # [num_funcs, N]
+    # each reward gets its own lists: one that rewrites them in place cannot change what the next one scores
+    try:
+        scores = [
+            _call_one_reward(f, list(completions), {k: list(v) for k, v in columns.items()}, on_error, timeout)
+            for f in funcs
+        ]
+    except _RewardExit as exc:
+        raise RewardError(str(exc)) from None
+    per_func = torch.tensor(scores, dtype=torch.float32).reshape(len(funcs), n)  # [num_funcs, N]
     weight = torch.tensor(weights, dtype=torch.float32).unsqueeze(1)  # [num_funcs, 1]
     total = (per_func * weight).nansum(dim=0)  # [N]
     unscored = per_func.isnan().all(dim=0)  # [N]

@@ -103,6 +103,37 @@ def is_disk_full(err: BaseException) -> bool:
     return False
 
 
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+UNWRITABLE_TEXT = ("read-only file system", "permission denied")
+
+
+def is_unwritable(err: BaseException) -> bool:
+    """Whether `err` (or what it was raised from) says the folder cannot be written any more: a file
+    system remounted read-only (a failing disk, an expired lease), or permissions taken away."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in UNWRITABLE:
+            return True
+        if any(text in str(err).lower() for text in UNWRITABLE_TEXT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def unwritable_error(err: BaseException, path: Path, kept: list[str]) -> CheckpointError | None:
+    """A one-line CheckpointError for a save of `path` into a folder that turned read-only (or lost its
+    write permission) during the run, naming the checkpoints that are kept; None for another error."""
+    if not is_unwritable(err):
+        return None
+    reason = getattr(err, "strerror", None) or str(err)
+    return CheckpointError(
+        f"not saving {Path(path).name}: {Path(path).parent} cannot be written any more ({reason}); "
+        f"{', '.join(kept) or 'no earlier checkpoint'} {'are' if len(kept) > 1 else 'is'} kept. Make the folder "
+        "writable again (or copy the run to one that is), then resume with --resume_from_checkpoint latest"
+    )
+
+
 def disk_full_error(err: BaseException, path: Path, needed: int, kept: list[str], written: int = 0,
                     free: int | None = None) -> CheckpointError | None:
     """A one-line CheckpointError for a save of `path` that failed on a full disk (None otherwise):

@@ -113,6 +113,30 @@ class StopSignals:
         )
 
 
+def exit_on_second_interrupt() -> None:
+    """Ctrl-C: the first raises KeyboardInterrupt as usual (the command ends cleanly, `interrupted`);
+    a second one, while that cleanup runs (awaiting a save, ending DataLoader workers, the interpreter's
+    exit), ends the process at once with one line and status 130, instead of a traceback from wherever
+    it landed. The earlier checkpoints are whole (atomic saves); a save it cuts short is discarded.
+    Main thread only; a forked child (a DataLoader worker) keeps the usual behaviour."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    owner, seen = os.getpid(), []
+
+    def handle(number, frame):
+        if os.getpid() != owner or not seen:
+            seen.append(number)
+            raise KeyboardInterrupt
+        from mmgrpo.runstate.run_lock import _release_all
+
+        _say("mmgrpo: interrupted again: stopping at once; the earlier checkpoints are intact "
+             "(resume with --resume_from_checkpoint latest)")
+        _release_all()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, handle)
+
+
 def _say(text: str) -> None:
     try:
         os.write(2, (text + "\n").encode())

@@ -88,6 +88,8 @@ class RunLock:
         try:
             if _same_file(self.fd, self.path):
                 self.path.unlink()
+        except OSError:  # the folder turned read-only: the file stays, unlocked, and the next run takes it over
+            pass
         finally:
             os.close(self.fd)
 
@@ -129,6 +131,24 @@ def live_holder(folder: str | os.PathLike) -> dict | None:
         return holder if alive else None
     finally:
         os.close(fd)
+
+
+def refuse_live_run(folder: str | os.PathLike, flag: str = "--output_dir") -> None:
+    """ConfigError when `folder` is, or lies inside, the output folder of a live run of another
+    process (its lock file says so): a command that writes there (`mmgrpo eval --output_dir`) would
+    mix its files with the run's, or be overwritten by them. Reads only; nothing is taken.
+
+    >>> import tempfile
+    >>> scratch = tempfile.TemporaryDirectory(); folder = Path(scratch.name)  # removed with `scratch`
+    >>> refuse_live_run(folder / "eval")  # no run there: nothing to refuse
+    """
+    target = Path(folder).expanduser().resolve()
+    for candidate in (target, *target.parents):
+        holder = live_holder(candidate) if candidate.is_dir() else None
+        if holder:
+            where = "is the output folder" if candidate == target else f"is inside {candidate}, the output folder"
+            raise ConfigError(f"{flag} {folder} {where} of a live training run ({_describe(holder)}): writing there "
+                              f"would mix with its files; wait for it to end, or give another {flag}")
 
 
 def in_use_error(folder: str | os.PathLike, holder: dict) -> ConfigError:

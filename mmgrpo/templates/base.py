@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mmgrpo.errors import ConfigError, DataError
-from mmgrpo.registry import Registry
+from mmgrpo.registry import Registry, describe
 
 MEDIA_TAGS = {"<image>": "image", "<video>": "video", "<audio>": "audio"}
 _TAG_RE = re.compile("(" + "|".join(re.escape(tag) for tag in MEDIA_TAGS) + ")")
@@ -75,6 +75,9 @@ class MediaOptions:
     video_fps: float | None = None  # frame sampling: read by the data loader that decodes videos
     video_nframes: int | None = None
     video_max_frames: int | None = None
+
+
+BOX_CONVENTIONS = ("rel1000", "rel1", "abs_input", "")  # see Template._box_scale
 
 
 class Template:
@@ -163,6 +166,11 @@ class Template:
         """Audio sampling rate the family's feature extractor expects (None without audio)."""
         audio = self.media.get("audio")
         return getattr(audio, "sampling_rate", None)
+
+    @property
+    def max_audio_samples(self) -> int | None:
+        """The longest audio clip the family's encoder takes, in samples (None: any length)."""
+        return getattr(self.media.get("audio"), "max_samples", None)
 
     def token_id(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -686,6 +694,12 @@ def register_template(name: str):
     """Class decorator: register a Template under `name` (`--model_type`). Duplicates are an error."""
 
     def register(cls: type[Template]) -> type[Template]:
+        convention = getattr(cls, "box_convention", None)
+        if convention not in BOX_CONVENTIONS:  # checked here: a plugin's typo would mis-scale every box reward
+            raise ConfigError(
+                f"template {name!r} ({describe(cls)}) declares box_convention {convention!r}; give one of "
+                + ", ".join(repr(c) for c in BOX_CONVENTIONS) + " ('' for a family that reads no boxes)"
+            )
         TEMPLATES.register(name, cls)
         cls.name = name
         return cls

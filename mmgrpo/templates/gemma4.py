@@ -79,6 +79,9 @@ class PatchImages:
         return [(int(x) * self.patch_size, int(y) * self.patch_size) for x, y in corner.tolist()]
 
 
+GEMMA4_MAX_AUDIO_SAMPLES = 480_000  # the feature extractor's max_length (30 s at 16 kHz): it truncates past it
+
+
 class ConvAudio:
     """Gemma 4's audio hook: log-mel frames of 10 ms, subsampled 4x by the audio tower's convolutions."""
 
@@ -92,6 +95,7 @@ class ConvAudio:
         self.placeholder, self.token_id = processor.audio_token, token_id
         self.begin, self.end = processor.boa_token, processor.eoa_token
         self.sampling_rate = self.feature_extractor.sampling_rate
+        self.max_samples = GEMMA4_MAX_AUDIO_SAMPLES
 
     def process(self, audios: list) -> tuple[dict[str, torch.Tensor], list[str]]:
         out = self.feature_extractor(audios, sampling_rate=self.sampling_rate, return_tensors="pt")

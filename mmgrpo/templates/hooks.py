@@ -190,6 +190,8 @@ class WhisperAudio:
         self.feature_extractor = feature_extractor
         self.placeholder, self.token_id = placeholder, token_id
         self.sampling_rate = feature_extractor.sampling_rate
+        # the longest clip the encoder takes, in samples (one chunk); the data loader cuts longer clips with a warning
+        self.max_samples = getattr(feature_extractor, "n_samples", None)
 
     def process(self, audios: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
         out = self.feature_extractor(

@@ -64,6 +64,7 @@ class AuTAudio(WhisperAudio):
     def __init__(self, feature_extractor, placeholder: str, token_id: int, n_window: int):
         super().__init__(feature_extractor, placeholder, token_id)
         self.n_window = n_window
+        self.max_samples = None  # AuT takes a clip of any length (no truncation)
 
     def process(self, audios: list) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
         out = self.feature_extractor(

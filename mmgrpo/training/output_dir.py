@@ -137,7 +137,7 @@ def _resume_plan(out: Path, resume: str, cfg) -> OutputPlan:
         path = complete[-1]
     else:
         path = Path(resume).expanduser()
-        check_checkpoint(path)
+    check_checkpoint(path, checksums=True)  # a file corrupted since its save (same size) is never trained on
     state = read_training_state(path)
     newer = [p.name for p in list_checkpoints(out, warn=False) if (checkpoint_step(p) or 0) > state.step]
     if newer:

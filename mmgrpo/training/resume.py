@@ -36,8 +36,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,7 +59,7 @@ from mmgrpo.runstate.checkpoint import (
     save_atomically,
     staged_bytes,
 )
-from mmgrpo.runstate.disk_space import SMALL_FILES, disk_full_error, tensor_bytes
+from mmgrpo.runstate.disk_space import SMALL_FILES, disk_full_error, tensor_bytes, unwritable_error
 from mmgrpo.runstate.state import STATE_FILE, TrainState, capture_rng, restore_rng
 from mmgrpo.training.resume_flags import apply_resume_changes
 
@@ -119,6 +121,7 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
         load_shards=(lambda folder: strategy.load_sharded_optimizer(run.optimizer, folder))
         if strategy.saves_optimizer_itself else None,
     )
+    refuse_nonfinite_state(path, run.model, run.optimizer, strategy)
     if state.model is not None and state.model != run.cfg.model.model:
         raise CheckpointError(
             f"checkpoint {path} continues a run that started from --model {state.model} (its KL reference); "
@@ -135,6 +138,36 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
                                   f"rollout(s) in flight: resume with --max_staleness {int(state.rollout_in_flight)} too.")
         pipeline.restore(restore_in_flight(Path(path), strategy.rank, state, batches, position), state.step)
     return state
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (FSDP2's DTensor: its local shard; ZeRO-3 leaves an empty placeholder)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def refuse_nonfinite_state(path: Path, model: torch.nn.Module, optimizer, strategy) -> None:
+    """CheckpointError on every rank when the resumed weights or optimizer moments hold a NaN/inf: a
+    checkpoint that passed its checksums can still hold them (saved by another tool, or before
+    checksums existed), and one step on them would turn every weight NaN. Each rank checks its part."""
+    bad = None
+    for name, parameter in model.named_parameters():
+        if torch.is_floating_point(parameter) and not bool(torch.isfinite(local_tensor(parameter.detach())).all()):
+            bad = f"weight {name}"
+            break
+    if bad is None and optimizer is not None:
+        for parameter_state in optimizer.state.values():
+            for key, value in parameter_state.items():
+                if isinstance(value, torch.Tensor) and torch.is_floating_point(value) \
+                        and not bool(torch.isfinite(local_tensor(value)).all()):
+                    bad = f"optimizer state {key}"
+                    break
+            if bad is not None:
+                break
+    if strategy.any_rank(bad is not None):
+        raise CheckpointError(
+            f"checkpoint {path} holds NaN/inf ({'first: ' + bad if bad else 'on another rank'}); training on it would "
+            "make every weight NaN. Resume from an earlier checkpoint (--resume_from_checkpoint PATH)."
+        )
 
 
 def restore_in_flight(path: Path, rank: int, state: TrainState, batches, position: dict) -> list:
@@ -312,6 +345,7 @@ def save_on_ranks(path: Path, ranks: Ranks, write_rank_files: Callable[[Path], N
             shutil.rmtree(folder, ignore_errors=True)
             kept = [p.name for p in list_checkpoints(path.parent, warn=False)]
             full = disk_full_error(err, path, needed, kept, written, free)  # one line: the folder, the bytes, what is kept
+            full = full or unwritable_error(err, path, kept)
             if full is not None:
                 raise full from None
             raise
@@ -379,12 +413,26 @@ def load_training_checkpoint(
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"checkpoint {path} has no {name}; it cannot continue this run's {name.split('.')[0]}")
-            obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+            with unreadable_as_checkpoint_error(path, name):
+                obj.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
     rng = path / rng_file(rank)
     if not rng.is_file():
         raise CheckpointError(f"checkpoint {path} has no {rng.name} (rank {rank}'s random state)")
-    restore_rng(torch.load(rng, weights_only=True))
+    with unreadable_as_checkpoint_error(path, rng.name):
+        restore_rng(torch.load(rng, weights_only=True))
     return state
+
+
+@contextmanager
+def unreadable_as_checkpoint_error(path: Path, name: str):
+    """A file of a checkpoint that torch cannot load (corrupt in a checkpoint saved before checksums, or
+    another run's) as one CheckpointError naming it, not a traceback from the unpickler."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"checkpoint {path}: {name} cannot be loaded ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupt or from another run: "
+                              "resume from an earlier checkpoint") from None
 
 
 def restore_weights(model: torch.nn.Module, path: str | os.PathLike, *, peft_model=None, template=None) -> None:
