@@ -352,7 +352,8 @@ def state_bytes(cfg, shape: ModelShape, shard: int, sharded: bool) -> dict[str, 
 def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> float:
     """What one micro-batch's forward saves for backward: decoder layers, the vision tower and
     merger where they train, autocast's bf16 weight copies."""
-    precision, act_bytes = ("bf16", 2) if cfg.bf16 else ("fp32", 4)
+    # fp16 autocast saves what bf16 autocast does (2-byte activations, half-precision weight copies)
+    precision, act_bytes = ("bf16", 2) if cfg.precision != "fp32" else ("fp32", 4)
     lora = cfg.model.train_type == "lora"
     L, T, rows, prompts = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.rows, batch.prompts
     shared = cfg.model.shared_prefix
@@ -382,7 +383,7 @@ def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> fl
     if checkpointing:  # backward recomputes one layer (or vision block) at a time
         decoder += max(layer, block)
     copies = 0.0
-    if cfg.bf16:  # autocast's bf16 copy of each linear weight on the gradient's path, kept for backward
+    if cfg.precision != "fp32":  # autocast's half-precision copy of each linear weight on the gradient's path
         on_path = shape.linear.get("llm", 0) * (1 / layers if checkpointing else 1)
         on_path += shape.linear.get("aligner", 0) if shape.trains & {"vision", "aligner"} else 0
         on_path += shape.linear.get("vision", 0) if "vision" in shape.trains else 0
@@ -399,7 +400,7 @@ def rollout_bytes(cfg, options: EstimateOptions, shape: ModelShape, batch: StepB
         if cfg.rollout.vllm_mode == "colocate":
             parts["vLLM (colocated)"] = cfg.rollout.vllm_gpu_memory_utilization * options.device_memory_gb * GB
         return parts
-    kv_bytes = act_bytes = 2 if cfg.bf16 else 4
+    kv_bytes = act_bytes = 2 if cfg.precision != "fp32" else 4
     L, T, patches = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.patches
     step_rows, step_prompts = batch.step_rows, batch.step_prompts
     h, i, kv, layers = shape.hidden, shape.intermediate, shape.kv_dim, shape.layers
@@ -445,7 +446,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
     parts.update(rollout_bytes(cfg, options, shape, batch))
     gathered_train = gathered_rollout = 0.0
     if sharded:  # fsdp2 / zero3: the unsharded weights a forward holds
-        param_bytes = 2 if cfg.bf16 else 4
+        param_bytes = 2 if cfg.precision != "fp32" else 4
         gathered_train = (shape.params["root"] + shape.params["block"]) * param_bytes
         gathered_rollout = shape.params["total"] * param_bytes if cfg.dist.gather_for_generation else gathered_train
         parts["gathered"] = max(gathered_train, gathered_rollout)
@@ -464,7 +465,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
 ADVICE = (  # flags tried in this order, each where it applies
     ("--gradient_checkpointing", lambda c, o: not c.model.gradient_checkpointing),
     ("--beta 0", lambda c, o: c.algo.beta > 0 and c.model.train_type == "full"),
-    ("--bf16", lambda c, o: not c.bf16),
+    ("--bf16", lambda c, o: c.precision == "fp32"),
     ("--freeze_vit", lambda c, o: c.model.train_type == "full" and not c.model.freeze_vit),
     ("--offload_optimizer", lambda c, o: c.dist.strategy == "zero3" and not c.dist.offload_optimizer),
     ("--train_type lora", lambda c, o: c.model.train_type == "full"),
@@ -536,8 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     if options.world_size < 1 or options.device_memory_gb <= 0 or options.images_per_prompt < 0:
         raise ConfigError("--world_size, --device_memory_gb and --images_per_prompt must be positive.")
     cfg = config_from_namespace(TrainConfig, ns)
-    if cfg.bf16 is None:  # what train does on a GPU with bfloat16, the machines an estimate is for
-        cfg.bf16 = True
+    if cfg.bf16 is None and not cfg.fp16 and cfg.torch_dtype in (None, "auto"):
+        cfg.bf16 = True  # what train does on a GPU with bfloat16, the machines an estimate is for
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(options.world_size)  # train's checks, as under torchrun with this many ranks
     try:
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(cfg, options: EstimateOptions, result: Estimate, argv: list[str]) -> str:
     lines = [f"mmgrpo estimate: {cfg.model.model}, {cfg.model.train_type} training, {cfg.dist.strategy} over {options.world_size} "
-             f"device(s){', bf16' if cfg.bf16 else ', fp32'}{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"]
+             f"device(s), {cfg.precision}{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"]
     lines += [f"  {note}" for note in result.notes]
     lines.append(f"{'part':<18}{'GB per device':>14}")
     for name, value in result.parts.items():

@@ -41,12 +41,32 @@ def test_the_precision_flags_become_one_precision(flags, precision):
     (["--torch_dtype", "bfloat16", "--fp16"], "--torch_dtype bfloat16 and --fp16 disagree"),
     (["--torch_dtype", "float32", "--fp16"], "--torch_dtype float32 and --fp16 disagree"),
     (["--torch_dtype", "bfloat16", "--bf16", "false"], "--torch_dtype bfloat16 and --bf16 false disagree"),
-    (["--fp16", "--parallel", "zero3"], "DeepSpeed has no float16 on the CPU"),
 ])
 def test_contradicting_precision_flags_are_one_line(flags, match):
     cfg = TrainConfig.from_args(["--model", "tiny:qwen2-vl", *flags])
     with pytest.raises(ConfigError, match=match):
         fill_precision(cfg)
+
+
+def test_deepspeed_float16_on_the_cpu_is_refused_before_any_model_loads():
+    from mmgrpo.config import DistConfig, OptimConfig
+    from mmgrpo.parallel.zero3 import ZeRO3
+
+    with pytest.raises(ConfigError, match="DeepSpeed has no float16 on the CPU; use --parallel fsdp2 here"):
+        ZeRO3(DistConfig(), OptimConfig(), rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
+              owns_group=False, precision="fp16")
+
+
+def test_an_estimate_in_float16_counts_half_precision_activations(capsys):
+    from mmgrpo.estimate import main as estimate_main
+
+    estimate_main(["--model", "random:qwen2.5-vl-3b", "--fp16", "--parallel", "zero3", "--world_size", "8"])
+    half = capsys.readouterr().out
+    estimate_main(["--model", "random:qwen2.5-vl-3b", "--bf16", "false", "--parallel", "zero3", "--world_size", "8"])
+    full = capsys.readouterr().out
+    assert ", fp16" in half.splitlines()[0] and ", fp32" in full.splitlines()[0]
+    needed = [float(next(line for line in out.splitlines() if line.startswith("needed")).split()[1]) for out in (half, full)]
+    assert needed[0] < 0.8 * needed[1]
 
 
 def test_a_misspelt_torch_dtype_names_its_values():

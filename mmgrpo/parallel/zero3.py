@@ -132,6 +132,8 @@ class ZeRO3(Strategy):
         import deepspeed
 
         self.optim_cfg = optim_cfg  # the batch sizes and clipping DeepSpeed's config repeats
+        if self.precision == "fp16" and self.device.type == "cpu":
+            raise ConfigError("--fp16 with --deepspeed: DeepSpeed has no float16 on the CPU; use --parallel fsdp2 here, or a GPU.")
         # Takes over the process group mmgrpo opened (gloo on CPU, NCCL on GPUs).
         deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo",
                                    timeout=_timedelta(dist_cfg.ddp_timeout))

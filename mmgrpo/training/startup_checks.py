@@ -152,8 +152,8 @@ def check_common_parts(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> None:
 def fill_precision(cfg: TrainConfig | SFTConfig) -> None:
     """--torch_dtype, --bf16 and --fp16 become one precision, recorded as --bf16 / --fp16 (config.yaml and
     the checkpoints' flags say what the run used): --torch_dtype names one of them; --bf16 left unset becomes
-    what this machine has (`bf16_by_default`: a GPU with bfloat16). Contradictions, --bf16 on a GPU without
-    bfloat16 and DeepSpeed's float16 on the CPU (which it lacks) are errors."""
+    what this machine has (`bf16_by_default`: a GPU with bfloat16). Contradictions and --bf16 on a GPU
+    without bfloat16 are errors."""
     import torch
 
     if cfg.bf16 and cfg.fp16:
@@ -169,8 +169,6 @@ def fill_precision(cfg: TrainConfig | SFTConfig) -> None:
     elif cfg.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16; use --fp16 (float16 with loss scaling) "
                           "or leave --bf16 out to train in float32.")
-    if cfg.fp16 and getattr(cfg, "dist", None) is not None and cfg.dist.strategy == "zero3" and not torch.cuda.is_available():
-        raise ConfigError("--fp16 with --deepspeed: DeepSpeed has no float16 on the CPU; use --parallel fsdp2 here, or a GPU.")
 
 
 def fill_model_type(model_cfg: ModelConfig) -> None:
