@@ -23,7 +23,7 @@ def episode_rollout(tag: str, rows: int, width: int, version: int) -> Rollout:
         texts=[f"{tag}{r}" for r in range(rows)], columns={"turns": [r + 1 for r in range(rows)]},
         metrics={"tools/turns": float(rows)}, totals={"tools/errors": 1.0},
         rewards=torch.arange(rows, dtype=torch.float), reward_per_func=torch.arange(2 * rows, dtype=torch.float).view(2, rows),
-        old_logps=-ids.float() / 100, ref_logps=-ids.float() / 10, importance_weights=torch.ones(rows, width) / (ids % 5 + 1),
+        old_logps=-ids.float() / 100, ref_logps=-ids.float() / 10, teacher_logps=-ids.float() / 20, importance_weights=torch.ones(rows, width) / (ids % 5 + 1),
         advantages=torch.arange(rows, dtype=torch.float) - 1,
         routed_experts=[torch.full((width + 2, 2, 2), r, dtype=torch.int16) for r in range(rows)],  # MoE routes
     )
