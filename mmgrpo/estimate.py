@@ -534,8 +534,13 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.training.startup_checks import check_train_flags  # after --help
     options = EstimateOptions(world_size=ns.world_size, device_memory_gb=ns.device_memory_gb, image_pixels=ns.image_pixels,
                               images_per_prompt=ns.images_per_prompt, prompt_text_tokens=ns.prompt_text_tokens)  # fmt: skip
-    if options.world_size < 1 or options.device_memory_gb <= 0 or options.images_per_prompt < 0:
-        raise ConfigError("--world_size, --device_memory_gb and --images_per_prompt must be positive.")
+    for flag, value, low in (("world_size", options.world_size, 1), ("device_memory_gb", options.device_memory_gb, None),
+                             ("image_pixels", options.image_pixels, 1), ("images_per_prompt", options.images_per_prompt, 0),
+                             ("prompt_text_tokens", options.prompt_text_tokens, 0)):
+        if value is None:
+            continue
+        if not math.isfinite(value) or (value <= 0 if low is None else value < low):
+            raise ConfigError(f"--{flag} {value}: give " + ("a finite number of GB > 0." if low is None else f"an integer >= {low}."))
     cfg = config_from_namespace(TrainConfig, ns)
     if cfg.bf16 is None and not cfg.fp16 and cfg.torch_dtype in (None, "auto"):
         cfg.bf16 = True  # what train does on a GPU with bfloat16, the machines an estimate is for

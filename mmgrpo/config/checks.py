@@ -27,6 +27,8 @@ def validate_common(cfg) -> None:
     report_targets(cfg.report_to)  # an unknown tracker fails before any model loads
     if cfg.max_steps == 0 or (cfg.max_steps < 0 and cfg.num_train_epochs <= 0):
         raise ConfigError("--max_steps must be positive (or -1 with --num_train_epochs > 0).")
+    if not str(cfg.output_dir).strip():
+        raise ConfigError("--output_dir '': give a folder (an empty name would write into the current one).")
     model, optim = cfg.model, cfg.optim
     if model.fusion_layers and model.fusion_module is None:
         raise ConfigError("--fusion_layers needs --fusion_module (gated_xattn, coattn or a registered one).")
@@ -109,6 +111,9 @@ def validate_train(cfg) -> None:
             f"--loss_type dr_grpo with --scale_rewards {cfg.algo.scale_rewards}: Dr. GRPO also drops the std scaling "
             "of advantages; add --scale_rewards none for the algorithm of the paper (docs/algorithm.md).", stacklevel=2,
         )
+    if rollout.mask_truncated_completions and rollout.suppress_eos:
+        warnings.warn("--mask_truncated_completions with --suppress_eos: no completion can end, so every one is "
+                      "truncated and masked: the run trains on nothing. Drop one of the two.", stacklevel=2)
     floor, cap = cfg.algo.vllm_importance_sampling_floor, cfg.algo.vllm_importance_sampling_cap
     if floor is not None and floor > cap:
         raise ConfigError(f"--vllm_importance_sampling_floor {floor} is above --vllm_importance_sampling_cap {cap}: "

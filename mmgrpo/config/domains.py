@@ -145,9 +145,23 @@ def check_domains(config) -> None:
         if dataclasses.is_dataclass(value):
             check_domains(value)
             continue
-        domain = field.metadata.get("domain")
-        if domain is None or (value is None and "None" in str(field.type)):
+        if value is None and "None" in str(field.type):
             continue
-        problem = domain.problem(field.name, value)
-        if problem:
-            raise ConfigError(problem)
+        domain = field.metadata.get("domain") or NUMERIC_DEFAULTS.get(_element_type(field.type))
+        if domain is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:  # a list's every element
+            problem = domain.problem(field.name, item)
+            if problem:
+                raise ConfigError(problem)
+
+
+# A numeric field declared without a domain still refuses NaN, infinities and the wrong kind of number.
+NUMERIC_DEFAULTS = {"int": Number(integer=True), "float": Number()}
+
+
+def _element_type(annotation) -> str:
+    """`int`, `float` ... of a field's annotation (a string under `from __future__ import annotations`):
+    the element of a list, the value of an optional."""
+    text = str(annotation).replace("list[", "").replace("]", "").replace(" | None", "").replace("<class '", "").replace("'>", "")
+    return text.strip()

@@ -127,6 +127,55 @@ def _flatten_yaml(data: dict, cls, source: str) -> dict[str, object]:
     return out
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def yaml_value(tp, value, where: str):
+    """A `--config` YAML value as the flag would read it: `1e-6` (a string to PyYAML) a number, a
+    scalar where a list is expected a one-item list, numbers for a string option their text. A value
+    that cannot be read is a ConfigError naming the option (`where`), the value and what to give.
+
+    >>> yaml_value(float, "1e-6", "learning_rate"), yaml_value(list[str], "format", "reward_funcs")
+    (1e-06, ['format'])
+    >>> yaml_value(int, 2.0, "max_steps"), yaml_value(bool | None, "false", "bf16")
+    (2, False)
+    >>> yaml_value(int, "ten", "max_steps")
+    Traceback (most recent call last):
+        ...
+    mmgrpo.errors.ConfigError: max_steps: 'ten' is not an integer.
+    """
+    elem, is_list = _scalar_type(tp)
+    if is_list:
+        values = value if isinstance(value, list) else [value]
+        return [yaml_value(elem, item, where) for item in values]
+    if value is None:
+        return None
+    problem = ConfigError(f"{where}: {value!r} is not {_TYPE_NAMES.get(elem, elem.__name__)}.")
+    if elem is bool:
+        if isinstance(value, bool):
+            return value
+        try:
+            return _parse_bool(str(value))
+        except argparse.ArgumentTypeError:
+            raise problem from None
+    if elem in (int, float):
+        if isinstance(value, bool):
+            raise problem
+        if isinstance(value, str):
+            try:
+                value = float(value) if elem is float or any(c in value.lower() for c in ".e") else int(value)
+            except ValueError:
+                raise problem from None
+        if elem is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise problem
+            return int(value)
+        return float(value)
+    if elem is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
 def _set_path(obj, dotted: str, value) -> None:
     *parents, name = dotted.split(".")
     for part in parents:
@@ -153,8 +202,11 @@ def config_from_namespace(cls, ns: argparse.Namespace, required: tuple[str, ...]
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"--config {path}: not valid YAML ({exc}).") from None
+        types = {".".join(leaf): tp for leaf, tp, _ in _leaves(cls)}
         for dotted, value in _flatten_yaml(data, cls, str(path)).items():
-            _set_path(cfg, dotted, value)
+            if value is None and type(None) not in typing.get_args(types[dotted]):
+                continue  # `max_steps: null`: the default, as leaving it out would give
+            _set_path(cfg, dotted, yaml_value(types[dotted], value, f"--config {path}: {dotted.rsplit('.', 1)[-1]}"))
             from_yaml.add(dotted)
     for dotted in required:
         if dotted not in vars(ns) and dotted not in from_yaml:

@@ -151,7 +151,7 @@ class RolloutConfig:
     prompts are rolled out until the batch holds B groups that differ, at most --max_resample_times extra rounds."""
     max_resample_times: int = flag(3, count(0))
     """--dynamic_sample: extra rollout rounds per step at most; then the step goes on with what it has (said once)."""
-    first_stage_generations: int = 0
+    first_stage_generations: int = flag(0, count(0, hint="0: off"))
     """Two-stage generation: K < G completions per prompt first; only prompts whose K disagree or fail get the
     other G - K (a prompt whose K all got the batch's best reward leaves the batch). 0: off."""
     # ---- vLLM (mmgrpo/rollout/vllm_*.py, docs/vllm.md) ----
@@ -172,7 +172,8 @@ class RolloutConfig:
     """vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB; on GPUs it overrides --vllm_gpu_memory_utilization)."""
     vllm_server_host: list[str] = flag(factory=lambda: ["127.0.0.1"], resume="operational")
     """Server mode: the host of each `mmgrpo rollout-server` (one host for all ports, or one per port)."""
-    vllm_server_port: list[int] = flag(factory=lambda: [8000], resume="operational")
+    vllm_server_port: list[int] = flag(factory=lambda: [8000], domain=Number(1, 65535, integer=True, what="a port"),
+                                       resume="operational")
     """Server mode: the port of each server (one port for all hosts, or one per host). Rank r of W sends its
     prompts to server r mod S (with more servers than ranks: spread over servers r, r + W, ...)."""
     vllm_server_timeout: float = flag(240.0, above(0, what="seconds", finite=False), resume="operational")
@@ -253,7 +254,7 @@ class AlgoConfig:
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = flag(0.28, at_least(0))
     """Upper clipping range (clip-higher, DAPO). None: same as epsilon."""
-    delta: float | None = None
+    delta: float | None = flag(None, above(1, what="a ratio bound"))
     """Dual clip (TRL's name): for negative advantages the ratio is capped at delta (> 1 + epsilon_high). None: off."""
     entropy_coeff: float = flag(0.0, at_least(0, what="a bonus", hint="e.g. 0.001; 0 turns it off"))
     """Entropy bonus (verl's name): the loss minus entropy_coeff x the policy's mean entropy over the update's
@@ -398,7 +399,7 @@ class RunOptions:
 
     output_dir: str = flag("runs/latest", resume="not_compared")
     """Where metrics.jsonl, completions.jsonl, TensorBoard events, checkpoints and config.yaml go."""
-    max_steps: int = flag(100, resume="schedule")
+    max_steps: int = flag(100, count(-1, hint="-1: by epochs"), resume="schedule")
     """Rollout steps (each: generate, reward, num_iterations optimizer updates). -1: by epochs."""
     num_train_epochs: float = flag(1.0, at_least(0), resume="schedule")
     """Epochs over the prompts, used when max_steps is -1."""
@@ -420,7 +421,7 @@ class RunOptions:
     report_to: list[str] = flag(factory=lambda: ["tensorboard"], resume="operational")
     """Trackers beside metrics.jsonl: any of `tensorboard` `wandb` `mlflow` (with the completions table), or `none`
     (docs/training.md; WANDB_MODE=offline and MLflow's file store need no network)."""
-    seed: int = 0
+    seed: int = flag(0, Number(0, 2**32 - 1, integer=True, what="a seed"))
     """Seeds data order, sampling and initialisation."""
     full_determinism: bool = flag(False, resume="operational")
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuBLAS's fixed workspace, cuDNN): two runs with one seed, or a resumed run and the uninterrupted one, then agree on a GPU as they do on the CPU; some kernels get slower (HF's name)."""
@@ -497,7 +498,7 @@ class SFTConfig(RunOptions):
     # micro-batch (TRL's); tiny models learn at 1e-3, and the demo's configs say so
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(learning_rate=1e-5, per_device_train_batch_size=8))
     eval: EvalConfig = field(default_factory=EvalConfig)
-    max_steps: int = flag(200, resume="schedule")
+    max_steps: int = flag(200, count(-1, hint="-1: by epochs"), resume="schedule")
     """Optimizer steps of supervised training (each: per_device_train_batch_size x gradient_accumulation_steps samples). -1: by epochs."""
     max_completion_length: int = flag(64, count(1))
     """Tokens generated per answer by the evaluations during SFT (a dataset's own budget in the registry wins)."""

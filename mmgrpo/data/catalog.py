@@ -161,6 +161,9 @@ class MixedDataset:
                 )
         self.sources, self.split = sources, sources[0].split
         total = float(sum(weights))
+        if not math.isfinite(total):  # each weight is finite; 1e308 + 1e308 is not
+            raise ConfigError(f"dataset weights {', '.join(f'{w:g}' for w in weights)} add up past the largest float: "
+                              "give them on a smaller scale (only their ratios count).")
         self.weights = [w / total for w in weights]
         self.name = "+".join(source.name for source in sources)
         size = sum(len(source) for source in sources) if size is None else int(size)

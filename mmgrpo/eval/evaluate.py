@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -211,6 +212,11 @@ def check_counts(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag} {value}: must be at least 1" + (" (leave it out to evaluate every sample)." if flag == "limit" else "."))
+    if args.num_samples > 1 and not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature {args.temperature}: --num_samples {args.num_samples} samples at a finite "
+                          "temperature > 0 (greedy decoding is --num_samples 1).")
+    if args.video_fps is not None and not (math.isfinite(args.video_fps) and args.video_fps > 0):
+        raise ConfigError(f"--video_fps {args.video_fps}: give frames per second > 0.")
 
 
 def main(argv: list[str]) -> dict:
