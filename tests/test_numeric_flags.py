@@ -147,3 +147,22 @@ def test_eval_refuses_a_sampling_it_cannot_do(tmp_path, argv, match):
 
     with pytest.raises(ConfigError, match=match):
         eval_main(["--model", "tiny:qwen2-vl", "--dataset", "shapes-color:test", "--output_dir", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize("row, columns, match", [
+    ({"messages": [{"role": "user", "content": "hi"}], "query": "hi", "solution": "a"}, None, "both `messages` and `query`"),
+    ({"query": "hi", "answer": "a", "solution": "b"}, {"answer": "solution"}, "renames 'answer' -> 'solution' but the row already has"),
+])
+def test_rows_that_say_one_thing_twice_are_refused_naming_the_row(row, columns, match):
+    from mmgrpo.data.sample import normalize_row
+    from mmgrpo.errors import DataError
+
+    with pytest.raises(DataError, match=match):
+        normalize_row(row, dataset="toy", index=3, columns=columns)
+
+
+@pytest.mark.parametrize("solution", [float("nan"), "", "   ", None])
+def test_a_nan_or_blank_solution_is_a_missing_one(solution):
+    from mmgrpo.data.sample import normalize_row
+
+    assert "solution" not in normalize_row({"query": "hi", "solution": solution}, dataset="toy", index=0).columns

@@ -193,6 +193,11 @@ def normalize_row(
         if kind not in row and kind[:-1] in row:
             row[kind] = row.pop(kind[:-1])
     media = {kind: _as_media_list(row.pop(kind, None), kind, where) for kind in MEDIA_KINDS}
+    if row.get("messages") is not None and row.get("query") is not None:
+        raise DataError(where.field("query", "the row has both `messages` and `query`; give the prompt one way "
+                                             "(a renamed column may have made the second)"))
+    if is_missing(row.get("solution")):
+        row.pop("solution", None)  # NaN (a Parquet null read by pandas) or "": no reference answer
     extra = {key: value for key, value in row.items() if key not in _STRUCTURAL}
     messages = _row_messages(row, media, extra, where)
     if messages[-1]["role"] == "assistant":
@@ -208,6 +213,19 @@ def normalize_row(
         media_root=None if media_root is None else os.fspath(media_root),
         **media,
     )
+
+
+def is_missing(value) -> bool:
+    """A reference answer that is none: None, a float NaN (a pandas / Parquet null) or blank text.
+
+    >>> is_missing(None), is_missing(float("nan")), is_missing("  "), is_missing("0"), is_missing(0)
+    (True, True, True, False, False)
+    """
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return value != value
+    return isinstance(value, str) and not value.strip()
 
 
 def _row_messages(row: dict, media: dict[str, list], extra: dict, where: _Where) -> list[dict]:
@@ -297,6 +315,11 @@ def _rename_columns(row: dict, mapping: dict[str, str], where: _Where) -> dict:
                 f"{source!r} (it has {sorted(row)}); fix 'columns' in the dataset's registry entry"
             )
     moved = {target: row.pop(source) for source, target in mapping.items()}  # all at once: swaps work
+    for target in moved:
+        if target in row:  # a column of that name that is not itself renamed away: one would be lost
+            source = next(s for s, t in mapping.items() if t == target)
+            raise DataError(f"{where}: the column mapping renames {source!r} -> {target!r} but the row already has a "
+                            f"{target!r} column; rename that one too, or map another column in 'columns'")
     row.update(moved)
     return row
 

@@ -14,9 +14,10 @@ would otherwise be scored 0.0 by one reward, raise in another and be skipped by 
   `reward/missing_solution` (completions).
 
 >>> from mmgrpo.data.catalog import DatasetView
->>> view = DatasetView("toy", "train", [{"query": "q", "solution": "a"}, {"query": "q"}, {"query": "q", "solution": None}])
->>> rows_without_solution(view)
-[1, 2]
+>>> rows = [{"query": "q", "solution": "a"}, {"query": "q"}, {"query": "q", "solution": None},
+...         {"query": "q", "solution": float("nan")}, {"query": "q", "solution": " "}]
+>>> rows_without_solution(DatasetView("toy", "train", rows))
+[1, 2, 3, 4]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+from mmgrpo.data.sample import is_missing
 from mmgrpo.errors import DataError
 
 SHOWN_ROWS = 5  # rows named in the start-up error; the rest are counted
@@ -47,7 +49,7 @@ def needs_solution(func) -> bool:
 
 
 def rows_without_solution(view) -> list[int]:
-    """Positions in a `DatasetView` whose sample has no `solution` (None or absent).
+    """Positions in a `DatasetView` whose sample has no `solution` (None, NaN, blank or absent).
 
     An Arrow table with a `solution` column (after the entry's renames) is read as one column;
     other rows are normalised one by one, since a `response` may stand in for the solution."""
@@ -58,7 +60,7 @@ def rows_without_solution(view) -> list[int]:
     if names is not None and source in names:
         values = rows[source]  # one column, no row normalised
         indices = view.row_indices if view.row_indices is not None else positions
-        return [i for i, row in zip(positions, indices) if values[row] is None]
+        return [i for i, row in zip(positions, indices) if is_missing(values[row])]
     return [i for i in positions if view[i].columns.get("solution") is None]
 
 
