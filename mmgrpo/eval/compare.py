@@ -32,6 +32,10 @@ def compare(
 ) -> dict:
     """Compare eval B against baseline A (eval.json paths, their directories, or loaded dicts)."""
     a, b = (e if isinstance(e, dict) else load_eval(e) for e in (eval_a, eval_b))
+    for side, name in ((a, eval_a), (b, eval_b)):
+        if not side.get("samples"):
+            raise ConfigError(f"{name if not isinstance(name, dict) else 'an eval'} has no samples: nothing to compare "
+                              "(an evaluation of --limit 0 or of an empty split?)")
     scores_a = {s["id"]: s["scores"] for s in a["samples"]}
     scores_b = {s["id"]: s["scores"] for s in b["samples"]}
     _check_same_ids(scores_a, scores_b)
@@ -72,6 +76,11 @@ def compare(
             }
         )
     only_one = sorted(set(names_a) ^ names_b)
+    if not rows:
+        shared = sorted(set(names_a) & names_b)
+        raise ConfigError(("no metric has a score on both sides for any sample" + (f" ({', '.join(shared)} are missing "
+                           "on one side everywhere)" if shared else f" (A scores {', '.join(names_a) or 'nothing'}, B "
+                           f"{', '.join(sorted(names_b)) or 'nothing'})")) + ": nothing to compare.")
     return {
         "a": _describe(a, eval_a),
         "b": _describe(b, eval_b),

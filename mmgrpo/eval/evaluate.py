@@ -100,7 +100,7 @@ def evaluate(engine, template, dataset, output_dir, *, metrics: list[str], model
         result = run_eval(
             samples, generate, output_dir, model=model_name, dataset=getattr(dataset, "name", str(dataset)),
             split=getattr(dataset, "split", ""), metrics=metrics, num_samples=num_samples, batch_size=batch_size,
-            resume=resume, config={"max_new_tokens": max_new_tokens, "temperature": temperature},
+            resume=resume, config={"max_new_tokens": max_new_tokens, "temperature": temperature, "limit": limit},
         )
     if fusion_probe:
         result["fusion_probe"] = generate.probe_result()

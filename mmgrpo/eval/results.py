@@ -42,6 +42,8 @@ EVAL_FILE = "eval.json"
 MARKDOWN_FILE = "eval.md"
 # What must match for --resume to continue a run rather than mix two different evaluations.
 _RESUME_KEYS = ("model", "dataset", "split", "metrics", "num_samples")
+# The generation settings recorded in `config`, by the flag that sets them (`mmgrpo eval`).
+_CONFIG_FLAGS = {"max_new_tokens": "max_completion_length", "temperature": "temperature", "limit": "limit"}
 
 GenerateFn = Callable[[list, int], "list[list[str]] | tuple[list[list[str]], dict[str, list]]"]
 
@@ -363,8 +365,14 @@ def _write_or_check_header(output_dir: Path, header: dict, resume: bool) -> None
     if resume and path.exists():
         previous = _read_json(path)
         changed = [k for k in _RESUME_KEYS if previous.get(k) != header[k]]
+        settings = {**previous.get("config", {}), **header["config"]}  # what changes the result: the flags
+        changed += [f"--{_CONFIG_FLAGS.get(k, k)}" for k in sorted(settings)
+                    if previous.get("config", {}).get(k) != header["config"].get(k)]
         if changed:
-            diffs = "; ".join(f"{k}: {previous.get(k)!r} then, {header[k]!r} now" for k in changed)
+            def was(key, source):
+                return source.get(key) if not key.startswith("--") else source.get("config", {}).get(
+                    next((k for k, flag in _CONFIG_FLAGS.items() if f"--{flag}" == key), key[2:]))
+            diffs = "; ".join(f"{k}: {was(k, previous)!r} then, {was(k, header)!r} now" for k in changed)
             raise ConfigError(
                 f"--resume in {output_dir}: the earlier evaluation differs ({diffs}); "
                 f"use the same settings or another --output_dir"
