@@ -262,6 +262,14 @@ def _step_changes(run) -> tuple[set[str], set[str]]:
     return {name for name in trainable if not torch.equal(after[name], before[name])}, trainable
 
 
+def activate_adapters(model) -> None:
+    """peft starts lora_B at zero, where lora_A gets no gradient: give B small random values so every adapter acts."""
+    generator = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.05
+
+
 @heavy
 def test_one_grpo_step_trains_every_trainable_weight_at_full_width(tmp_path):
     """Full training with the LLM frozen (its fp32 AdamW state at this width would not fit a CI
@@ -281,10 +289,7 @@ def test_lora_with_freeze_vit_at_full_width(tmp_path):
     """LoRA on every linear layer of the 2048-wide decoder and the merger (--freeze_vit: none in the
     vision blocks): one step changes every adapter and nothing else; the reference is the base."""
     run = _run(tmp_path, "--train_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--freeze_vit", "--beta", "0.04")
-    generator = torch.Generator().manual_seed(0)
-    for name, param in run.model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero, where A gets no gradient: make every adapter act
-            param.data = torch.randn(param.shape, generator=generator) * 0.05
+    activate_adapters(run.model)
     changed, trainable = _step_changes(run)
     assert trainable and all("lora_" in name for name in trainable)
     assert not any(".visual.blocks." in name for name in trainable) and any(".visual.merger." in name for name in trainable)
@@ -302,10 +307,7 @@ def test_moe_lora_step_at_full_width(tmp_path):
     run = _run(tmp_path, "--train_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--freeze_vit",
                "--beta", "0.04", model=MODEL_MOE)
     assert sum(p.numel() for p in run.model.parameters()) > 1.2e9
-    generator = torch.Generator().manual_seed(0)
-    for name, param in run.model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero, where A gets no gradient: make every adapter act
-            param.data = torch.randn(param.shape, generator=generator) * 0.05
+    activate_adapters(run.model)
     changed, trainable = _step_changes(run)
     assert trainable and all("lora_" in name for name in trainable)
     assert any(".language_model.layers.0.self_attn." in name for name in trainable)
