@@ -193,3 +193,36 @@ def test_eval_resume_with_other_settings_names_the_flag(tmp_path):
     eval_main([*base, "--limit", "2"])
     with pytest.raises(ConfigError, match=r"--limit: 2 then, 3 now"):
         eval_main([*base, "--limit", "3", "--resume"])
+
+
+def test_a_template_that_raises_while_rendering_is_named(tiny_qwen2_vl_path):
+    from mmgrpo.data.sample import normalize_row
+    from mmgrpo.errors import DataError
+    from mmgrpo.models.loading import load_template
+
+    _, _, template = load_template(tiny_qwen2_vl_path, None)
+
+    def broken(messages, add_generation_prompt=True):
+        raise KeyError("role")
+
+    template.render = broken
+    sample = normalize_row({"query": "hi", "solution": "a"}, dataset="toy", index=7).load_media()
+    with pytest.raises(DataError, match=r"sample toy/train/7: template 'qwen2-vl' raised while rendering .*KeyError"):
+        template.encode_prompt(sample)
+
+
+def test_a_trainer_displaced_on_a_rollout_server_is_told_who_holds_it(tiny_qwen2_vl_path):
+    from mmgrpo.rollout.vllm_server import RolloutService
+
+    service = RolloutService(None, tiny_qwen2_vl_path, 64)  # the weight-group bookkeeping needs no engine
+    query = {"backend": "gloo", "timeout": "0.2", "address": "127.0.0.1", "port": "1", "rank": "1", "world_size": "2"}
+    groups = []
+    for session in ("first", "second"):
+        assert service.join({**query, "session": session}, "127.0.0.1")[0] == 202
+        groups.append(service.group)
+    for group in groups:  # no trainer listens: each join fails in its thread, which ends before the test does
+        assert group.joined.wait(30) and group.error
+    status, answer = service.receive("first")
+    assert status == 409 and "another trainer (weight group second) joined this server" in answer["error"]
+    status, answer = service.receive("unknown")
+    assert status == 409 and "was restarted since the trainer joined" in answer["error"]

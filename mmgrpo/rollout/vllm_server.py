@@ -76,6 +76,7 @@ class RolloutService:
         self.sync: WeightGroup | None = None  # the group of the sync in flight, until /weights/finish
         self.sync_error: str | None = None  # why the last sync over a group failed (the trainer asks /health)
         self.group_lock = threading.Lock()  # joins and drops
+        self.replaced: dict[str, str] = {}  # a trainer's weight group -> the later trainer's that took the server
 
     def health(self) -> dict:
         return {"identity": self.identity, "fingerprint": self.fingerprint, "model": self.model_path,
@@ -135,6 +136,8 @@ class RolloutService:
             return 400, {"error": f"this server runs vLLM on {self.device}: its weight group cannot be NCCL"}
         group = WeightGroup(session=query["session"], backend=backend, timeout=float(query["timeout"]))
         with self.group_lock:
+            if self.group is not None and self.group.session != group.session:
+                self.replaced[self.group.session] = group.session  # so the earlier trainer is told who holds it
             self._drop(wait=True)  # a trainer killed mid-sync: its group goes, this one comes
             self.group = group
         threading.Thread(target=self._join, args=(group, query, own_address), daemon=True).start()
@@ -143,8 +146,12 @@ class RolloutService:
     def receive(self, session: str) -> tuple[int, dict]:
         group = self.group
         if group is None or group.session != session:
-            return 409, {"error": "this server holds no weight group of this trainer (was it restarted, or did "
-                                  "another trainer connect?)"}
+            if session in self.replaced:
+                return 409, {"error": f"another trainer (weight group {self.replaced[session]}) joined this server "
+                                      "after this one and holds it now: a rollout server serves one training run at "
+                                      "a time; give each run its own server (--vllm_server_port)"}
+            return 409, {"error": f"this server (instance {self.instance}) never held a weight group of this trainer: "
+                                  "it was restarted since the trainer joined; start the run again against it"}
         if not group.joined.wait(group.timeout) or group.process_group is None:
             return 500, {"error": f"joining the trainer's weight group failed: {group.error or 'timed out'}"}
         if group.receiving is not None and group.receiving.is_alive():

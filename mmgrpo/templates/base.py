@@ -266,7 +266,13 @@ class Template:
     def encode_prompt(self, sample) -> PromptInputs:
         """Render, tokenize and expand placeholders; process media. `sample` is a LoadedSample."""
         self.check_media(sample)
-        prompt_text = self.render(sample.messages, add_generation_prompt=True)
+        try:
+            prompt_text = self.render(sample.messages, add_generation_prompt=True)
+        except DataError:
+            raise
+        except Exception as error:  # a plugin's template or a checkpoint's chat template: the cause, named
+            raise DataError(f"sample {sample.id}: template {self.name!r} raised while rendering its messages "
+                            f"({type(error).__name__}: {error}); fix the template's render (or its chat template)") from error
         mm, expansions, input_sizes = self.encode_media(sample)
         prompt_ids = self.tokenize_expanded(prompt_text, expansions)  # [prompt_len]
         mm.update(self.token_type_inputs(prompt_ids))
