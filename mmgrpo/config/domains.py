@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 
 from mmgrpo.errors import ConfigError
@@ -140,6 +141,9 @@ def check_domains(config) -> None:
     """Every field of `config` and of its sections, once, against its declared domain: the first value
     outside it is a ConfigError naming the flag, the value and what to give. None passes where the
     field's annotation allows it (`int | None`: unset)."""
+    from mmgrpo.config.flags import _scalar_type
+
+    hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         if dataclasses.is_dataclass(value):
@@ -147,7 +151,7 @@ def check_domains(config) -> None:
             continue
         if value is None and "None" in str(field.type):
             continue
-        domain = field.metadata.get("domain") or NUMERIC_DEFAULTS.get(_element_type(field.type))
+        domain = field.metadata.get("domain") or NUMERIC_DEFAULTS.get(_scalar_type(hints[field.name])[0])
         if domain is None:
             continue
         for item in value if isinstance(value, list) else [value]:  # a list's every element
@@ -157,11 +161,4 @@ def check_domains(config) -> None:
 
 
 # A numeric field declared without a domain still refuses NaN, infinities and the wrong kind of number.
-NUMERIC_DEFAULTS = {"int": Number(integer=True), "float": Number()}
-
-
-def _element_type(annotation) -> str:
-    """`int`, `float` ... of a field's annotation (a string under `from __future__ import annotations`):
-    the element of a list, the value of an optional."""
-    text = str(annotation).replace("list[", "").replace("]", "").replace(" | None", "").replace("<class '", "").replace("'>", "")
-    return text.strip()
+NUMERIC_DEFAULTS = {int: Number(integer=True), float: Number()}

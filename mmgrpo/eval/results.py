@@ -364,15 +364,12 @@ def _write_or_check_header(output_dir: Path, header: dict, resume: bool) -> None
     path = output_dir / CONFIG_FILE
     if resume and path.exists():
         previous = _read_json(path)
-        changed = [k for k in _RESUME_KEYS if previous.get(k) != header[k]]
-        settings = {**previous.get("config", {}), **header["config"]}  # what changes the result: the flags
-        changed += [f"--{_CONFIG_FLAGS.get(k, k)}" for k in sorted(settings)
-                    if previous.get("config", {}).get(k) != header["config"].get(k)]
+        changed = [(k, previous.get(k), header[k]) for k in _RESUME_KEYS if previous.get(k) != header[k]]
+        then, now = previous.get("config", {}), header["config"]  # the generation settings, named by their flags
+        changed += [(f"--{_CONFIG_FLAGS.get(k, k)}", then.get(k), now.get(k)) for k in sorted({*then, *now})
+                    if then.get(k) != now.get(k)]
         if changed:
-            def was(key, source):
-                return source.get(key) if not key.startswith("--") else source.get("config", {}).get(
-                    next((k for k, flag in _CONFIG_FLAGS.items() if f"--{flag}" == key), key[2:]))
-            diffs = "; ".join(f"{k}: {was(k, previous)!r} then, {was(k, header)!r} now" for k in changed)
+            diffs = "; ".join(f"{name}: {old!r} then, {new!r} now" for name, old, new in changed)
             raise ConfigError(
                 f"--resume in {output_dir}: the earlier evaluation differs ({diffs}); "
                 f"use the same settings or another --output_dir"

@@ -69,8 +69,7 @@ def sampling_importance_weights(
     if mode not in IS_MODES:
         raise ConfigError(f"--vllm_importance_sampling_mode {mode!r}: choose one of {', '.join(IS_MODES)}")
     mask = completion_mask.bool()
-    diff = torch.where(mask, trainer_logps.detach().float() - sampling_logps.float(), 0.0)  # [N, T]
-    diff = torch.nan_to_num(diff, nan=0.0)  # a token without a sampling log-prob gets weight 1
+    diff = log_ratio_of(trainer_logps, sampling_logps, mask)  # [N, T]
     if mode.startswith("token"):
         log_ratio = diff
     else:
@@ -102,6 +101,12 @@ def sampling_importance_weights(
     return weights, stats
 
 
+def log_ratio_of(trainer_logps: Tensor, sampling_logps: Tensor, mask: Tensor) -> Tensor:
+    """[N, T] log(trainer / sampler) of each sampled token, no grad, float32; 0 outside `mask` (bool
+    [N, T]) and where the sampler gave no log-prob (NaN: such a token counts as agreeing)."""
+    return torch.nan_to_num(torch.where(mask, trainer_logps.detach().float() - sampling_logps.float(), 0.0), nan=0.0)
+
+
 def token_kl(diff: Tensor, mask: Tensor) -> Tensor:
     """KL(sampler || trainer) over the sampled tokens, by the k3 estimator: with r = trainer / sampler
     probability of a token the sampler drew, E[r - 1 - log r] (non-negative, unbiased, low variance).
@@ -116,8 +121,7 @@ def off_policy_sequence_mask(trainer_logps: Tensor, sampling_logps: Tensor, comp
     over its real tokens exceeds `delta` (DeepSeek-V3.2's off-policy sequence masking), else 1.
     trainer_logps, sampling_logps, completion_mask: [N, T]; advantages: [N]."""
     mask = completion_mask.bool()
-    drift = torch.nan_to_num(torch.where(mask, sampling_logps.float() - trainer_logps.detach().float(), 0.0), nan=0.0)
-    mean_drift = drift.sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
+    mean_drift = -log_ratio_of(trainer_logps, sampling_logps, mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [N]
     masked = (advantages.to(mean_drift.device) < 0) & (mean_drift > delta)
     return (~masked).float()[:, None]
 
@@ -136,7 +140,7 @@ def mismatch_by_modality(trainer_logps: Tensor, sampling_logps: Tensor, completi
     {'mismatch/image/logp_diff_mean': 0.5493, 'mismatch/image/logp_diff_max': 1.0986, 'mismatch/text/logp_diff_mean': 0.0, 'mismatch/text/logp_diff_max': 0.0}
     """
     mask = completion_mask.bool()
-    diff = torch.nan_to_num(torch.where(mask, trainer_logps.detach().float() - sampling_logps.float(), 0.0), nan=0.0)
+    diff = log_ratio_of(trainer_logps, sampling_logps, mask)  # [N, T]
     zeroed = weights.expand_as(mask) == 0
     metrics = {}
     for modality in sorted(set(modalities)):
@@ -164,7 +168,7 @@ def logp_gap_by_group(trainer_logps: Tensor, sampling_logps: Tensor, completion_
     {0: 0.0, 2: 0.6212}
     """
     mask = completion_mask.bool()
-    gaps = torch.nan_to_num((trainer_logps.detach().float() - sampling_logps.float()).abs(), nan=0.0)  # [N, T]
+    gaps = log_ratio_of(trainer_logps, sampling_logps, mask).abs()  # [N, T]
     result = {}
     for group in sorted(set(groups.tolist())):
         rows = mask & (groups == group).to(mask.device)[:, None]  # [N, T]
