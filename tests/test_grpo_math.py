@@ -358,8 +358,9 @@ def _lm_inputs(dtype, batch=3, seq_len=4, hidden_size=8, vocab=37, seed=0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_logprobs_match_naive(dtype, tolerance, chunk_size, temperature):
     hidden, weight, bias, targets = _lm_inputs(dtype)
-    upstream = torch.randn(3, 4, dtype=torch.promote_types(dtype, torch.float32))  # a generic d loss / d logp
-    entropy_upstream = torch.randn(3, 4, dtype=upstream.dtype)  # and d loss / d entropy (--entropy_coeff)
+    generator = torch.Generator().manual_seed(1)  # its own draws: the result does not depend on the tests run before
+    upstream = torch.randn(3, 4, generator=generator, dtype=torch.promote_types(dtype, torch.float32))  # a generic d loss / d logp
+    entropy_upstream = torch.randn(3, 4, generator=generator, dtype=upstream.dtype)  # and d loss / d entropy (--entropy_coeff)
 
     results = []
     for fn, extra in ((completion_logprobs, {"chunk_size": chunk_size}), (naive_completion_logprobs, {})):
