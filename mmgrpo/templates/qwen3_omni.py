@@ -114,13 +114,24 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
         (r"^model\.(visual|audio_tower)\.", r"\1."),
         (r"^model\.language_model\.", "model."),
     )
-    vllm_mismatch = (
-        "vLLM 0.32's Qwen3-Omni thinker starts from the checkpoint with transformers' log-probs (image, video, audio, "
-        "text: within 5e-7 on the tiny model, on CPU), but a weight sync does not reach its MoE experts' computation "
-        "(their parameters take the new values, its fused-MoE kernel keeps the checkpoint's: 0.7 nat per token on text "
-        "alone; embeddings, norms, attention and routers sync exactly), and with use_audio_in_video it orders a video's "
-        "frame and sound tokens otherwise"
-    )
+    # vLLM 0.32 gives transformers' log-probs from the checkpoint and after a sync (experts too, on CPU:
+    # mmgrpo/rollout/vllm_weights.py, reload_weights), on image, video, audio and text prompts
+    # (tests/test_vllm_families.py); a video with its sound is refused per sample (`vllm_prompt_problem`).
+
+    @property
+    def vllm_mismatch(self) -> str:
+        """Where the installed transformers (5.19, vLLM's venv) holds the thinker's towers beside its `model`
+        (5.23 holds them inside), the policy's forward, which runs `model` as its backbone, skips them."""
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe
+
+        if hasattr(modeling_qwen3_omni_moe, "Qwen3OmniMoeThinkerModel"):
+            return ""
+        import transformers
+
+        return (f"transformers {transformers.__version__} holds Qwen3-Omni's vision and audio towers beside the "
+                "thinker's `model`, which the policy's forward runs as its backbone, so on prompts with media the "
+                "policy's log-probs are not the thinker's (0.47 nat per token from vLLM's and transformers' own "
+                "forward on the tiny model; text alone agrees); transformers 5.23 holds them inside")
 
     def build_media(self) -> dict:
         o = self.options
