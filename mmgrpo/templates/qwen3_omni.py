@@ -116,22 +116,9 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
     )
     # vLLM 0.32 gives transformers' log-probs from the checkpoint and after a sync (experts too, on CPU:
     # mmgrpo/rollout/vllm_weights.py, reload_weights), on image, video, audio and text prompts
-    # (tests/test_vllm_families.py); a video with its sound is refused per sample (`vllm_prompt_problem`).
-
-    @property
-    def vllm_mismatch(self) -> str:
-        """Where the installed transformers (5.19, vLLM's venv) holds the thinker's towers beside its `model`
-        (5.23 holds them inside), the policy's forward, which runs `model` as its backbone, skips them."""
-        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe
-
-        if hasattr(modeling_qwen3_omni_moe, "Qwen3OmniMoeThinkerModel"):
-            return ""
-        import transformers
-
-        return (f"transformers {transformers.__version__} holds Qwen3-Omni's vision and audio towers beside the "
-                "thinker's `model`, which the policy's forward runs as its backbone, so on prompts with media the "
-                "policy's log-probs are not the thinker's (0.47 nat per token from vLLM's and transformers' own "
-                "forward on the tiny model; text alone agrees); transformers 5.23 holds them inside")
+    # (tests/test_vllm_families.py); a video with its sound is refused per sample. Under transformers
+    # 5.19 a run stops at start-up, as Qwen2.5-Omni's (`vllm_mismatch`: the policy's forward skips the towers).
+    thinker_model = ("qwen3_omni_moe", "Qwen3OmniMoeThinkerModel")
 
     def build_media(self) -> dict:
         o = self.options
