@@ -352,13 +352,20 @@ def test_a_batch_of_images_and_videos_is_refused(processors, models):
             model(**batch)
 
 
-def test_what_vllm_cannot_take_is_said(processors):
-    """vLLM 0.32 (tests/test_vllm_families.py): GLM videos need metadata its requests lack; GLM-4.5V's fused
-    experts do not sync into it (a start-up error); images and text run as the policy does."""
-    template = get_template("glm4v", processors["glm4v"])
-    assert "do_sample_frames" in template.vllm_prompt_problem(template.encode_prompt(_sample("v", "<video>?", [], [_video()])))
-    assert template.vllm_prompt_problem(template.encode_prompt(_sample("i", "<image>?", [_image(56, 56)]))) is None
-    assert not template.vllm_mismatch and "fused" in get_template("glm4v-moe", processors["glm4v-moe"]).vllm_mismatch
+def test_vllm_requests_say_glm_video_frames_come_sampled(processors):
+    """vLLM 0.32's GLM-4V processor reads do_sample_frames from each video's metadata (a KeyError without it)
+    and, where False, the frames_indices beside it: the requests carry both (vLLM itself:
+    tests/test_vllm_prompts.py). GLM-4.1V and GLM-4.5V have nothing left that vLLM runs otherwise."""
+    from mmgrpo.rollout.vllm_requests import prompt_media, vllm_prompt
+
+    template = get_template("glm4v-moe", processors["glm4v-moe"])
+    prompt = template.encode_prompt(_sample("v", "<video>?", [], [_video()]))
+    request = vllm_prompt(prompt.prompt_text, prompt_media(prompt), template.rollout_processor_kwargs(), None,
+                          template.vllm_video_metadata)
+    ((frames, metadata),) = request["multi_modal_data"]["video"]
+    assert metadata["do_sample_frames"] is False and len(metadata["frames_indices"]) == len(frames)
+    assert template.vllm_prompt_problem(prompt) is None
+    assert not template.vllm_mismatch and not get_template("glm4v", processors["glm4v"]).vllm_mismatch
 
 
 def test_boxes_are_thousandths_of_the_image(processors):

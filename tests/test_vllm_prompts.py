@@ -28,10 +28,7 @@ MORE_TAKES = {"gemma4": {"image", "video", "audio"}, "internvl": {"image"}}
 # Where vLLM 0.32 expands the media otherwise: a rollout stops naming the sample (tests/test_vllm_families.py);
 # Qwen2.5-Omni's video with its sound interleaved in other chunks (the family is an error at start-up)
 DIFFERS = {("llava-onevision", "two_images"), ("qwen2.5-omni", "video_with_sound")}
-FAMILIES += ["glm4v", "glm4v-moe"]
-# vLLM 0.32's GLM-4V processor reads `do_sample_frames` from each video's metadata, which requests do not carry:
-# GLM videos with --use_vllm are refused naming the sample (Glm4vTemplate.vllm_prompt_problem)
-DIFFERS |= {("glm4v", "video"), ("glm4v-moe", "video")}
+FAMILIES += ["glm4v", "glm4v-moe"]  # videos too: vLLM 0.32's GLM-4V processor reads do_sample_frames from their metadata
 
 
 def cases_of(family: str) -> list[str]:

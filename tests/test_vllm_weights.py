@@ -130,3 +130,30 @@ def test_two_tensors_that_would_get_one_name_are_an_error(tiny, tmp_path):
               str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="vision_tower.encoder.x.*both become vision_tower.vision_model.encoder.x"):
         vllm_checkpoint(str(tmp_path), template)
+
+
+def test_qwen3_vl_moe_expert_banks_reach_vllm_in_the_published_layout(tmp_path, monkeypatch):
+    """vLLM loads Qwen3-VL-MoE's fused expert banks as the published checkpoints store them, the last two
+    dims swapped from transformers': the sync sends them transposed (views), and a checkpoint transformers
+    saved starts vLLM from a view with them transposed, the other tensors as they are. Told apart by a
+    layer's two shapes, also where gate_up_proj is square (the tiny model: hidden 128, 2 x width 128)."""
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "cache"))
+    path = str(build_tiny("qwen3-vl-moe"))
+    template = get_template("qwen3-vl-moe", load_processor(path))
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    gate_up, down = "model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.experts.down_proj"
+    assert saved[gate_up].shape == (4, 128, 128) and saved[down].shape == (4, 128, 64)  # [experts, hidden, width]
+
+    view = vllm_checkpoint(path, template)
+    assert view != path
+    published = load_file(os.path.join(view, "model.safetensors"))
+    assert published.keys() == saved.keys()
+    for name, tensor in saved.items():
+        expected = tensor.transpose(-1, -2) if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else tensor
+        assert torch.equal(published[name], expected), name
+    assert published[down].shape == (4, 64, 128)
+    assert vllm_checkpoint(view, template) == view  # the published layout: used as it is
+
+    sent = dict(vllm_named(((name, tensor) for name, tensor in saved.items()), template))
+    assert torch.equal(sent[gate_up], published[gate_up]) and sent[gate_up].data_ptr() == saved[gate_up].data_ptr()
+    assert torch.equal(sent["lm_head.weight"], saved["lm_head.weight"])

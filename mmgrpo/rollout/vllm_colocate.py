@@ -55,7 +55,7 @@ from mmgrpo.rollout.vllm_requests import (
     vllm_prompt,
     vllm_sampling,
 )
-from mmgrpo.rollout.vllm_weights import vllm_checkpoint, vllm_named, weight_load_error
+from mmgrpo.rollout.vllm_weights import reload_weights, vllm_checkpoint, vllm_named, weight_load_error
 
 CPU_KV_CACHE_BYTES = 256 << 20  # vLLM on CPU sizes its cache from total RAM unless told
 
@@ -149,7 +149,8 @@ class VLLMColocateRollout(RolloutEngine):
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
         check_vllm_prompts(prompts, self.template)
         sampling_rate = self.template.sampling_rate
-        requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, sampling_rate) for p in prompts]
+        requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, sampling_rate,
+                                self.template.vllm_video_metadata) for p in prompts]
         params = [
             vllm_sampling(sampling_options(sampling, self.template, b, suppress=self.suppress_placeholders))
             for b in range(len(prompts))
@@ -167,8 +168,8 @@ class VLLMColocateRollout(RolloutEngine):
     def prompt_token_ids(self, prompts: list) -> list[list[int]]:
         """The ids vLLM's processor makes of each prompt (placeholders expanded), for checks."""
         sampling = SamplingParams(num_generations=1, max_new_tokens=1, greedy=True)
-        requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, self.template.sampling_rate)
-                    for p in prompts]
+        requests = [vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, self.template.sampling_rate,
+                                self.template.vllm_video_metadata) for p in prompts]
         params = vllm_sampling(sampling_options(sampling, self.template))
         return [list(out.prompt_token_ids) for out in self.llm.generate(requests, params, use_tqdm=False)]
 
@@ -179,7 +180,7 @@ class VLLMColocateRollout(RolloutEngine):
         if native_weight_transfer():
             self._send_native(named_tensors)
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+            reload_weights(self.llm, named_tensors)
             if not torch.cuda.is_available():
                 repack_tied_heads(self.llm)
         self.llm.reset_prefix_cache()  # K/V computed with the old weights

@@ -145,10 +145,12 @@ def prompt_media(prompt) -> dict:
     }
 
 
-def vllm_prompt(prompt_text: str, media: dict, processor_kwargs: dict, sampling_rate: int | None) -> dict:
+def vllm_prompt(prompt_text: str, media: dict, processor_kwargs: dict, sampling_rate: int | None,
+                more_video_metadata: dict | None = None) -> dict:
     """One vLLM prompt: the text with ONE placeholder per medium and `multi_modal_data`.
 
-    media: `prompt_media(...)`; processor_kwargs: `template.rollout_processor_kwargs()`.
+    media: `prompt_media(...)`; processor_kwargs: `template.rollout_processor_kwargs()`;
+    more_video_metadata: `template.vllm_video_metadata`, added to each video's metadata.
     """
     from mmgrpo.templates.hooks import video_metadata
 
@@ -156,7 +158,8 @@ def vllm_prompt(prompt_text: str, media: dict, processor_kwargs: dict, sampling_
     if media["images"]:
         data["image"] = list(media["images"])
     if media["videos"]:
-        data["video"] = [(video["frames"], video_metadata(_Frames(video))) for video in media["videos"]]
+        data["video"] = [(video["frames"], {**video_metadata(_Frames(video)), **(more_video_metadata or {})})
+                         for video in media["videos"]]
     audios = [(audio, sampling_rate) for audio in media["audios"]]
     if processor_kwargs.get("use_audio_in_video"):  # Qwen2.5-Omni: each video's sound track joins it
         audios += [(video["audio"], sampling_rate) for video in media["videos"]]

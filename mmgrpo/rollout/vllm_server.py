@@ -65,8 +65,9 @@ class WeightGroup:
 class RolloutService:
     """The server's state: the engine, the weight version, the trainer's weight group; one request at a time."""
 
-    def __init__(self, llm, model_path: str, max_model_len: int, device: str = "cpu"):
+    def __init__(self, llm, model_path: str, max_model_len: int, device: str = "cpu", video_metadata: dict | None = None):
         self.llm, self.model_path, self.max_model_len, self.device = llm, model_path, max_model_len, device
+        self.video_metadata = video_metadata or {}  # the family's keys for vLLM's video metadata (its template's)
         self.identity = model_identity(model_path)
         self.fingerprint = model_fingerprint(model_path)
         self.instance = uuid.uuid4().hex[:8]  # changes with every start: a restart is visible
@@ -90,7 +91,7 @@ class RolloutService:
             if meta["version"] != self.weight_version:
                 return 409, {"error": f"the server holds weights of version {self.weight_version}, the trainer "
                                       f"expects {meta['version']} (was the server restarted, or a sync cut short?)"}
-            requests = [vllm_prompt(p["text"], m, meta["processor_kwargs"], meta["sampling_rate"])
+            requests = [vllm_prompt(p["text"], m, meta["processor_kwargs"], meta["sampling_rate"], self.video_metadata)
                         for p, m in zip(meta["prompts"], media)]
             copies = [int(options.pop("copies", 1)) for options in meta["options"]]  # greedy: 1 sample, G copies
             params = [vllm_sampling(options) for options in meta["options"]]
@@ -212,7 +213,9 @@ class RolloutService:
 
     def _reload(self, tensors: dict) -> None:
         """Load (HF name, tensor) pairs in place (the caller holds the engine lock)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        from mmgrpo.rollout.vllm_weights import reload_weights
+
+        reload_weights(self.llm, tensors.items())
 
 
 def handler_for(service: RolloutService):
@@ -312,7 +315,8 @@ def main(args) -> None:
         raise (weight_load_error(error, template, str(path)) or kv_cache_error(error, flag) or error) from None
     if not cuda and (error := one_way_media_attention(llm, template)) is not None:
         raise error
-    service = RolloutService(llm, str(path), args.vllm_max_model_len, device="cuda" if cuda else "cpu")
+    service = RolloutService(llm, str(path), args.vllm_max_model_len, device="cuda" if cuda else "cpu",
+                             video_metadata=template.vllm_video_metadata)
     server.RequestHandlerClass = handler_for(service)
     print(f"mmgrpo rollout-server: serving {path} ({model_type}) on http://{args.host}:{args.port}", flush=True)
     try:

@@ -125,10 +125,18 @@ class Template:
     # the checkpoint vLLM starts from and for every weight sync (mmgrpo/rollout/vllm_weights.py).
     # A name already in the original layout must come out unchanged.
     vllm_weight_names: tuple[tuple[str, str], ...] = ()
+    # vLLM loads the family's fused expert banks (`*.experts.gate_up_proj`, `*.experts.down_proj`) as
+    # its published checkpoints store them, [experts, hidden, 2 x width] and [experts, width, hidden],
+    # where transformers 5 holds and saves them with the last two dims swapped: each sync sends them
+    # transposed, and a checkpoint transformers saved starts vLLM from a view with them transposed.
+    vllm_expert_banks_transposed: bool = False
     # Where vLLM's own implementation of the family computes other log-probs than transformers (a
     # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
     # another model than the policy. Checks of prompt ids and weight names turn it off.
     vllm_mismatch: str = ""
+    # Keys vLLM's processor of the family reads from each video's metadata beyond transformers'
+    # VideoMetadata fields (GLM-4V's: do_sample_frames), sent with every video to vLLM.
+    vllm_video_metadata: dict = {}
     # The family's forward cannot take images and videos in one batch (GLM-V fills every <|image|>
     # token from the images): a training set with both is refused at start-up (build.check_modalities).
     separate_media_batches: bool = False

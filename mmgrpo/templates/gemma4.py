@@ -190,8 +190,8 @@ class Gemma4Template(Template):
     # vLLM 0.32 (gemma4_mm.py) loads the transformers names itself and expands prompts as the template
     # does (tests/test_vllm_prompts.py). Measured on CPU (docs/models.md): as loaded, it gives the
     # policy's log-probs to 2e-6 once the per-layer embedding row below agrees and image attention is
-    # causal on both sides; after a weight sync too (2.4e-5) without MoE layers, but not with them
-    # (1.5 nat: the synced experts do not reach its CPU MoE kernel). On CPU its attention has no
+    # causal on both sides; after a weight sync too, MoE layers included (their experts are prepacked
+    # for vLLM's CPU kernel again: mmgrpo/rollout/vllm_weights.py, reload_weights). On CPU its attention has no
     # bidirectional mode: checkpoints with use_bidirectional_attention="vision" stop at start-up
     # (mmgrpo/rollout/vllm_requests.py, one_way_media_attention).
 

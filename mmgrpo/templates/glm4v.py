@@ -137,6 +137,9 @@ class Glm4vTemplate(Template):
     separate_media_batches = True  # images or videos in a batch, not both (see `collate`)
     # Not lean_decode: GLM's decoder layers norm the attention and MLP outputs again
     # (post_self_attn_layernorm, post_mlp_layernorm) and fuse gate and up projections.
+    # vLLM 0.32's GLM-4V processor reads do_sample_frames from each video's metadata (a KeyError without
+    # it); False: the frames come sampled, and its video ids then equal the template's (tests/test_vllm_prompts.py).
+    vllm_video_metadata = {"do_sample_frames": False}
 
     @staticmethod
     def stamp(seconds: float) -> str:
@@ -202,17 +205,6 @@ class Glm4vTemplate(Template):
             )
         return super().collate(prompts)
 
-    def vllm_prompt_problem(self, prompt) -> str | None:
-        """Videos: vLLM 0.32's GLM-4V processor reads `do_sample_frames` from each video's metadata, which
-        the rollout's requests do not carry (it fails with a KeyError). With that key (False: frames come
-        sampled) its video ids equal the template's (measured on the tiny model: 2- and 3-fps clips)."""
-        if prompt.videos:
-            return (
-                "vLLM 0.32's GLM-4V processor needs do_sample_frames in each video's metadata, which mmgrpo's vLLM "
-                f"requests do not carry ({len(prompt.videos)} video(s) here); GLM videos train with the transformers rollout"
-            )
-        return None
-
     def position_ids(self, model, inputs: dict) -> torch.Tensor:
         """[3, N, seq_len] mRoPE positions from the model's `get_rope_index` (each video frame its own grid)."""
         return qwen_mrope_positions(model, inputs, ("image_grid_thw", "video_grid_thw"))
@@ -223,14 +215,6 @@ class Glm4vMoeTemplate(Glm4vTemplate):
     """Template of GLM-4.5V (Glm4vMoeForConditionalGeneration): GLM-4.1V's format and processor."""
 
     hf_model_types = ("glm4v_moe",)
-    # Measured on tiny:glm4v-moe (tests/test_vllm_families.py): vLLM's log-probs equal the policy's to 5e-7
-    # from the checkpoint and after a sync of every other weight, but a sync of the routed experts leaves them
-    # 0.097 nat per token apart, with the weights unchanged.
-    vllm_mismatch = (
-        "transformers holds GLM-4.5V's routed experts fused (experts.gate_up_proj [experts, 2 x moe_intermediate, "
-        "hidden], experts.down_proj), vLLM 0.32 loads them one expert at a time (experts.N.gate_proj ...): after a "
-        "weight sync its experts are not the policy's (0.097 nat per token apart on the tiny model)"
-    )
 
 
 @register_template("glm46v")

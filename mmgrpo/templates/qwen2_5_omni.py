@@ -75,11 +75,11 @@ class Qwen2_5OmniTemplate(Template):
         (r"^model\.language_model\.", "model."),
         (r"^(?!thinker\.|talker\.|token2wav\.)", "thinker."),
     )
-    vllm_mismatch = (
-        "vLLM 0.32's Qwen2.5-Omni thinker gives prompts with images, videos or audio other log-probs than "
-        "transformers 5.19 (0.2 to 0.9 nat per token on the tiny model, on CPU; text alone agrees), and with "
-        "use_audio_in_video lays out a video's frames and sound in other chunks"
-    )
+    # vLLM 0.32's thinker gives the log-probs of transformers' own forward on text, image and audio prompts
+    # (5e-7 on the tiny model; video 4.6e-3, as Qwen2.5-VL's videos); a video with its sound, which it lays out
+    # in other chunks, is refused per sample (`vllm_prompt_problem`, `check_media_tokens`).
+    # transformers' module and class that hold the thinker's towers and LLM inside its `model` (5.23)
+    thinker_model = ("qwen2_5_omni", "Qwen2_5OmniThinkerModel")
     shared_prefix = True  # audio, video with sound: the prompt forward takes them as the naive one does
     lean_decode = True  # the thinker's decoder layers are Qwen2-style
     never_sample_tokens = (
@@ -208,6 +208,22 @@ class Qwen2_5OmniTemplate(Template):
 
         full = Qwen2_5OmniConfig(thinker_config=config, enable_audio_output=False).to_dict()
         return {**full, "architectures": ["Qwen2_5OmniModel"]}
+
+    @property
+    def vllm_mismatch(self) -> str:
+        """Where the installed transformers (5.19, vLLM's venv) holds the thinker's towers beside its `model`
+        (5.23 holds them inside), the policy's forward, which runs `model` as its backbone, skips them."""
+        import importlib
+
+        import transformers
+
+        module, name = self.thinker_model
+        if hasattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name):
+            return ""
+        return (f"transformers {transformers.__version__} holds the thinker's vision and audio towers beside its "
+                "`model`, which the policy's forward runs as its backbone, so on prompts with media the policy's "
+                "log-probs are not the thinker's that vLLM computes (0.1 to 0.9 nat per token on the tiny models; "
+                "text alone agrees); transformers 5.23 holds them inside")
 
     def vllm_prompt_problem(self, prompt) -> str | None:
         if self.use_audio_in_video and prompt.audios:

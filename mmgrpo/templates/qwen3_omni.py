@@ -115,13 +115,11 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
         (r"^model\.(visual|audio_tower)\.", r"\1."),
         (r"^model\.language_model\.", "model."),
     )
-    vllm_mismatch = (
-        "vLLM 0.32's Qwen3-Omni thinker starts from the checkpoint with transformers' log-probs (image, video, audio, "
-        "text: within 5e-7 on the tiny model, on CPU), but a weight sync does not reach its MoE experts' computation "
-        "(their parameters take the new values, its fused-MoE kernel keeps the checkpoint's: 0.7 nat per token on text "
-        "alone; embeddings, norms, attention and routers sync exactly), and with use_audio_in_video it orders a video's "
-        "frame and sound tokens otherwise"
-    )
+    # vLLM 0.32 gives transformers' log-probs from the checkpoint and after a sync (experts too, on CPU:
+    # mmgrpo/rollout/vllm_weights.py, reload_weights), on image, video, audio and text prompts
+    # (tests/test_vllm_families.py); a video with its sound is refused per sample. Under transformers
+    # 5.19 a run stops at start-up, as Qwen2.5-Omni's (`vllm_mismatch`: the policy's forward skips the towers).
+    thinker_model = ("qwen3_omni_moe", "Qwen3OmniMoeThinkerModel")
 
     def build_media(self) -> dict:
         o = self.options

@@ -13,7 +13,8 @@ router's auxiliary loss.
   layers have, and each token is routed by its own hidden state alone, so a prompt run once
   routes exactly as inside each repeated row (tests/test_shared_prefix.py).
 - lean_decode: off. The lean step's contract is a dense SwiGLU MLP per layer.
-- vLLM: refused at start-up (`vllm_mismatch`): the expert banks' layout differs (below).
+- vLLM: its loader takes the fused expert banks as the published checkpoints store them, the last
+  two dims swapped from transformers' (`vllm_expert_banks_transposed`).
 
 Boxes: as Qwen3-VL, `[x1, y1, x2, y2]` in 0-1000 of the image ("rel1000").
 """
@@ -31,10 +32,6 @@ class Qwen3VLMoeTemplate(Qwen3VLTemplate):
     hf_model_types = ("qwen3_vl_moe",)  # config.json model_type(s): --model_type is inferred from them
 
     lean_decode = False  # sparse MoE blocks, not the lean step's dense SwiGLU MLP
-    # Measured with tests/test_vllm_prompts.py's engine on tiny:qwen3-vl-moe: vLLM stops while loading.
-    vllm_mismatch = (
-        "vLLM 0.32 reads Qwen3-VL-MoE's fused expert banks in the published checkpoints' layout "
-        "(gate_up_proj [experts, hidden, 2 x width], down_proj [experts, width, hidden]); transformers 5 holds and "
-        "saves them transposed, and the weight sync does not transpose them (vLLM's fused-MoE weight loader stops: "
-        "'The size of tensor a (64) must match the size of tensor b (128)')"
-    )
+    # vLLM 0.32 transposes the banks it loads (is_fused_checkpoint_transposed): measured on tiny:qwen3-vl-moe,
+    # its log-probs then equal the policy's after a sync (tests/test_vllm_families.py)
+    vllm_expert_banks_transposed = True
