@@ -135,7 +135,10 @@ def test_build_is_byte_identical_with_the_real_structure(family, tmp_path, paths
     template = get_template(family, processor)
     for path in template.components.values():
         model.get_submodule(path)
-    assert not template.shared_prefix and not template.lean_decode  # hybrid layers: the naive paths
+    # shared prefix: attention K/V and Gated DeltaNet states (tests/test_shared_prefix.py); the lean step: the
+    # dense decoder (tests/test_lean_decode.py), not MoE blocks
+    assert template.shared_prefix and template.linear_attention_layers
+    assert template.lean_decode == (family == "qwen3.5")
     suppressed = set(processor.tokenizer.convert_ids_to_tokens(template.suppress_token_ids))
     assert {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"} <= suppressed
     think = processor.tokenizer("<think>\nx\n</think>\n\nRed.", add_special_tokens=False)["input_ids"]
@@ -143,13 +146,16 @@ def test_build_is_byte_identical_with_the_real_structure(family, tmp_path, paths
     assert processor.tokenizer.decode(think, skip_special_tokens=True) == "<think>\nx\n</think>\n\nRed."  # kept
 
 
-def test_the_real_shared_prefix_check_refuses_linear_attention(models, processors):
+def test_the_shared_prefix_takes_linear_attention_where_the_template_declares_it(models, processors):
     from mmgrpo.forward.shared_prefix import supports_shared_prefix
 
     template = get_template("qwen3.5", processors["qwen3.5"])
-    ok, reason = supports_shared_prefix(models["qwen3.5"], template)
-    assert not ok and "shared_prefix" in reason
-    assert not Policy(models["qwen3.5"], template).shared_prefix
+    assert supports_shared_prefix(models["qwen3.5"], template) == (True, "")
+    assert Policy(models["qwen3.5"], template).shared_prefix
+    undeclared = type("Undeclared", (type(template),), {"linear_attention_layers": False})(processors["qwen3.5"])
+    ok, reason = supports_shared_prefix(models["qwen3.5"], undeclared)
+    assert not ok and "linear_attention" in reason, reason
+    assert not Policy(models["qwen3.5"], undeclared).shared_prefix
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +368,7 @@ def test_hf_rollout_through_the_hybrid_cache_equals_decoding_without_one(family,
 
 
 # ---------------------------------------------------------------------------------------------
-# A GRPO step of the engine: rollout (HF generate), rewards, loss, optimizer step
+# A GRPO step of the engine: rollout (shared prefix), rewards, loss, optimizer step
 # ---------------------------------------------------------------------------------------------
 
 
@@ -379,8 +385,8 @@ def test_one_grpo_step_changes_every_trainable_weight(family, tmp_path):
         "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "6",
         "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--output_dir", str(tmp_path), "--max_steps", "1",
     ])  # fmt: skip
-    run = dist_worker.prepared_run(cfg, fixed_completions=False)  # the real rollout: HF generate
-    assert type(run.rollout).__name__ == "HFRollout"
+    run = dist_worker.prepared_run(cfg, fixed_completions=False)  # the real rollout: each prompt's prefill once
+    assert type(run.rollout).__name__ == "SharedPrefixRollout"
     model = run.model
     before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     picked = _routed_experts(model, lambda: grpo_step(run, dist_worker.image_prompts(run.template, 2), step=1))

@@ -20,7 +20,8 @@ from mmgrpo.rollout.lean_decode import LeanDecoder
 from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout, lean_applies
 from mmgrpo.templates import get_template
 
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "internvl"]
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "internvl",
+            "qwen3.5"]  # fmt: skip
 
 
 def _media_sample(template) -> LoadedSample:

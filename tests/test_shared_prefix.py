@@ -29,6 +29,7 @@ FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni"
 FAMILIES += ["qwen3-omni", "qwen3-omni+sound"]  # MoE thinker: its router and experts act per token
 FAMILIES += ["glm4v", "glm4v-moe"]  # their video batches: tests/test_family_glm4v.py
 FAMILIES += ["internvl"]
+FAMILIES += ["qwen3.5", "qwen3.5-moe"]  # hybrid decoders: Gated DeltaNet states shared as K/V are
 GROUP = 3  # G completions per prompt
 
 
@@ -54,7 +55,7 @@ def setups(tiny_qwen2_vl_path, tiny_qwen2_5_vl_path):
     """family -> (model, template), fp32, eval mode."""
     paths = {"qwen2-vl": tiny_qwen2_vl_path, "qwen2.5-vl": tiny_qwen2_5_vl_path}
     others = ("qwen3-vl", "qwen3-vl-moe", "qwen2.5-omni", "qwen2", "qwen2-audio", "llava-onevision", "gemma3", "qwen3-omni",
-              "internvl")
+              "internvl", "qwen3.5", "qwen3.5-moe")
     paths |= {family: str(build_tiny(family)) for family in others}
     paths |= {family: str(build_tiny(family)) for family in ("glm4v", "glm4v-moe")}
     out = {}
@@ -389,7 +390,8 @@ class _CountedSteps:
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("family, lean", [("qwen2-vl", True), ("qwen2-vl", False), ("qwen2.5-omni", True),
-                                          ("qwen2-audio", True), ("gemma3", False), ("qwen3-omni", False)])  # fmt: skip
+                                          ("qwen2-audio", True), ("gemma3", False), ("qwen3-omni", False),
+                                          ("qwen3.5", False), ("qwen3.5", True)])  # fmt: skip
 def test_finished_prompts_leave_the_decode_batch(family, lean, greedy, setups, monkeypatch):
     """A prompt whose G rows have all finished stops being decoded (a mixture's short answers beside
     long ones), and the rollout is the one that decodes every row to the end, token for token."""

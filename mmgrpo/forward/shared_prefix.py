@@ -44,7 +44,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from torch.nn import functional as F
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from mmgrpo.fusion.attach import continuing_rows
 
@@ -97,9 +98,70 @@ class _PrefixLayer(DynamicLayer):
         return self._prepend(self.keys, key_states), self._prepend(self.values, value_states)
 
 
-def recording_cache(num_layers: int) -> Cache:
-    """A cache whose layers keep the K/V of the one forward they see (a prompt's)."""
-    return Cache(layers=[_RecordingLayer() for _ in range(num_layers)])
+class _RecordingStateLayer(LinearAttentionLayer):
+    """A linear-attention layer's state after the one forward it sees (a prompt's): the last
+    `conv_kernel` inputs of its short causal convolution and the delta rule's recurrent state
+    [B, heads, k_dim, v_dim]. As `_RecordingLayer`, idempotent: `has_previous_state` stays False,
+    so a replay runs from no state again and records equal tensors, with their gradients."""
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs):
+        kernel = conv_kernel_size or conv_states.shape[-1]
+        tail = conv_states[..., -kernel:]  # [B, channels, <= kernel]; left padding is zeros, as in the forward
+        self.conv_states[state_idx] = F.pad(tail, (kernel - tail.shape[-1], 0))
+        self.conv_kernel_size[state_idx] = kernel
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+class _PrefixStateLayer(LinearAttentionLayer):
+    """Starts each row from its prompt's recorded linear-attention state and stores nothing.
+
+    The convolution reads the prompt's last inputs before the row's own (`update_conv_state`
+    returns them concatenated), the delta rule starts from the prompt's recurrent state (a per-row
+    copy, [N, heads, k_dim, v_dim]: the states are small beside K/V, and the rule updates its
+    state out of place). `record_past` sends single-token completions down the same path instead
+    of transformers' in-place decode kernel. Gradients reach the one prompt forward through both.
+    """
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, prompt_of_row: torch.Tensor):
+        super().__init__()
+        self.conv_states[0] = conv.index_select(0, prompt_of_row)  # [N, channels, kernel]
+        self.recurrent_states[0] = recurrent.index_select(0, prompt_of_row)
+        self.has_previous_state[0] = True
+        self.record_past = True
+
+    def update_conv_state(self, conv_states, state_idx: int = 0, **kwargs):
+        return torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+        return recurrent_states
+
+
+def linear_layers(decoder: nn.Module) -> set[int]:
+    """Indices of the decoder's linear-attention layers (Qwen3.5's Gated DeltaNet), from its config."""
+    return {i for i, kind in enumerate(getattr(decoder.config, "layer_types", None) or ()) if kind == "linear_attention"}
+
+
+def recording_cache(decoder: nn.Module) -> Cache:
+    """A cache whose layers keep what the one forward they see (a prompt's) leaves for the next
+    tokens: K/V of attention layers, the convolution and recurrent state of linear-attention ones."""
+    linear = linear_layers(decoder)
+    return Cache(layers=[_RecordingStateLayer() if i in linear else _RecordingLayer() for i in range(len(decoder.layers))])
+
+
+def prefix_cache(recorded: Cache, group: int | None, prompt_of_row: torch.Tensor) -> Cache:
+    """The completion forward's cache: every row reads its prompt's recorded K/V or state."""
+    return Cache(
+        layers=[
+            _PrefixStateLayer(layer.conv_states[0], layer.recurrent_states[0], prompt_of_row)
+            if isinstance(layer, _RecordingStateLayer)
+            else _PrefixLayer(layer.keys, layer.values, group, prompt_of_row)
+            for layer in recorded.layers
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +226,9 @@ def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
         return False, f"{template.components['llm']} ({type(decoder).__name__}) has no decoder layers"
     text_config = decoder.config
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    handled = {"full_attention", "sliding_attention"} if template.sliding_window_layers else {"full_attention"}
+    handled = {"full_attention"}
+    handled |= {"sliding_attention"} if template.sliding_window_layers else set()
+    handled |= {"linear_attention"} if template.linear_attention_layers else set()
     sliding = getattr(text_config, "use_sliding_window", False)
     if not layer_types <= handled or (sliding and not template.sliding_window_layers):
         shared = " and ".join(sorted(handled))
@@ -235,7 +299,7 @@ def shared_prefix_hidden(
 
     # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
     positions, next_position = template.prompt_positions(core, prompt_inputs)
-    recorded = recording_cache(len(decoder.layers))
+    recorded = recording_cache(decoder)
     prompt_kwargs = {k: v for k, v in prompt_inputs.items() if k != "position_ids"}
     with _cache_through_checkpointing(decoder):
         # use_cache=False: the layers use a cache that is passed in regardless, and checkpointed
@@ -257,9 +321,7 @@ def shared_prefix_hidden(
     attention_mask = torch.cat(
         [prompt_mask, completion_mask[:, :inputs].to(prompt_mask.dtype)], dim=1
     )  # [N, P + T']
-    prefix = Cache(
-        layers=[_PrefixLayer(layer.keys, layer.values, group, prompt_of_row) for layer in recorded.layers]
-    )
+    prefix = prefix_cache(recorded, group, prompt_of_row)
     # A completion is text: no media, and (Gemma3) no token_type_ids, which Gemma3Model does
     # not require; its masks then come from the cache's sizes, the sliding window included.
     # fusion modules (mmgrpo/fusion/): row i reads the memory of prompt prompt_of_row[i]

@@ -22,6 +22,13 @@ exactly this sequence (`Template.lean_decode`); `supports` then checks what the 
 could still change: plain nn.Linear projections (a LoRA-wrapped projection adds its adapters in
 its forward, which the step does not call), SiLU, no sliding window, no attention soft-capping.
 Anything else decodes through transformers.
+
+Hybrid decoders (Qwen3.5: three Gated DeltaNet layers to one gated attention layer) run here too:
+a linear-attention layer's step updates its row's short-convolution window and delta-rule state
+(`RowStates`, one copy per row: a state is small and each row's diverges from the first token);
+an attention layer whose q_proj also yields a per-head output gate multiplies the attention's
+output by its sigmoid, and rotary positions cover the part of each head the model rotates. Such
+decoders' RMSNorms hold weight offsets from 1 (`zero_centered_norm`, the template's word).
 tests/test_lean_decode.py checks tokens identical and log-probs equal to 1e-5 (fp32) against
 the transformers path.
 """
@@ -43,6 +50,24 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
+def _rms_norm_zero_centered(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Qwen3.5 / Qwen3-Next RMSNorm, op for op: all in fp32, scaled by 1 + weight."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (normed * (1.0 + norm.weight.float())).type_as(x)
+
+
+def _rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """Gated DeltaNet's output norm, op for op: RMSNorm (weight in x's dtype), then x SiLU(gate) in fp32."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
+    return (x * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -52,23 +77,30 @@ class _Layer:
     """The weights one decoder layer's step reads (plain tensors: no module calls)."""
 
     def __init__(self, layer: nn.Module):
-        attn, mlp = layer.self_attn, layer.mlp
+        mlp = layer.mlp
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.linear = getattr(layer, "linear_attn", None)  # a Gated DeltaNet layer (hybrid decoders)
+        if self.linear is not None:
+            return
+        attn = layer.self_attn
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.gqa = attn.num_key_value_groups > 1 if hasattr(attn, "num_key_value_groups") else False
+        # q_proj twice the attention's width: each head's query, then its output gate (Qwen3.5)
+        self.gated = self.q.out_features == 2 * self.o.in_features
 
 
 class LeanDecoder:
     """Decode steps of `language_model` (a Qwen-style text decoder) over a rollout's K/V, one
     `GroupedPrefixKV` per layer (see there)."""
 
-    def __init__(self, language_model: nn.Module):
+    def __init__(self, language_model: nn.Module, zero_centered_norm: bool = False):
         self.embed = language_model.embed_tokens
         self.norm = language_model.norm
+        self.rms_norm = _rms_norm_zero_centered if zero_centered_norm else _rms_norm
         self.rotary = language_model.rotary_emb
         self.layers = [_Layer(layer) for layer in language_model.layers]
         # fusion modules (mmgrpo/fusion/) after some layers: their forward hooks are not called here
@@ -82,9 +114,13 @@ class LeanDecoder:
         layers = getattr(language_model, "layers", None)
         if layers is None or not all(hasattr(language_model, a) for a in ("embed_tokens", "norm", "rotary_emb")):
             return False, f"{type(language_model).__name__} has no embed_tokens / layers / norm / rotary_emb"
-        parts = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+        parts = ("input_layernorm", "post_attention_layernorm", "mlp")
         if not all(hasattr(layer, part) for layer in layers for part in parts):
             return False, f"decoder layers lack one of {', '.join(parts)}"
+        if not all(hasattr(layer, "self_attn") or hasattr(layer, "linear_attn") for layer in layers):
+            return False, "decoder layers without self_attn (or a Gated DeltaNet linear_attn)"
+        if not all(hasattr(layer.mlp, part) for layer in layers for part in ("gate_proj", "up_proj", "down_proj")):
+            return False, "MLPs that are not SwiGLU gate/up/down projections (mixture-of-experts blocks)"
         config = language_model.config
         if getattr(config, "hidden_act", "silu") != "silu":
             return False, f"hidden_act {config.hidden_act!r} (the lean step implements SiLU)"
@@ -98,8 +134,9 @@ class LeanDecoder:
         # its adapters in forward) would be skipped silently, so anything but nn.Linear decodes
         # through transformers.
         for layer in layers:
-            for name, module in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
-                if name.endswith("_proj") and type(module) is not nn.Linear:
+            mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+            for name, module in (*mixer.named_children(), *layer.mlp.named_children()):
+                if ("_proj" in name or name.startswith("in_proj")) and type(module) is not nn.Linear:
                     return False, f"{name} is a {type(module).__name__}, not nn.Linear (LoRA adapters run in its forward)"
         return True, ""
 
@@ -121,24 +158,89 @@ class LeanDecoder:
         fusion = self.fusion
         if fusion is not None:
             fusion.continue_rows(rows)
+        norm = self.rms_norm
         for index, (layer, store) in enumerate(zip(self.layers, kv)):
-            x = _rms_norm(hidden, layer.input_norm)
-            q = F.linear(x, layer.q.weight, layer.q.bias).view(rows, 1, -1, layer.head_dim)
-            k = F.linear(x, layer.k.weight, layer.k.bias).view(rows, 1, -1, layer.head_dim)
-            v = F.linear(x, layer.v.weight, layer.v.bias).view(rows, 1, -1, layer.head_dim)
-            if layer.q_norm is not None:
-                q, k = _rms_norm(q, layer.q_norm), _rms_norm(k, layer.k_norm)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, 1, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            attended = store.attend(q, k, v, step, layer.scaling, layer.gqa)  # [N, heads * D]
-            hidden = hidden + F.linear(attended[:, None], layer.o.weight, layer.o.bias)
-            x = _rms_norm(hidden, layer.post_norm)
+            x = norm(hidden, layer.input_norm)
+            if layer.linear is not None:
+                hidden = hidden + store.step(x, layer.linear)
+            else:
+                hidden = hidden + self._attention(x, layer, store, cos, sin, step)
+            x = norm(hidden, layer.post_norm)
             x = F.silu(F.linear(x, layer.gate.weight, layer.gate.bias)) * F.linear(x, layer.up.weight, layer.up.bias)
             hidden = hidden + F.linear(x, layer.down.weight, layer.down.bias)
             if fusion is not None:
                 hidden = fusion.after_layer(index, hidden)
-        return _rms_norm(hidden, self.norm)[:, 0]  # [N, H]
+        return norm(hidden, self.norm)[:, 0]  # [N, H]
+
+    def _attention(self, x, layer: _Layer, store, cos, sin, step: int) -> torch.Tensor:
+        """An attention layer's output [N, 1, H] for normed input x [N, 1, H]."""
+        rows = x.shape[0]
+        q = F.linear(x, layer.q.weight, layer.q.bias).view(rows, 1, -1, layer.head_dim * (2 if layer.gated else 1))
+        gate = None
+        if layer.gated:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(rows, 1, -1)
+        k = F.linear(x, layer.k.weight, layer.k.bias).view(rows, 1, -1, layer.head_dim)
+        v = F.linear(x, layer.v.weight, layer.v.bias).view(rows, 1, -1, layer.head_dim)
+        if layer.q_norm is not None:
+            q, k = self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, 1, D]
+        rotated = cos.shape[-1]  # the part of each head the model rotates (all of it but for Qwen3.5's quarter)
+        if rotated == layer.head_dim:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        else:
+            q = torch.cat([q[..., :rotated] * cos + _rotate_half(q[..., :rotated]) * sin, q[..., rotated:]], dim=-1)
+            k = torch.cat([k[..., :rotated] * cos + _rotate_half(k[..., :rotated]) * sin, k[..., rotated:]], dim=-1)
+        attended = store.attend(q, k, v, step, layer.scaling, layer.gqa)[:, None]  # [N, 1, heads * D]
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
+        return F.linear(attended, layer.o.weight, layer.o.bias)
+
+
+class RowStates:
+    """One Gated DeltaNet layer's state per decoding row: the last `kernel` inputs of its short
+    convolution [N, channels, kernel] and its delta-rule state [N, value_heads, k_dim, v_dim], each
+    row's a copy of its prompt's at first. `step` runs the layer for one token per row, as
+    transformers' cached decode does (its convolution update, then the recurrent delta rule:
+    decay the state, write v - S k scaled by beta at k, read at q), updating the states in place.
+    """
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, group: int):
+        self.group = group
+        self.conv, self.recurrent = conv.repeat_interleave(group, dim=0), recurrent.repeat_interleave(group, dim=0)
+
+    def keep(self, prompts: torch.Tensor, mask=None) -> None:
+        """Only the rows of `prompts` (indices into the current batch of prompts) decode on."""
+        rows = (prompts[:, None] * self.group + torch.arange(self.group, device=prompts.device)).flatten()
+        self.conv, self.recurrent = self.conv[rows], self.recurrent[rows]
+
+    def step(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """The layer's output [N, 1, H] for normed input x [N, 1, H]."""
+        rows = x.shape[0]
+        mixed = F.linear(x, layer.in_proj_qkv.weight)[:, 0, :, None]  # [N, channels, 1]
+        z = F.linear(x, layer.in_proj_z.weight).reshape(rows, -1, layer.head_v_dim)  # [N, v_heads, dv]
+        b, a = F.linear(x, layer.in_proj_b.weight)[:, 0], F.linear(x, layer.in_proj_a.weight)[:, 0]  # [N, v_heads]
+        window = torch.cat([self.conv[..., 1:], mixed.to(self.conv.dtype)], dim=-1)  # the last `kernel` inputs
+        self.conv = window
+        mixed = F.conv1d(window.to(layer.conv1d.weight.dtype), layer.conv1d.weight, layer.conv1d.bias, groups=window.shape[1])
+        mixed = F.silu(mixed)[..., 0].to(x.dtype)  # [N, channels]
+        q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+        v_heads = layer.num_v_heads
+        q = q.reshape(rows, -1, layer.head_k_dim).repeat_interleave(v_heads // layer.num_k_heads, dim=1).float()
+        k = k.reshape(rows, -1, layer.head_k_dim).repeat_interleave(v_heads // layer.num_k_heads, dim=1).float()
+        v = v.reshape(rows, v_heads, layer.head_v_dim).float()
+        q, k = _l2norm(q), _l2norm(k)
+        q = q / (q.shape[-1] ** 0.5)
+        beta = b.sigmoid().float()[..., None]  # [N, v_heads, 1]
+        decay = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)).exp()[..., None, None]
+        state = self.recurrent.to(v) * decay  # [N, v_heads, dk, dv]
+        delta = (v - (state * k[..., None]).sum(dim=-2)) * beta
+        state = state + k[..., None] * delta[..., None, :]
+        self.recurrent = state
+        out = (state * q[..., None]).sum(dim=-2).to(x.dtype)  # [N, v_heads, dv]
+        out = _rms_norm_gated(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim), layer.norm)
+        return F.linear(out.reshape(rows, 1, -1), layer.out_proj.weight)
 
 
 class GroupedPrefixKV:

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from mmgrpo.forward.policy import final_logit_softcap, plain_call
 from mmgrpo.forward.shared_prefix import model_parts, recording_cache
@@ -62,7 +62,7 @@ from mmgrpo.rollout.base import (
     completion_mask_from_ids,
     cut_to_budgets,
 )
-from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder
+from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder, RowStates
 from mmgrpo.rollout.token_sampler import pick_tokens
 
 
@@ -96,6 +96,25 @@ class _BufferLayer(DynamicLayer):
         """Only `rows` decode on (their buffers copied, the others freed)."""
         self.key_buffer, self.value_buffer = self.key_buffer[rows], self.value_buffer[rows]
         self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+
+class _StateRowsLayer(LinearAttentionLayer):
+    """One linear-attention layer's state per decoding row, each a copy of its prompt's (Qwen3.5's
+    Gated DeltaNet: convolution inputs [N, channels, kernel], recurrent state [N, heads, k, v]);
+    transformers' single-token decode step updates both in place."""
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, group: int):
+        super().__init__()
+        self.device, self.dtype = conv.device, conv.dtype
+        self.conv_states[0] = conv.repeat_interleave(group, dim=0)
+        self.recurrent_states[0] = recurrent.repeat_interleave(group, dim=0)
+        self.conv_kernel_size[0] = conv.shape[-1]
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only `rows` decode on."""
+        self.conv_states[0], self.recurrent_states[0] = self.conv_states[0][rows], self.recurrent_states[0][rows]
 
 
 class SharedPrefixRollout(RolloutEngine):
@@ -140,7 +159,9 @@ class SharedPrefixRollout(RolloutEngine):
         self.suppress_token_ids = list(template.suppress_token_ids if suppress_token_ids is None else suppress_token_ids)
         self.call, self.scope, self.prepare = call, scope, prepare
         self.check_every, self.drop_finished = check_every, drop_finished
-        self.lean = LeanDecoder(self.decoder) if lean and lean_applies(model, template) else None
+        self.lean = None
+        if lean and lean_applies(model, template):
+            self.lean = LeanDecoder(self.decoder, zero_centered_norm=template.zero_centered_norm)
         self.separate_weights = separate_weights
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
@@ -179,7 +200,7 @@ class SharedPrefixRollout(RolloutEngine):
         # 1. prefill, once per prompt
         # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
         positions, next_position = self.template.prompt_positions(core, prompt_batch)
-        recorded = recording_cache(len(self.decoder.layers))
+        recorded = recording_cache(self.decoder)
         prompt_kwargs = {k: v for k, v in prompt_batch.items() if k != "position_ids"}
         hidden = core(
             **prompt_kwargs, position_ids=positions, past_key_values=recorded, use_cache=True
@@ -291,7 +312,10 @@ class SharedPrefixRollout(RolloutEngine):
         def full(length: int) -> torch.Tensor | None:
             return None if full_mask is None else full_mask[..., :length]
 
-        if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if "linear_attention" in layer_types:  # a decode token is never padding: no mask there
+            return lambda length: {"full_attention": full(length), "linear_attention": None}
+        if "sliding_attention" not in layer_types:
             return full
         if attention not in ("sdpa", "eager"):  # supports_shared_prefix refuses these too
             raise ValueError(f"sliding-window decode masks: sdpa and eager only, not {attention}")
@@ -316,8 +340,13 @@ class _LeanSteps:
         steps = torch.arange(max_new, device=prompt_mask.device)
         self.lean, self.group = lean, group
         self.cos, self.sin = lean.rotary_tables(position + steps, dtype)  # [N, max_new, head_dim]
-        mask = GroupedPrefixKV.group_mask(prompt_mask, group, max_new)  # one for every layer
-        self.kv = [GroupedPrefixKV(layer.keys, layer.values, group, max_new, mask) for layer in recorded.layers]
+        self.mask = mask = GroupedPrefixKV.group_mask(prompt_mask, group, max_new)  # one for every attention layer
+        self.kv = [
+            RowStates(layer.conv_states[0], layer.recurrent_states[0], group)
+            if isinstance(layer, LinearAttentionLayer)  # a Gated DeltaNet layer's state, per row
+            else GroupedPrefixKV(layer.keys, layer.values, group, max_new, mask)
+            for layer in recorded.layers
+        ]
 
     def __call__(self, token: torch.Tensor, step: int) -> torch.Tensor:
         return self.lean.step(token, self.cos[:, step], self.sin[:, step], self.kv, step)
@@ -325,9 +354,9 @@ class _LeanSteps:
     def keep(self, rows: torch.Tensor) -> None:
         prompts = rows[:: self.group] // self.group  # whole groups: every G-th row names its prompt
         self.cos, self.sin = self.cos[rows], self.sin[rows]
-        mask = self.kv[0].mask[prompts]
+        self.mask = self.mask[prompts]
         for store in self.kv:
-            store.keep(prompts, mask)
+            store.keep(prompts, self.mask)
 
 
 class _TransformersSteps:
@@ -339,7 +368,12 @@ class _TransformersSteps:
         self.decoder, self.position, self.dtype = rollout.decoder, position, dtype
         self.prompt_len, self.capacity = prompt_mask.shape[1], prompt_mask.shape[1] + max_new
         self.cache = Cache(
-            layers=[_BufferLayer(layer.keys, layer.values, group, self.capacity) for layer in recorded.layers]
+            layers=[
+                _StateRowsLayer(layer.conv_states[0], layer.recurrent_states[0], group)
+                if isinstance(layer, LinearAttentionLayer)
+                else _BufferLayer(layer.keys, layer.values, group, self.capacity)
+                for layer in recorded.layers
+            ]
         )
         self.row_mask = prompt_mask.repeat_interleave(group, dim=0)  # [N, P]
         self.masks = rollout._step_masks

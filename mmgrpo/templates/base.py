@@ -110,15 +110,22 @@ class Template:
     #   `prompt_positions`, the text decoder at components["llm"];
     # - sliding_window_layers: the decoder mixes full and sliding-window layers and takes a
     #   {layer type: mask} mapping (Gemma3); decoders with sliding layers otherwise run naive;
+    # - linear_attention_layers: the decoder mixes full attention and linear-attention layers that
+    #   keep their state in transformers' linear-attention cache layers (Qwen3.5's Gated DeltaNet):
+    #   the prompt's convolution and recurrent state are shared as K/V are;
     # - lean_decode: every decoder layer's forward is RMSNorm -> q/k/v (+ per-head q/k RMSNorm) ->
     #   RoPE -> attention -> o_proj -> residual -> RMSNorm -> SwiGLU MLP -> residual, so rollouts may
-    #   run it as the lean step (mmgrpo/rollout/lean_decode.py) on the layers' weights.
+    #   run it as the lean step (mmgrpo/rollout/lean_decode.py) on the layers' weights (hybrid
+    #   decoders too: Gated DeltaNet layers in place of attention, gated attention);
+    # - zero_centered_norm: the decoder's RMSNorms scale by 1 + weight, in fp32 (Qwen3.5), for the lean step.
     # The most pixels an image gets when --max_pixels is not given and the checkpoint's processor allows
     # more (Qwen2.5-VL's allows 12.8M: one photo becomes 16k visual tokens): None keeps the processor's.
     default_max_pixels: int | None = None
     shared_prefix: bool = False
     sliding_window_layers: bool = False
+    linear_attention_layers: bool = False
     lean_decode: bool = False
+    zero_centered_norm: bool = False
     # vLLM loads a family's weights by the names of its original Hugging Face checkpoints. Where
     # transformers names them otherwise (in memory, or in a folder it saved) and vLLM's model class
     # does not map them itself, these (regex, replacement) rules rename them, applied in order, for

