@@ -6,7 +6,7 @@ checkpoints): the chunked LM head caps the logits as transformers' forward does.
   - tiny:gemma4 with a cap of 0.5 (its logits reach about +-1, so the cap matters; a copy of the
     tiny checkpoint whose config.json sets it): Policy log-probs equal generate(output_logits=True)
     scores for a left-padded batch and are far from the uncapped ones; the gradients equal
-    autograd through `model(...).logits`; its rollout engine (HFRollout) decodes greedily as
+    autograd through `model(...).logits`; its rollout engines (HFRollout, SharedPrefixRollout) decode greedily as
     generate; one GRPO step trains;
   - Gemma3's multimodal forward applies no cap even where its config sets one, and neither does
     its Policy (`Template.logit_softcap_field`); where a shared-prefix family caps, the
@@ -175,12 +175,13 @@ def test_gemma4_rollout_engine_decodes_as_generate(gemma4_capped):
     with torch.no_grad():
         expected = model.generate(**batch, max_new_tokens=5, do_sample=False, suppress_tokens=template.suppress_token_ids,
                                   eos_token_id=template.eos_token_ids, pad_token_id=template.completion_pad_id)
-    engine = HFRollout(model, template)  # Gemma 4's engine: its logits come from the model's forward, capped
-    rollout = engine.generate(prompts, SamplingParams(num_generations=2, max_new_tokens=5, greedy=True))
-    got = rollout.completion_ids[::2]
-    width = got.shape[1]
-    assert torch.equal(got, expected[:, batch["input_ids"].shape[1]:][:, :width].masked_fill(rollout.completion_mask[::2] == 0,
-                                                                                             template.completion_pad_id))
+    # HFRollout: the logits come from the model's forward, capped; SharedPrefixRollout caps its LM head's itself
+    for engine in (HFRollout(model, template), SharedPrefixRollout(model, template)):
+        rollout = engine.generate(prompts, SamplingParams(num_generations=2, max_new_tokens=5, greedy=True))
+        got = rollout.completion_ids[::2]
+        width = got.shape[1]
+        assert torch.equal(got, expected[:, batch["input_ids"].shape[1]:][:, :width].masked_fill(
+            rollout.completion_mask[::2] == 0, template.completion_pad_id)), type(engine).__name__
 
 
 def test_one_grpo_step_trains_the_capped_gemma4(gemma4_capped, tmp_path):

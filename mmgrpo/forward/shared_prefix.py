@@ -153,15 +153,18 @@ def recording_cache(decoder: nn.Module) -> Cache:
 
 
 def prefix_cache(recorded: Cache, group: int | None, prompt_of_row: torch.Tensor) -> Cache:
-    """The completion forward's cache: every row reads its prompt's recorded K/V or state."""
-    return Cache(
-        layers=[
-            _PrefixStateLayer(layer.conv_states[0], layer.recurrent_states[0], prompt_of_row)
-            if isinstance(layer, _RecordingStateLayer)
-            else _PrefixLayer(layer.keys, layer.values, group, prompt_of_row)
-            for layer in recorded.layers
-        ]
-    )
+    """The completion forward's cache: every row reads its prompt's recorded K/V or state. A layer
+    that recorded nothing (Gemma 4's KV-shared layers read an earlier layer's K/V, which that
+    layer's update returns whole) stays empty."""
+
+    def layer_of(layer):
+        if isinstance(layer, _RecordingStateLayer):
+            return _PrefixStateLayer(layer.conv_states[0], layer.recurrent_states[0], prompt_of_row)
+        if not layer.is_initialized:
+            return DynamicLayer()
+        return _PrefixLayer(layer.keys, layer.values, group, prompt_of_row)
+
+    return Cache(layers=[layer_of(layer) for layer in recorded.layers])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +236,8 @@ def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
     if not layer_types <= handled or (sliding and not template.sliding_window_layers):
         shared = " and ".join(sorted(handled))
         return False, f"layer types {sorted(layer_types)}: template {template.name!r} shares only {shared} layers"
-    if getattr(text_config, "use_bidirectional_attention", False):
+    bidirectional = getattr(text_config, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":  # "vision": within a prompt's image blocks only (Gemma 4)
         return False, "bidirectional text attention (use_bidirectional_attention) cannot decode from a prefix"
     attention = text_config._attn_implementation
     if attention not in SUPPORTED_ATTENTION:

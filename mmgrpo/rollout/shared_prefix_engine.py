@@ -117,6 +117,13 @@ class _StateRowsLayer(LinearAttentionLayer):
         self.conv_states[0], self.recurrent_states[0] = self.conv_states[0][rows], self.recurrent_states[0][rows]
 
 
+class _EmptyLayer(DynamicLayer):
+    """A layer that keeps no K/V of its own (it reads another layer's); nothing to drop."""
+
+    def keep(self, rows: torch.Tensor) -> None:
+        pass
+
+
 class SharedPrefixRollout(RolloutEngine):
     """B prompts -> B x G completions, each prompt's media and prefill computed once.
 
@@ -372,6 +379,8 @@ class _TransformersSteps:
                 _StateRowsLayer(layer.conv_states[0], layer.recurrent_states[0], group)
                 if isinstance(layer, LinearAttentionLayer)
                 else _BufferLayer(layer.keys, layer.values, group, self.capacity)
+                if layer.is_initialized
+                else _EmptyLayer()  # Gemma 4's KV-shared layers read an earlier layer's K/V
                 for layer in recorded.layers
             ]
         )
