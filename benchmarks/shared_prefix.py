@@ -1,7 +1,9 @@
 """Group-shared prefix against the naive paths, on a tiny random model, alternating A/B runs.
 
-    python benchmarks/shared_prefix.py [--family qwen2-vl] [--image_size 448] [--num_prompts 1] \
+    python benchmarks/shared_prefix.py [--family qwen2-vl[,qwen3.5,...]] [--image_size 448] [--num_prompts 1] \
         [--num_generations 8] [--max_new_tokens 32] [--repeats 5] [--threads 1]
+
+Several families (comma-separated) run one after the other in one invocation and end in one table.
 
 Times HF generate against the shared-prefix rollout (mmgrpo/rollout/shared_prefix_engine.py: each prompt
 prefilled once for its G samples, lean decode steps), and the naive log-prob forward + backward
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     backward, on a tiny random model, alternating A/B runs; prints the median ratios."""
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--family", default="qwen2-vl", help="tiny model family (tiny:<family>)")
+    parser.add_argument("--family", default="qwen2-vl", help="tiny model family (tiny:<family>), or several, comma-separated")
     parser.add_argument("--model", default=None, help="a checkpoint folder instead of the tiny model")
     parser.add_argument(
         "--image_size", type=int, default=448, help="square image side; max_pixels is set to fit it"
@@ -46,10 +48,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
+    families = args.family.split(",")
+    if args.model and len(families) > 1:
+        parser.error("--model names one checkpoint: give one --family with it")
+    rows = [(family, _measure(family, args)) for family in families]
+    if len(rows) > 1:
+        print("\n| family | rollout: HF generate / shared prefix | log-prob forward+backward: naive / shared |")
+        print("|---|---|---|")
+        for family, result in rows:
+            cells = [f"{a:.3f} s / {b:.3f} s = {ratio:.2f}x" for a, b, ratio in result.values()]
+            print(f"| `{family}` | " + " | ".join(cells) + " |")
 
-    path = args.model or f"tiny:{args.family}"
+
+def _measure(family: str, args) -> dict:
+    """Both comparisons on one family: {name: (median s of A, median s of B, median A/B ratio)}."""
+    path = args.model or f"tiny:{family}"
     model, processor = load_model(path), load_processor(path)
-    template = get_template(args.family, processor, max_pixels=args.image_size**2)
+    template = get_template(family, processor, max_pixels=args.image_size**2)
     pixels = np.random.RandomState(0).randint(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
     takes_images = "image" in template.modalities  # else a text prompt (Qwen2, Qwen2-Audio)
     question = ("<image>" if takes_images else "") + "How many red circles?"
@@ -77,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
         fn()
         return time.perf_counter() - wall, time.process_time() - cpu
 
+    results = {}
+
     def compare(name: str, runs: dict) -> None:
         for fn in runs.values():  # warm-up
             fn()
@@ -92,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{name}: {a} {wall[a]:.3f} s (cpu {cpu[a]:.3f}), {b} {wall[b]:.3f} s (cpu {cpu[b]:.3f}); "
             f"speedup {statistics.median(ratios):.2f}x (pairs {min(ratios):.2f}-{max(ratios):.2f})"
         )
+        results[name] = (wall[a], wall[b], statistics.median(ratios))
 
     rollout = backends["shared"].generate(prompts, params)
     compare("rollout", {k: (lambda b=b: b.generate(prompts, params)) for k, b in backends.items()})
@@ -116,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         "log-prob forward+backward",
         {"naive": lambda: logprob_step(False), "shared": lambda: logprob_step(True)},
     )
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,314 @@
+"""Sequence parallelism (Ulysses): one row's tokens split across the N ranks of a group.
+
+A long video row (tens of thousands of prompt tokens) is what runs a device out of memory in the
+log-prob and update forwards: every decoder layer keeps activations for every token. Here the
+decoder runs on 1/N of the tokens per rank:
+
+    backbone:   media towers, embeddings and 3-D mRoPE positions on the whole row   (every rank)
+    split:      inputs_embeds and position_ids cut into N contiguous slices         (rank r: slice r)
+    each layer: norms, projections, MLP on the rank's slice; attention exchanges heads for tokens
+                with one all-to-all (queries, keys, values: [B, H, S/N, D] -> [B, H/N, S, D]),
+                runs SDPA over the whole row for its H/N heads, and exchanges back
+    log-probs:  each rank scores the completion tokens its slice predicts; one sum over the group
+                gives every rank the row's log-probs [N_rows, T]
+
+Positions are computed on the whole row before the split, so the mRoPE positions of an image
+token do not depend on the slice it lands in (the breakage peers report when positions are
+computed per slice). The attention mask (causal over the row, padding from the row's own mask) is
+built once per forward from the whole row's mask, not from the slice.
+
+Gradients: a rank's backward reaches the parameters through its own slice only (attention's
+all-to-all carries the other slices' share of its keys and values back to them), so the group's
+gradients must be summed (`sum_gradients`): the sum equals one process's gradient of the whole
+row. Under data parallelism over the same ranks (FSDP2 averages over the world) a sum within the
+group is a loss scaled by N.
+
+    group = new_sequence_group(2)                                 # ranks 0-1, 2-3, ... of the world
+    with ulysses(model, template, group):
+        logps = sequence_parallel_logprobs(model, template, inputs, prompt_len, completion_ids)
+    logps.sum().backward(); sum_gradients(model, group)
+
+The vision tower still runs on the whole row on every rank (its share per rank: a next step).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mmgrpo.forward.shared_prefix import model_parts
+
+ATTENTION = "mmgrpo_ulysses"  # the decoder's attention implementation while a split forward runs
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 (equal chunks, chunk i to rank i); its backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)  # contiguous like x: the exchange writes memory in order
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The group's sum of each rank's part; every rank then computes the same loss from it, so a
+    rank's gradient of its part is the loss's gradient itself (no second sum)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _Split:
+    """The state of one split forward: the group, the row's padded length, this rank's slice and the
+    whole row's attention mask."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.mask = None  # [B, 1, L, L] bool, True = attend
+        self.valid = None  # [B, L]: 1 at the row's tokens
+        self.length = self.start = self.end = 0
+
+    def cut(self, full_length: int) -> None:
+        self.length = -(-full_length // self.size) * self.size  # padded to a multiple of N
+        local = self.length // self.size
+        self.start, self.end = self.rank * local, (self.rank + 1) * local
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, S/N, D] (this rank's tokens, all heads) -> [B, H/N, S, D] (all tokens, its heads)."""
+        batch, heads, local, dim = x.shape
+        x = x.view(batch, self.size, heads // self.size, local, dim).transpose(0, 1)  # [N, B, H/N, S/N, D]
+        x = _AllToAll.apply(x, self.group)  # chunk s now holds rank s's tokens
+        return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * local, dim)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H/N, S, D] -> [B, H, S/N, D], the inverse exchange."""
+        batch, part, length, dim = x.shape
+        x = x.view(batch, part, self.size, length // self.size, dim).permute(2, 0, 1, 3, 4)  # [N, B, H/N, S/N, D]
+        x = _AllToAll.apply(x, self.group)  # chunk s now holds head group s of this rank's tokens
+        return x.transpose(0, 1).reshape(batch, self.size * part, length // self.size, dim)
+
+
+_active: _Split | None = None
+
+
+def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-interface signature: query [B, H, S/N, D], key/value [B, H_kv, S/N, D]
+    -> ([B, S/N, H, D], None). `attention_mask` (built for the slice) is ignored: the whole row's is used."""
+    split = _active
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads % split.size:  # too few K/V heads to split: each query head's own copy
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+    q, k, v = split.seq_to_heads(query), split.seq_to_heads(key), split.seq_to_heads(value)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=split.mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # [B, H/N, S, D]
+    return split.heads_to_seq(out).transpose(1, 2).contiguous(), None
+
+
+def _linear_attention(module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """A Gated DeltaNet layer (Qwen3.5) on this rank's slice: the layer is exact only over the whole
+    row (its short convolution reads the previous tokens, its delta rule carries a state through
+    them), and its heads are independent, so it exchanges channels for tokens as attention does:
+    each rank convolves and runs the delta rule over the whole row for 1/N of the heads (its query,
+    key and value channels, its decay and beta), then the heads come back to their tokens for the
+    gated norm and the output projection. The layer's own convolution and chunked delta-rule
+    functions run (transformers' kernels where installed)."""
+    import sys
+
+    split, kernels = _active, sys.modules[type(module).__module__]
+    size, batch, local = split.size, hidden_states.shape[0], hidden_states.shape[1]
+    hidden_states = hidden_states * split.valid[:, split.start : split.end, None].to(hidden_states.dtype)
+    k_heads, v_heads, dk, dv = module.num_k_heads // size, module.num_v_heads // size, module.head_k_dim, module.head_v_dim
+    q, k, v = torch.split(module.in_proj_qkv(hidden_states), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    parts = [q.view(batch, local, size, k_heads * dk), k.view(batch, local, size, k_heads * dk),
+             v.view(batch, local, size, v_heads * dv), module.in_proj_b(hidden_states).view(batch, local, size, v_heads),
+             module.in_proj_a(hidden_states).view(batch, local, size, v_heads)]  # fmt: skip
+    # [B, S/N, N, c] -> [B, N, S/N, c] -> [B, 1, S, c]: this rank's head group over the whole row
+    mine = split.seq_to_heads(torch.cat(parts, dim=-1).transpose(1, 2))[:, 0]  # [B, S, c]
+    q, k, v, b, a = torch.split(mine, [k_heads * dk, k_heads * dk, v_heads * dv, v_heads, v_heads], dim=-1)
+    rank = split.rank
+    channels = torch.cat([  # this rank's channels of the depthwise convolution: its q, k and v heads
+        torch.arange(rank * k_heads * dk, (rank + 1) * k_heads * dk),
+        module.key_dim + torch.arange(rank * k_heads * dk, (rank + 1) * k_heads * dk),
+        2 * module.key_dim + torch.arange(rank * v_heads * dv, (rank + 1) * v_heads * dv),
+    ]).to(hidden_states.device)
+    bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
+    mixed = kernels.causal_conv1d_fn(torch.cat([q, k, v], dim=-1).transpose(1, 2),
+                                     module.conv1d.weight[channels].squeeze(1), bias, activation=module.activation)
+    q, k, v = torch.split(mixed.transpose(1, 2), [k_heads * dk, k_heads * dk, v_heads * dv], dim=-1)
+    length = q.shape[1]
+    heads = slice(rank * v_heads, (rank + 1) * v_heads)
+    g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
+    group = v_heads // k_heads  # each key head serves `group` consecutive value heads
+    out, _ = kernels.torch_chunk_gated_delta_rule(
+        q.reshape(batch, length, k_heads, dk).repeat_interleave(group, dim=2),
+        k.reshape(batch, length, k_heads, dk).repeat_interleave(group, dim=2),
+        v.reshape(batch, length, v_heads, dv), g=g, beta=b.sigmoid(), initial_state=None,
+        output_final_state=False, use_qk_l2norm_in_kernel=True,
+    )  # [B, S, v_heads/N, dv]
+    out = split.heads_to_seq(out.reshape(batch, 1, length, v_heads * dv))  # [B, N, S/N, v_heads/N * dv]
+    out = out.transpose(1, 2).reshape(-1, dv)  # each token's heads in order
+    z = module.in_proj_z(hidden_states).reshape(-1, dv)
+    return module.out_proj(module.norm(out, z).reshape(batch, local, -1))
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _ulysses_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+
+
+def row_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, 1, L, L] bool (True = attend) of rows whose 2D mask is attention_mask [B, S], padded to
+    L >= S: causal, padded keys hidden. A query that would see no key (left padding, the split's
+    own padding) sees itself, so no row of the softmax is empty; its output is never scored."""
+    batch, seq = attention_mask.shape
+    valid = F.pad(attention_mask.bool(), (0, length - seq), value=False)  # [B, L]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    keep = causal[None] & valid[:, None, :]  # [B, L, L]
+    keep |= torch.eye(length, dtype=torch.bool, device=valid.device)[None] & ~keep.any(-1, keepdim=True)
+    return keep[:, None]
+
+
+def check_heads(model: nn.Module, template, size: int) -> None:
+    """A start-up error unless `size` divides the decoder's attention heads (and a hybrid decoder's
+    linear-attention key and value heads)."""
+    _, decoder = model_parts(model, template)
+    config = decoder.config
+    for field in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(config, field, None)
+        if heads and heads % size:
+            raise ValueError(f"--sequence_parallel_size {size} does not divide the decoder's {heads} heads ({field})")
+
+
+@contextmanager
+def ulysses(model: nn.Module, template, group):
+    """Within it, the backbone's text decoder runs on this rank's slice of each row (see the module
+    docstring); its output last_hidden_state is that slice, positions `split.start:split.end` of the
+    row padded to a multiple of N. Yields the split (its `start`, `end`, `length` are set by each forward)."""
+    global _active
+    _register()
+    _, decoder = model_parts(model, template)
+    check_heads(model, template, dist.get_world_size(group))
+    split = _Split(group)
+
+    def before(module, args, kwargs):
+        embeds = kwargs["inputs_embeds"]  # the backbone merged the media into the embeddings
+        full = embeds.shape[1]
+        split.cut(full)
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        split.mask = row_mask(mask, split.length)
+        split.valid = F.pad(mask, (0, split.length - full))  # [B, L]: the row's tokens (linear layers zero the rest)
+        kwargs["inputs_embeds"] = F.pad(embeds, (0, 0, 0, split.length - full))[:, split.start : split.end]
+        positions = kwargs.get("position_ids")  # [B, S] or [3|4, B, S], computed on the whole row
+        if positions is None:  # a 1-D RoPE decoder would count its slice from 0
+            positions = torch.arange(full, device=embeds.device).expand(embeds.shape[0], full)
+        # the split's padding positions are never scored and attend to themselves only
+        kwargs["position_ids"] = F.pad(positions, (0, split.length - full))[..., split.start : split.end]
+        kwargs["attention_mask"] = None
+        visual = kwargs.get("visual_pos_masks")  # Qwen3-VL's deepstack: features added at the visual positions
+        if visual is not None:
+            mine = F.pad(visual, (0, split.length - full))[:, split.start : split.end]  # [B, S/N]
+            in_slice = torch.zeros_like(visual)
+            in_slice[:, split.start : split.end] = True
+            keep = in_slice[visual]  # of the row's visual tokens (in the order the features are), those in the slice
+            kwargs["visual_pos_masks"] = mine
+            kwargs["deepstack_visual_embeds"] = [embeds[keep] for embeds in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    config = decoder.config
+    saved = config._attn_implementation
+    handle = decoder.register_forward_pre_hook(before, with_kwargs=True)
+    linear = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
+    for module in linear:
+        module.forward = partial(_linear_attention, module)  # an instance attribute, removed below
+    config._attn_implementation = ATTENTION
+    _active = split
+    try:
+        yield split
+    finally:
+        _active = None
+        config._attn_implementation = saved
+        handle.remove()
+        for module in linear:
+            del module.forward
+
+
+def sequence_parallel_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, split: _Split,
+                               prompt_len: int, completion_ids: torch.Tensor, **logprob_kwargs) -> torch.Tensor:
+    """The row's completion log-probs [B, T] from this rank's slice of final hidden states
+    hidden [B, S/N, H]: the rank scores the tokens its positions predict (position prompt_len - 1 + t
+    predicts completion token t), the group's sum fills in the rest, on every rank."""
+    from mmgrpo.grpo.logprobs import completion_logprobs
+
+    batch, length = completion_ids.shape
+    offset = prompt_len - 1  # position offset + t predicts completion token t
+    first, last = max(split.start, offset), min(split.end, offset + length)  # the slice's predicting positions
+    if last > first:
+        targets = completion_ids[:, first - offset : last - offset]
+        logps, _ = completion_logprobs(hidden[:, first - split.start : last - split.start], lm_head_weight, targets,
+                                       **logprob_kwargs)
+        part = F.pad(logps.float(), (first - offset, offset + length - last))  # [B, T], zeros elsewhere
+    else:  # no completion token in this slice: zeros that still hang on its hidden states
+        part = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0
+    return _SumOverGroup.apply(part, split.group)
+
+
+def sum_gradients(model: nn.Module, group) -> None:
+    """Sum each trainable parameter's gradient over the sequence-parallel group (see the module
+    docstring). A parameter this rank's slice never reached (the LM head on a slice of prompt tokens
+    only) takes part with zeros: every rank makes the same calls."""
+    for param in model.parameters():
+        if param.requires_grad:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+
+
+def new_sequence_group(size: int):
+    """This rank's sequence-parallel group: consecutive ranks [k * size, (k + 1) * size) of the world.
+    Every rank creates every group (torch.distributed's rule); a start-up error unless size divides
+    the world size."""
+    world = dist.get_world_size()
+    if size < 1 or world % size:
+        raise ValueError(f"--sequence_parallel_size {size} does not divide the world size {world}")
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

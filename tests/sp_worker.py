@@ -1,0 +1,72 @@
+"""One rank of the sequence-parallel checks (tests/test_sequence_parallel.py), launched by torchrun:
+
+    python -m torch.distributed.run --standalone --nproc_per_node N tests/sp_worker.py FAMILY OUT
+
+Every rank runs the naive forward of the whole batch in one process (the reference) and then the
+same batch split across the ranks (Ulysses); it writes the largest differences of the log-probs
+and of the group-summed gradients to OUT/rank<r>.json.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_shared_prefix import GROUP, _completions, _prompts  # noqa: E402
+
+from mmgrpo.grpo.logprobs import completion_logprobs  # noqa: E402
+from mmgrpo.models import load_model, load_processor  # noqa: E402
+from mmgrpo.models.tiny import build_tiny  # noqa: E402
+from mmgrpo.parallel.sequence import new_sequence_group, sequence_parallel_logprobs, sum_gradients, ulysses  # noqa: E402
+from mmgrpo.templates import get_template  # noqa: E402
+
+KINDS = {"qwen3.5": ("video", "two_images")}
+
+
+def main(family: str, out: str) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    path = str(build_tiny(family))
+    model = load_model(path, dtype=torch.float32)
+    template = get_template(family, load_processor(path))
+    backbone = model.get_submodule(template.components["backbone"])
+    batch = template.collate(_prompts(template, KINDS.get(family, ("video", "two_images"))))
+    ids, mask = _completions(2)
+    repeated = template.repeat_rows(batch, GROUP)
+    inputs = template.forward_inputs(repeated, ids, mask, model=model)
+    prompt_len = batch["input_ids"].shape[1]
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads():
+        found = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+        model.zero_grad(set_to_none=True)
+        return found
+
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
+    expected, _ = completion_logprobs(hidden, model.lm_head.weight, ids)
+    ((expected * mask) * weights).sum().backward()
+    expected_grads = grads()
+
+    group = new_sequence_group(dist.get_world_size())
+    with ulysses(model, template, group) as split:
+        local = backbone(**inputs, use_cache=False).last_hidden_state
+        got = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
+    ((got * mask) * weights).sum().backward()
+    sum_gradients(model, group)
+    got_grads = grads()
+    result = {
+        "rows": int(ids.shape[0]), "row_length": split.length, "slice": [split.start, split.end],
+        "logps": float(((got - expected) * mask).abs().max()),
+        "grads": {name: float((got_grads[name] - g).abs().max() / max(1.0, float(g.abs().max())))
+                  for name, g in expected_grads.items()},
+        "missing": sorted(set(expected_grads) - set(got_grads)),
+    }  # fmt: skip
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
