@@ -107,6 +107,22 @@ def test_the_model_type_is_inferred_from_the_thinker_and_the_full_checkpoint(pat
     assert infer_model_type(path) == infer_model_type(str(full)) == FAMILY
 
 
+@pytest.mark.parametrize("family", ["qwen3-omni", "qwen2.5-omni"])
+def test_a_transformers_that_holds_the_towers_elsewhere_stops_the_run(family, monkeypatch):
+    """transformers 5.19 (vLLM's venv; tests/test_vllm_families.py meets it for real) has no thinker
+    model class holding the towers: the policy's forward would skip them, so training and evaluation
+    stop at start-up naming the family and the version to install."""
+    from mmgrpo.errors import ConfigError
+    from mmgrpo.models.loading import load_template
+    from mmgrpo.templates.base import template_class
+
+    assert not load_template(f"tiny:{family}", None)[2].transformers_problem  # 5.23 here: it runs
+    module, _ = template_class(family).thinker_model
+    monkeypatch.setattr(template_class(family), "thinker_model", (module, "AThinkerModelThisVersionLacks"))
+    with pytest.raises(ConfigError, match=rf"--model_type {family}: transformers .* towers .*'transformers>=5\.23'"):
+        load_template(f"tiny:{family}", None)
+
+
 def test_a_full_checkpoint_loads_its_thinker(tmp_path, path, model, processor):
     """A user's checkpoint is the whole Qwen3-Omni (thinker + talker + code2wav, `thinker.*` beside
     `talker.*` and `code2wav.*`): its thinker loads, the rest is left on disk."""

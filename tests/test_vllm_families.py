@@ -255,6 +255,10 @@ def test_qwen3_omnis_thinker_matches_transformers_before_and_after_a_sync():
     if template.vllm_mismatch:  # transformers 5.19
         with pytest.raises(ConfigError, match=r"'qwen3-omni' from another model than the policy: transformers .* towers"):
             VLLMColocateRollout(path, template, max_model_len=2048)
+        from mmgrpo.models.loading import load_template
+
+        with pytest.raises(ConfigError, match=r"--model_type qwen3-omni: transformers 5\.19.* towers"):
+            load_template(path, None)  # nor does training or evaluation run without vLLM
     model = load_model(path, template=template)
     cases = [case for case in CASES if case not in WITH_SOUND]
     prompts = [template.encode_prompt(omni_case(case)) for case in cases]

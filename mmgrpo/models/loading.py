@@ -287,6 +287,9 @@ def load_template(
         max_pixels = bounded_max_pixels(processor, template_class(model_type).default_max_pixels)
     keep_pixel_limits(processor, min_pixels, max_pixels)
     template = get_template(model_type, processor, min_pixels=min_pixels, max_pixels=max_pixels, **options)
+    if template.transformers_problem:
+        raise ConfigError(f"--model_type {model_type}: {template.transformers_problem}. Install transformers 5.23 or "
+                          "later (pip install -U 'transformers>=5.23') to train or evaluate it")
     template.bind_checkpoint(checkpoint_path(path))  # the generic path finds the model's parts
     return path, processor, template
 

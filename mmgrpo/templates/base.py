@@ -141,6 +141,10 @@ class Template:
     # measured fact, with its figure): said in an error at start-up, as vLLM would sample from
     # another model than the policy. Checks of prompt ids and weight names turn it off.
     vllm_mismatch: str = ""
+    # Why the installed transformers cannot run the policy's forward of this family (its modelling
+    # code holds the parts elsewhere than the template's components say): a run stops at start-up
+    # (`load_template`) instead of training on what a forward that skips a part computes.
+    transformers_problem: str = ""
     # Keys vLLM's processor of the family reads from each video's metadata beyond transformers'
     # VideoMetadata fields (GLM-4V's: do_sample_frames), sent with every video to vLLM.
     vllm_video_metadata: dict = {}

@@ -210,7 +210,7 @@ class Qwen2_5OmniTemplate(Template):
         return {**full, "architectures": ["Qwen2_5OmniModel"]}
 
     @property
-    def vllm_mismatch(self) -> str:
+    def transformers_problem(self) -> str:
         """Where the installed transformers (5.19, vLLM's venv) holds the thinker's towers beside its `model`
         (5.23 holds them inside), the policy's forward, which runs `model` as its backbone, skips them."""
         import importlib
@@ -222,8 +222,13 @@ class Qwen2_5OmniTemplate(Template):
             return ""
         return (f"transformers {transformers.__version__} holds the thinker's vision and audio towers beside its "
                 "`model`, which the policy's forward runs as its backbone, so on prompts with media the policy's "
-                "log-probs are not the thinker's that vLLM computes (0.1 to 0.9 nat per token on the tiny models; "
+                "log-probs are not the thinker's (0.1 to 0.9 nat per token on the tiny models against vLLM's; "
                 "text alone agrees); transformers 5.23 holds them inside")
+
+    @property
+    def vllm_mismatch(self) -> str:
+        """The policy's own problem (`transformers_problem`): vLLM's log-probs are the thinker's, the policy's not."""
+        return self.transformers_problem
 
     def vllm_prompt_problem(self, prompt) -> str | None:
         if self.use_audio_in_video and prompt.audios:
