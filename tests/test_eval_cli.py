@@ -281,3 +281,21 @@ def test_eval_runs_the_model_in_the_dtype_asked_and_names_what_it_cannot(tmp_pat
         assert "flash_attention_2" in refused("--attn_implementation", "flash_attention_2")
     assert refused("--torch_dtype", "half").endswith("--torch_dtype 'half': give auto, bfloat16, float16, float32.")
     assert not (tmp_path / "refused").exists()
+
+
+def test_use_vllm_without_vllm_or_with_the_probe_is_one_line(tmp_path, capsys, tiny_qwen2_vl_path):
+    """`eval --use_vllm` where vLLM is not installed names how to get it (or to leave the flag out);
+    bad vLLM sizes name their flag; all before a model loads."""
+    import importlib.util
+
+    def refused(*flags) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            _eval(tiny_qwen2_vl_path, tmp_path / "refused", "--limit", "2", *flags)
+        assert exit_.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    if importlib.util.find_spec("vllm") is None:
+        assert "leave --use_vllm out to generate with transformers" in refused("--use_vllm")
+    assert "--vllm_gpu_memory_utilization 1.5: a share in (0, 1]" in refused("--vllm_gpu_memory_utilization", "1.5")
+    assert "--vllm_max_model_len 0: must be at least 1" in refused("--vllm_max_model_len", "0")
+    assert not (tmp_path / "refused").exists()

@@ -146,10 +146,12 @@ def eval_device_and_dtype(device: str = "auto", torch_dtype: str = "auto") -> tu
 
 def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, min_pixels=None, template_plugin=(),
                   device: str = "auto", torch_dtype: str = "auto", attn_implementation: str = "sdpa",
-                  **template_options):
+                  vllm: dict | None = None, **template_options):
     """(rollout engine, template) of a model folder (or tiny:<family>), for evaluation: the same
     load sequence as training (`load_template`), the model on `device` in `torch_dtype`
     (`eval_device_and_dtype`: a GPU in bfloat16 when there is one), the engine `build_rollout_engine` picks.
+    vllm: generate with a colocated vLLM engine instead ({"max_model_len": ..., "gpu_memory_utilization": ...,
+    "kv_cache_memory_bytes": ...}); it loads the checkpoint itself, in `torch_dtype`.
     template_options: family options such as Qwen2.5-Omni's use_audio_in_video, video_fps, video_nframes."""
     from mmgrpo.forward.policy import Policy
     from mmgrpo.models.loading import check_attention, load_model, load_template
@@ -159,6 +161,17 @@ def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, m
     check_attention(attn_implementation)
     path, _, template = load_template(model_path, model_type, template_plugin=template_plugin,
                                       min_pixels=min_pixels, max_pixels=max_pixels, **template_options)
+    if vllm is not None:
+        from mmgrpo.rollout.vllm_colocate import VLLMColocateRollout
+
+        if vllm.get("max_model_len") is None:  # the model's positions, at most 8192 tokens of prompt + completion
+            from transformers import AutoConfig
+
+            text = AutoConfig.from_pretrained(path).get_text_config()
+            vllm = {**vllm, "max_model_len": min(getattr(text, "max_position_embeddings", None) or 8192, 8192)}
+
+        console.print(f"evaluating {model_path} ({template.name}) with vLLM in {str(dtype).removeprefix('torch.')}")
+        return VLLMColocateRollout(path, template, dtype=str(dtype).removeprefix("torch."), **vllm), template
     model = load_model(path, dtype, template=template, attn_implementation=attn_implementation).to(where).eval()
     console.print(f"evaluating {model_path} ({template.name}) on {where} in {str(dtype).removeprefix('torch.')}, "
                   f"{attn_implementation} attention")
@@ -193,6 +206,15 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch_dtype", default="auto",
                    help="The model's precision: auto (bfloat16 on a GPU that has it, float16 on one that has not, float32 "
                    "on the CPU), bfloat16, float16 or float32.")
+    p.add_argument("--use_vllm", action="store_true",
+                   help="Generate with vLLM (colocated, its own copy of the checkpoint) instead of transformers; the "
+                   "same prompts, greedy answers as transformers' up to ties (docs/evaluation.md).")
+    p.add_argument("--vllm_max_model_len", type=int, default=None,
+                   help="--use_vllm: longest prompt + completion (default: the model's positions, at most 8192).")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
+                   help="--use_vllm on a GPU: the share of its memory vLLM takes (default 0.9: eval has the GPU alone).")
+    p.add_argument("--vllm_kv_cache_memory_bytes", type=int, default=None,
+                   help="--use_vllm: vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB).")
     p.add_argument("--attn_implementation", default="sdpa",
                    help="sdpa (default), eager, flash_attention_2 (flash-attn, CUDA), flash_attention_3, flex_attention.")
     p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
@@ -217,6 +239,20 @@ def check_counts(args) -> None:
                           "temperature > 0 (greedy decoding is --num_samples 1).")
     if args.video_fps is not None and not (math.isfinite(args.video_fps) and args.video_fps > 0):
         raise ConfigError(f"--video_fps {args.video_fps}: give frames per second > 0.")
+    for flag in ("vllm_max_model_len", "vllm_kv_cache_memory_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag} {getattr(args, flag)}: must be at least 1.")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization}: a share in (0, 1].")
+    if args.use_vllm:
+        import importlib.util
+
+        from mmgrpo.rollout.vllm_requests import INSTALL_HINT
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{INSTALL_HINT}; or leave --use_vllm out to generate with transformers.")
+        if args.fusion_probe:
+            raise ConfigError("--fusion_probe reads the policy's own forward: leave --use_vllm out to measure it.")
 
 
 def main(argv: list[str]) -> dict:
@@ -231,16 +267,22 @@ def main(argv: list[str]) -> dict:
                               system_prompt=args.system)
     metrics = args.metrics or dataset.reward_funcs
     video = {"video_fps": args.video_fps, "video_nframes": args.video_nframes}
+    max_new_tokens = args.max_completion_length or dataset.max_completion_length or 64
+    vllm = None
+    if args.use_vllm:
+        vllm = {"max_model_len": args.vllm_max_model_len, "seed": 0,
+                "gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+                "kv_cache_memory_bytes": args.vllm_kv_cache_memory_bytes}  # fmt: skip
     engine, template = load_for_eval(
         args.model, args.model_type, max_pixels=args.max_pixels, min_pixels=args.min_pixels,
         template_plugin=args.template_plugin, device=args.device, torch_dtype=args.torch_dtype,
-        attn_implementation=args.attn_implementation, **video,
+        attn_implementation=args.attn_implementation, vllm=vllm, **video,
         **({"use_audio_in_video": True} if args.use_audio_in_video else {}),
     )
     media_kwargs = media_options(template, args)
     result = evaluate(
         engine, template, dataset, args.output_dir, metrics=metrics, model_name=args.model,
-        num_samples=args.num_samples, max_new_tokens=args.max_completion_length or dataset.max_completion_length or 64, temperature=args.temperature,
+        num_samples=args.num_samples, max_new_tokens=max_new_tokens, temperature=args.temperature,
         batch_size=args.batch_size, resume=args.resume, limit=args.limit, media_kwargs=media_kwargs,
         fusion_probe=args.fusion_probe,
     )
@@ -269,6 +311,15 @@ def compare_main(argv: list[str]) -> dict:
     p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit (when evaluating models).")
     p.add_argument("--device", default="auto", help="As `mmgrpo eval --device` (when evaluating models).")
     p.add_argument("--torch_dtype", default="auto", help="As `mmgrpo eval --torch_dtype` (when evaluating models).")
+    p.add_argument("--use_vllm", action="store_true",
+                   help="Generate with vLLM (colocated, its own copy of the checkpoint) instead of transformers; the "
+                   "same prompts, greedy answers as transformers' up to ties (docs/evaluation.md).")
+    p.add_argument("--vllm_max_model_len", type=int, default=None,
+                   help="--use_vllm: longest prompt + completion (default: the model's positions, at most 8192).")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
+                   help="--use_vllm on a GPU: the share of its memory vLLM takes (default 0.9: eval has the GPU alone).")
+    p.add_argument("--vllm_kv_cache_memory_bytes", type=int, default=None,
+                   help="--use_vllm: vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB).")
     p.add_argument("--attn_implementation", default="sdpa", help="As `mmgrpo eval` (when evaluating models).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the bootstrap and permutation draws.")
     p.add_argument("--n_boot", type=int, default=10_000, help="Bootstrap resamples / permutations.")

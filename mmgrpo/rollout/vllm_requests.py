@@ -19,6 +19,8 @@ divides by.
 
 from __future__ import annotations
 
+import re
+
 import json
 from collections import Counter
 from pathlib import Path
@@ -308,6 +310,10 @@ def rollout_from_completions(rows: list[dict], template, max_new_tokens: int, we
 def kv_cache_error(error: BaseException, flag: str) -> ConfigError | None:
     """A ConfigError naming the flag to change where vLLM ran out of KV cache at start-up, else None."""
     text = str(error)
+    longest = re.search(r"max_model_len \((\d+)\) is greater than the derived max_model_len \(max_position_embeddings=(\d+)", text)
+    if longest:
+        return ConfigError(f"--vllm_max_model_len {longest[1]} is more than the model's {int(longest[2])} positions: "
+                           f"give --vllm_max_model_len {int(longest[2])} or less")
     if any(key in text.lower() for key in ("kv cache", "cache blocks", "max_model_len")):
         return ConfigError(
             f"vLLM has too little KV cache for --vllm_max_model_len: raise {flag} (or lower --vllm_max_model_len). "
