@@ -19,9 +19,8 @@ divides by.
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
