@@ -296,6 +296,10 @@ def test_use_vllm_without_vllm_or_with_the_probe_is_one_line(tmp_path, capsys, t
 
     if importlib.util.find_spec("vllm") is None:
         assert "leave --use_vllm out to generate with transformers" in refused("--use_vllm")
+        with pytest.raises(SystemExit):  # compare evaluating two models passes the flag on to each eval
+            main(["compare", tiny_qwen2_vl_path, tiny_qwen2_vl_path, "--dataset", "shapes-color:test", "--limit", "2",
+                  "--use_vllm", "--output", str(tmp_path / "cmp")])
+        assert "leave --use_vllm out" in capsys.readouterr().err
     assert "--vllm_gpu_memory_utilization 1.5: a share in (0, 1]" in refused("--vllm_gpu_memory_utilization", "1.5")
     assert "--vllm_max_model_len 0: must be at least 1" in refused("--vllm_max_model_len", "0")
     assert not (tmp_path / "refused").exists()

@@ -178,6 +178,29 @@ def load_for_eval(model_path: str, model_type: str | None, *, max_pixels=None, m
     return build_rollout_engine(Policy(model, template)), template
 
 
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """eval's (and compare's) generation through vLLM."""
+    p.add_argument("--use_vllm", action="store_true",
+                   help="Generate with vLLM (colocated, its own copy of the checkpoint) instead of transformers; the "
+                   "same prompts, greedy answers as transformers' up to ties (docs/evaluation.md).")
+    p.add_argument("--vllm_max_model_len", type=int, default=None,
+                   help="--use_vllm: longest prompt + completion (default: the model's positions, at most 8192).")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
+                   help="--use_vllm on a GPU: the share of its memory vLLM takes (default 0.9: eval has the GPU alone).")
+    p.add_argument("--vllm_kv_cache_memory_bytes", type=int, default=None,
+                   help="--use_vllm: vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB).")
+
+
+def vllm_flags(args) -> list[str]:
+    """The vLLM flags of parsed `args`, as eval's command line takes them (compare passes them on)."""
+    flags = ["--use_vllm"] if args.use_vllm else []
+    flags += ["--vllm_gpu_memory_utilization", str(args.vllm_gpu_memory_utilization)]
+    for name in ("vllm_max_model_len", "vllm_kv_cache_memory_bytes"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name}", str(getattr(args, name))]
+    return flags
+
+
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmgrpo eval", description="Evaluate a model on a dataset split: eval.json + eval.md.")
     p.add_argument("--model", required=True, help="Model folder (e.g. runs/x/checkpoint-50) or tiny:<family>.")
@@ -206,15 +229,7 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch_dtype", default="auto",
                    help="The model's precision: auto (bfloat16 on a GPU that has it, float16 on one that has not, float32 "
                    "on the CPU), bfloat16, float16 or float32.")
-    p.add_argument("--use_vllm", action="store_true",
-                   help="Generate with vLLM (colocated, its own copy of the checkpoint) instead of transformers; the "
-                   "same prompts, greedy answers as transformers' up to ties (docs/evaluation.md).")
-    p.add_argument("--vllm_max_model_len", type=int, default=None,
-                   help="--use_vllm: longest prompt + completion (default: the model's positions, at most 8192).")
-    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
-                   help="--use_vllm on a GPU: the share of its memory vLLM takes (default 0.9: eval has the GPU alone).")
-    p.add_argument("--vllm_kv_cache_memory_bytes", type=int, default=None,
-                   help="--use_vllm: vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB).")
+    add_vllm_flags(p)
     p.add_argument("--attn_implementation", default="sdpa",
                    help="sdpa (default), eager, flash_attention_2 (flash-attn, CUDA), flash_attention_3, flex_attention.")
     p.add_argument("--dataset_registry", nargs="*", default=[], help="Extra registry YAML files.")
@@ -311,15 +326,7 @@ def compare_main(argv: list[str]) -> dict:
     p.add_argument("--max_pixels", type=int, default=None, help="Image pixel limit (when evaluating models).")
     p.add_argument("--device", default="auto", help="As `mmgrpo eval --device` (when evaluating models).")
     p.add_argument("--torch_dtype", default="auto", help="As `mmgrpo eval --torch_dtype` (when evaluating models).")
-    p.add_argument("--use_vllm", action="store_true",
-                   help="Generate with vLLM (colocated, its own copy of the checkpoint) instead of transformers; the "
-                   "same prompts, greedy answers as transformers' up to ties (docs/evaluation.md).")
-    p.add_argument("--vllm_max_model_len", type=int, default=None,
-                   help="--use_vllm: longest prompt + completion (default: the model's positions, at most 8192).")
-    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
-                   help="--use_vllm on a GPU: the share of its memory vLLM takes (default 0.9: eval has the GPU alone).")
-    p.add_argument("--vllm_kv_cache_memory_bytes", type=int, default=None,
-                   help="--use_vllm: vLLM's KV cache in bytes (vLLM on CPU: default 256 MiB).")
+    add_vllm_flags(p)
     p.add_argument("--attn_implementation", default="sdpa", help="As `mmgrpo eval` (when evaluating models).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the bootstrap and permutation draws.")
     p.add_argument("--n_boot", type=int, default=10_000, help="Bootstrap resamples / permutations.")
@@ -336,7 +343,7 @@ def compare_main(argv: list[str]) -> dict:
                  + (["--metrics", *args.metrics] if args.metrics else [])
                  + (["--dataset_registry", *args.dataset_registry] if args.dataset_registry else [])
                  + (["--limit", str(args.limit)] if args.limit else [])
-                 + (["--max_pixels", str(args.max_pixels)] if args.max_pixels else []))
+                 + (["--max_pixels", str(args.max_pixels)] if args.max_pixels else []) + vllm_flags(args))
         a, b = out / "eval_a", out / "eval_b"
     result = compare(a, b, seed=args.seed, n_boot=args.n_boot)
     print_compare(result)
