@@ -108,7 +108,7 @@ class Timers:
 
 def rollout_sampler(run: Run) -> RolloutSampler:
     """The run's rollout engine, generating under the policy's autocast."""
-    return RolloutSampler(run.rollout, run.compute_dtype, run.device)
+    return RolloutSampler(run.rollout, run.compute_dtype, run.device, share=run.strategy.share_rollout)
 
 
 def rollout_setup(run: Run) -> RolloutSetup:
@@ -534,7 +534,8 @@ def train(cfg: TrainConfig) -> Path:
             for step in range(state.step + 1, run.total_steps + 1):
                 started, started_cpu = time.perf_counter(), time.process_time()
                 state.step = step
-                torch.manual_seed(step_seed(cfg.seed, step, run.strategy.rank))  # reproducible per step and rank
+                # reproducible per step and data rank (a sequence group's ranks draw alike)
+                torch.manual_seed(step_seed(cfg.seed, step, run.strategy.data_rank))
                 timers = Timers()  # every phase of the step, timed once
                 batch = pipeline.next_batch(step, timers)  # time/data, weight_sync, rollout, reward, resample
                 metrics, records = grpo_step(run, batch.prompts, step, batch.rollout, weights_rule=weights_rule, timers=timers)

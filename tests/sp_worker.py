@@ -20,7 +20,7 @@ from test_shared_prefix import GROUP, _completions, _prompts  # noqa: E402
 from mmgrpo.grpo.logprobs import completion_logprobs  # noqa: E402
 from mmgrpo.models import load_model, load_processor  # noqa: E402
 from mmgrpo.models.tiny import build_tiny  # noqa: E402
-from mmgrpo.parallel.sequence import new_sequence_group, sequence_parallel_logprobs, sum_gradients, ulysses  # noqa: E402
+from mmgrpo.forward.sequence_parallel import new_sequence_group, sequence_parallel_logprobs, sum_gradients, ulysses  # noqa: E402
 from mmgrpo.templates import get_template  # noqa: E402
 
 KINDS = {"qwen3.5": ("video", "two_images")}
@@ -53,7 +53,7 @@ def main(family: str, out: str) -> None:
     group = new_sequence_group(dist.get_world_size())
     with ulysses(model, template, group) as split:
         local = backbone(**inputs, use_cache=False).last_hidden_state
-        got = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
+        got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
     ((got * mask) * weights).sum().backward()
     sum_gradients(model, group)
     got_grads = grads()

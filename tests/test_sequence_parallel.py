@@ -1,4 +1,4 @@
-"""Sequence parallelism (mmgrpo/parallel/sequence.py: Ulysses): a row split across N real ranks
+"""Sequence parallelism (mmgrpo/forward/sequence_parallel.py: Ulysses): a row split across N real ranks
 (torchrun, gloo) gives the log-probs and, summed over the group, the gradients of one process.
 
 Each launch runs tests/sp_worker.py: every rank computes the one-process reference itself, then
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmgrpo.parallel.sequence import row_mask
+from mmgrpo.forward.sequence_parallel import row_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_heads_the_group_cannot_split_are_refused(tmp_path):
                "tests/sp_worker.py", "qwen3.5", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    assert "--sequence_parallel_size 4 does not divide the decoder's 2 heads (linear_num_key_heads)" in done.stderr
+    assert "--sequence_parallel_size 4 does not divide the decoder's 2 heads (linear_num_key_heads): give a divisor" in done.stderr
 
 
 def test_row_mask():
@@ -61,3 +61,65 @@ def test_row_mask():
     mask = row_mask(torch.tensor([[0, 1, 1], [1, 1, 1]]), 4)[:, 0]
     assert mask[0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0]]
     assert mask[1].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+
+
+TRAIN = ["train", "--model", "tiny:qwen2.5-vl", "--dataset", "shapes-color", "--num_generations", "4",
+         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "2", "--beta", "0.04",
+         "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--report_to", "none", "--seed", "3"]  # fmt: skip
+COMPARED = ("loss", "reward", "grad_norm", "kl", "completion_length")
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("distributed")
+def test_a_run_split_over_two_ranks_trains_as_one_process(tmp_path):
+    """`--parallel fsdp2 --sequence_parallel_size 2` on 2 ranks (one sequence group, one data rank): the
+    ranks read the same prompts, train on the leader's rollout, split every row; the loss is scaled for
+    FSDP2's average, so the run logs what one process logs, step for step."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    plugin = tmp_path / "varied.py"  # the tiny model's completions differ in their text, not their length
+    plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
+    train = [*TRAIN, "--reward_funcs", f"{plugin}:varied"]
+    # the split run's forwards are the naive ones (and so its rollout engine, HF generate): the same here
+    single = subprocess.run([sys.executable, "-m", "mmgrpo", *train, "--shared_prefix", "false",
+                             "--output_dir", str(tmp_path / "one")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    split = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "mmgrpo", *train, "--parallel", "fsdp2", "--sequence_parallel_size", "2",
+                            "--ddp_timeout", "120", "--output_dir", str(tmp_path / "split")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert split.returncode == 0, split.stdout[-2000:] + split.stderr[-4000:]
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "split")
+    assert [row["step"] for row in two] == [1, 2]
+    assert all(row["grad_norm"] > 0 for row in one) and one[1]["kl"] > 0  # the steps learn: the check can fail
+    for a, b in zip(one, two):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+
+
+def test_flags_that_cannot_split_are_named(monkeypatch):
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.errors import ConfigError
+    from mmgrpo.training.startup_checks import check_train_flags
+
+    def check(world: int, *flags):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        check_train_flags(TrainConfig.from_args(["--num_generations", "4", "--per_device_train_batch_size", "4", *flags]))
+
+    with pytest.raises(ConfigError, match="--sequence_parallel_size 2 does not divide the world size 3"):
+        check(3, "--parallel", "fsdp2", "--sequence_parallel_size", "2")
+    with pytest.raises(ConfigError, match="--sequence_parallel_size 2 does not divide the world size 1"):
+        check(1, "--sequence_parallel_size", "2")
+    with pytest.raises(ConfigError, match=r"--sequence_parallel_size 2 runs with --parallel fsdp2 \(not zero3\)"):
+        check(2, "--parallel", "zero3", "--sequence_parallel_size", "2")
+    with pytest.raises(ConfigError, match="does not run with --max_staleness"):
+        check(2, "--parallel", "fsdp2", "--sequence_parallel_size", "2", "--max_staleness", "1")
+    with pytest.raises(ConfigError, match="does not run with --routing_replay"):
+        check(2, "--parallel", "fsdp2", "--sequence_parallel_size", "2", "--router_aux_loss_coef", "0.01",
+              "--model", "tiny:qwen3-vl-moe")
+    check(4, "--parallel", "fsdp2", "--sequence_parallel_size", "2")  # 2 data ranks x 2

@@ -386,6 +386,9 @@ class DistConfig:
     """Seconds a collective waits for the other ranks before failing (a dead or hung rank stops the run)."""
     gather_for_generation: bool = flag(True, resume="operational")
     """FSDP2 / ZeRO-3 rollouts gather the full weights once per rollout (fast); false: every decoding step gathers (less memory)."""
+    sequence_parallel_size: int = flag(1, count(1))
+    """Ranks that split each row's tokens (Ulysses; mmgrpo/forward/sequence_parallel.py): consecutive groups of this many
+    ranks share their prompts and run the log-prob forwards on 1/N of each row's tokens. With --parallel fsdp2."""
 
     @property
     def strategy(self) -> str:

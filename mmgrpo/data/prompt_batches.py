@@ -386,7 +386,7 @@ def prompt_stream(data_cfg: DataConfig, model_cfg: ModelConfig, dataset, templat
         seed=seed,
         num_workers=data_cfg.dataloader_num_workers,
         media_kwargs=media_options(template, model_cfg),
-        rank=strategy.rank,
-        world_size=strategy.world_size,
+        rank=strategy.data_rank,  # a sequence group's ranks read the same prompts
+        world_size=strategy.data_world,
     )
     return cycle(loader)

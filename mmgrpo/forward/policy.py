@@ -83,6 +83,7 @@ class Policy:
         per_row_routing: bool = False,
         teacher_model: nn.Module | None = None,
         teacher_call: Callable = plain_call,
+        sequence_group=None,
     ):
         """
         shared_prefix: run each prompt once per group where `supports_shared_prefix` allows it.
@@ -94,6 +95,8 @@ class Policy:
         the sampler's rows, token for token.
         teacher_model, teacher_call: --teacher_model, frozen, of the same family (it reads the policy's
         batches), and how it runs (sharded as the reference is).
+        sequence_group: --sequence_parallel_size: the process group whose ranks split each row's tokens
+        (mmgrpo/forward/sequence_parallel.py); the naive forward then runs split.
         """
         self.model = model
         self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
@@ -107,6 +110,9 @@ class Policy:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
         if self.shared_prefix and per_row_routing and moe_routers(model):
             self.shared_prefix, self.naive_reason = False, "routes replayed per row (--routing_replay, --router_aux_loss_coef)"
+        self.sequence_group = sequence_group
+        if self.shared_prefix and sequence_group is not None:
+            self.shared_prefix, self.naive_reason = False, "rows split across ranks (--sequence_parallel_size)"
 
     # ---- parts ---------------------------------------------------------------------------
 
@@ -209,6 +215,9 @@ class Policy:
             prompt_len = batch.prompts["input_ids"].shape[1]
             if routing is not None:
                 routing.attach(model, inputs["attention_mask"][:, :prompt_len], completion_mask)
+            if self.sequence_group is not None:  # this rank's slice of every row; the group's sum is the rows' log-probs
+                return self._split_logprobs(model, backbone, inputs, prompt_len, completion_ids, completion_mask,
+                                            temperature=temperature, compute_entropy=compute_entropy)
             try:
                 with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
                     hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
@@ -223,17 +232,27 @@ class Policy:
             # Position P - 1 + t predicts completion token t.
             hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
         lm_head = model.get_submodule(self.template.components["lm_head"])
-        logps, entropy = completion_logprobs(
-            hidden,
-            lm_head.weight,
-            completion_ids,
-            # rows per LM-head chunk: by default as many as fit 128 MB of fp32 logits (220 at a 152K vocabulary)
-            chunk_size=self.logprob_chunk_size or logits_chunk_rows(lm_head.weight.shape[0]),
-            temperature=temperature,
-            lm_head_bias=getattr(lm_head, "bias", None),
-            softcap=self.logit_softcap,
-            compute_entropy=compute_entropy,
-        )
+        logps, entropy = completion_logprobs(hidden, lm_head.weight, completion_ids,
+                                             **self._head_options(lm_head, temperature, compute_entropy))
+        mask = completion_mask.to(logps.dtype)
+        return logps * mask, (entropy * mask if entropy is not None else None)
+
+    def _head_options(self, lm_head: nn.Module, temperature: float, compute_entropy: bool) -> dict:
+        # rows per LM-head chunk: by default as many as fit 128 MB of fp32 logits (220 at a 152K vocabulary)
+        return dict(chunk_size=self.logprob_chunk_size or logits_chunk_rows(lm_head.weight.shape[0]),
+                    temperature=temperature, lm_head_bias=getattr(lm_head, "bias", None), softcap=self.logit_softcap,
+                    compute_entropy=compute_entropy)
+
+    def _split_logprobs(self, model, backbone, inputs, prompt_len, completion_ids, completion_mask, *, temperature,
+                        compute_entropy):
+        """The naive forward with each row's tokens split across the sequence group (Ulysses)."""
+        from mmgrpo.forward.sequence_parallel import sequence_parallel_logprobs, ulysses
+
+        lm_head = model.get_submodule(self.template.components["lm_head"])
+        with ulysses(model, self.template, self.sequence_group) as split:
+            hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, L / n, H]
+        logps, entropy = sequence_parallel_logprobs(hidden, lm_head.weight, split, prompt_len, completion_ids,
+                                                    **self._head_options(lm_head, temperature, compute_entropy))
         mask = completion_mask.to(logps.dtype)
         return logps * mask, (entropy * mask if entropy is not None else None)
 

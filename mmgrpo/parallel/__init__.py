@@ -30,7 +30,12 @@ def build_strategy(dist_cfg: DistConfig, optim_cfg: OptimConfig, precision: str)
     if name == "fsdp2":
         from mmgrpo.parallel.fsdp2 import FSDP2
 
-        return FSDP2(dist_cfg, **kwargs)
+        strategy = FSDP2(dist_cfg, **kwargs)
+        if dist_cfg.sequence_parallel_size > 1:
+            from mmgrpo.forward.sequence_parallel import new_sequence_group
+
+            strategy.split_sequences(new_sequence_group(dist_cfg.sequence_parallel_size), dist_cfg.sequence_parallel_size)
+        return strategy
     if name == "zero3":
         from mmgrpo.parallel.zero3 import ZeRO3
 

@@ -97,6 +97,25 @@ class Strategy:
         # fp16's dynamic loss scale (torch.amp's GradScaler): made by `prepare`, which knows the optimizer's parameters
         self.scaler: torch.amp.GradScaler | None = None
         self.overflowed = False  # the last optimizer_step was an fp16 overflow the scaler skipped
+        # --sequence_parallel_size: groups of `sequence_size` consecutive ranks share their data and split
+        # each row's tokens (mmgrpo/forward/sequence_parallel.py); the data-parallel world is their number.
+        self.sequence_group, self.sequence_size = None, 1
+        self.data_rank, self.data_world = rank, world_size
+
+    def split_sequences(self, group, size: int) -> None:
+        """Ranks [k * size, (k + 1) * size) form sequence group k: they read the same prompts (data rank
+        k of world_size / size), roll out once for all (their leader's rollout), and split each row."""
+        self.sequence_group, self.sequence_size = group, size
+        self.data_rank, self.data_world = self.rank // size, self.world_size // size
+
+    def share_rollout(self, rollout):
+        """The sequence group leader's rollout on every rank of the group (itself where there is no group):
+        the group must train on the same completions, token for token."""
+        if self.sequence_group is None:
+            return rollout
+        box = [rollout]
+        dist.broadcast_object_list(box, group=self.sequence_group, group_src=0)
+        return box[0]
 
     @property
     def bf16(self) -> bool:
@@ -237,6 +256,8 @@ class Strategy:
             return values.float().std()
         flat = values.detach().double().reshape(-1).cpu()
         count, total, squares = self._reduce(torch.stack([flat.new_tensor(flat.numel()), flat.sum(), (flat * flat).sum()]), dist.ReduceOp.SUM)
+        # a sequence group's ranks hold the same rows: count them once
+        count, total, squares = count / self.sequence_size, total / self.sequence_size, squares / self.sequence_size
         variance = (squares - total * total / count) / (count - 1)
         return variance.clamp_min(0).sqrt().float().to(values.device)
 

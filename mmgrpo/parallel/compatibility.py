@@ -26,6 +26,13 @@ def validate_parallel(dist_cfg: DistConfig, model_cfg: ModelConfig, optim_cfg: O
         raise ConfigError("--offload_optimizer / --offload_param need --parallel zero3 (or fsdp2 for --offload_param).")
     if dist_cfg.offload_optimizer and dist_cfg.strategy == "fsdp2":
         raise ConfigError("FSDP2 offloads parameters, gradients and optimizer state together: use --offload_param.")
+    sequence = dist_cfg.sequence_parallel_size
+    if sequence > 1:
+        if world_size % sequence or world_size == 1:
+            raise ConfigError(f"--sequence_parallel_size {sequence} does not divide the world size {world_size}: launch "
+                              f"a multiple of {sequence} processes (torchrun --nproc_per_node {sequence}).")
+        if dist_cfg.strategy != "fsdp2":
+            raise ConfigError(f"--sequence_parallel_size {sequence} runs with --parallel fsdp2 (not {dist_cfg.strategy}).")
     per_rank = optim_cfg.per_device_train_batch_size * optim_cfg.gradient_accumulation_steps
     G = num_generations
     if world_size > 1 and per_rank % G:

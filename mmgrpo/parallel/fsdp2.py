@@ -97,7 +97,9 @@ class FSDP2(Strategy):
                 block.reshard()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaled(loss).backward()  # each unit's gradients are reduce-scattered (averaged) as its backward ends
+        # each unit's gradients are reduce-scattered (averaged over the world) as its backward ends; a sequence
+        # group's ranks each hold their slices' share of one row's gradient, which the average must sum
+        self.scaled(loss * self.sequence_size if self.sequence_size > 1 else loss).backward()
 
     def optimizer_step(self, optimizer, max_grad_norm: float) -> float:
         # the global norm over all shards

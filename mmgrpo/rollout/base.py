@@ -40,7 +40,7 @@ never copy fields by hand. The step takes each micro-batch's rows in one call, `
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -274,11 +274,14 @@ class RolloutSampler:
     engine: RolloutEngine
     dtype: torch.dtype | None = None  # the policy's autocast dtype (--bf16, --fp16); None: float32
     device: torch.device = torch.device("cpu")  # the policy's, whose autocast applies
+    # --sequence_parallel_size: the group leader's rollout on each of its ranks (Strategy.share_rollout)
+    share: Callable[[Rollout], Rollout] | None = None
 
     def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
         with autocast(self.dtype, self.device):
-            return self.engine.generate(prompts, sampling)
+            rollout = self.engine.generate(prompts, sampling)
+        return rollout if self.share is None else self.share(rollout)
 
 
 def collate_on_device(template, prompts: list, model: torch.nn.Module, prepare=None) -> dict:

@@ -78,7 +78,7 @@ class RolloutSetup:
     num_prompts: int  # B prompts a step trains on
 
     def step_seed(self, step: int) -> int:
-        return step_seed(self.seed, step, self.strategy.rank)
+        return step_seed(self.seed, step, self.strategy.data_rank)
 
     def score(self, prompts: list, rollout: Rollout) -> Rollout:
         return score(self.rewards, self.template, prompts, rollout)

@@ -291,7 +291,7 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
     if resume_from is not None:  # after the reference copy, before sharding
         restore_weights(model, resume_from, peft_model=peft_model, template=template)
     prompts_per_step = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps // cfg.rollout.num_generations
-    steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.world_size)
+    steps = total_steps(cfg, len(dataset), prompts_per_step, strategy.data_world)
     if strategy.is_main:  # a disk too small for the checkpoints the run keeps: said now, not at the first save
         kept = checkpoints_kept(steps, cfg.save_steps, cfg.save_total_limit, keeps_best=bool(cfg.eval.eval_dataset))
         warn_if_short(cfg.output_dir, checkpoint_bytes(model, trainable_only=peft_model is not None), kept)
@@ -306,8 +306,12 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
         ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
         per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0, teacher_model=teacher,
-        teacher_call=prepared.teacher_call,
+        teacher_call=prepared.teacher_call, sequence_group=strategy.sequence_group,
     )
+    if strategy.sequence_group is not None:  # heads the group cannot split: named before the first step
+        from mmgrpo.forward.sequence_parallel import check_heads
+
+        check_heads(model, template, strategy.sequence_size)
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
         console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
     rollout = build_rollout_engine(

@@ -73,8 +73,24 @@ def check_train_flags(cfg: TrainConfig) -> None:
         get_tool(spec)
     check_generic_boxes(cfg.model, cfg.algo, cfg.data, cfg.eval)
     check_routing_flags(cfg.model, cfg.algo, cfg.rollout)
+    check_sequence_parallel(cfg)
     if cfg.save_in_background and env_world_size() > 1:
         raise ConfigError("--save_in_background is for one process: under torchrun every rank saves in the foreground; drop the flag.")
+
+
+def check_sequence_parallel(cfg: TrainConfig) -> None:
+    """--sequence_parallel_size N > 1: what the split forwards do not take yet, each named."""
+    size = cfg.dist.sequence_parallel_size
+    if size == 1:
+        return
+    refused = [(cfg.rollout.use_vllm, "--use_vllm (the group's rollout is generated in process and shared)"),
+               (cfg.rollout.staleness_bound > 0, "--max_staleness (asynchronous rollouts)"),
+               (cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0,
+                "--routing_replay rollout / --router_aux_loss_coef (routes are recorded per whole row)"),
+               (cfg.model.train_type == "fusion" or bool(cfg.model.fusion_module), "fusion modules (--fusion_module)")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"--sequence_parallel_size {size} does not run with {what} yet: drop one of them.")
 
 
 def check_routing_flags(model_cfg: ModelConfig, algo_cfg: AlgoConfig, rollout_cfg: RolloutConfig) -> None:

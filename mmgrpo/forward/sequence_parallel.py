@@ -24,11 +24,15 @@ row. Under data parallelism over the same ranks (FSDP2 averages over the world) 
 group is a loss scaled by N.
 
     group = new_sequence_group(2)                                 # ranks 0-1, 2-3, ... of the world
-    with ulysses(model, template, group):
-        logps = sequence_parallel_logprobs(model, template, inputs, prompt_len, completion_ids)
+    with ulysses(model, template, group) as split:
+        hidden = backbone(**inputs).last_hidden_state             # this rank's slice of each row
+    logps, _ = sequence_parallel_logprobs(hidden, lm_head.weight, split, prompt_len, completion_ids)
     logps.sum().backward(); sum_gradients(model, group)
 
-The vision tower still runs on the whole row on every rank (its share per rank: a next step).
+In training (`--sequence_parallel_size N --parallel fsdp2`): groups of N consecutive ranks read the
+same prompts, train on their leader's rollout, run the policy's, reference's and teacher's log-prob
+forwards split (the shared prefix off), and scale the loss by N so that FSDP2's average over the
+world sums each group's shares. The vision tower still runs on the whole row on every rank.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mmgrpo.errors import ConfigError
 from mmgrpo.forward.shared_prefix import model_parts
 
 ATTENTION = "mmgrpo_ulysses"  # the decoder's attention implementation while a split forward runs
@@ -202,14 +207,15 @@ def row_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def check_heads(model: nn.Module, template, size: int) -> None:
-    """A start-up error unless `size` divides the decoder's attention heads (and a hybrid decoder's
+    """A ConfigError unless `size` divides the decoder's attention heads (and a hybrid decoder's
     linear-attention key and value heads)."""
     _, decoder = model_parts(model, template)
     config = decoder.config
     for field in ("num_attention_heads", "linear_num_key_heads", "linear_num_value_heads"):
         heads = getattr(config, field, None)
         if heads and heads % size:
-            raise ValueError(f"--sequence_parallel_size {size} does not divide the decoder's {heads} heads ({field})")
+            raise ConfigError(f"--sequence_parallel_size {size} does not divide the decoder's {heads} heads ({field}): "
+                              "give a divisor of it.")
 
 
 @contextmanager
@@ -268,23 +274,28 @@ def ulysses(model: nn.Module, template, group):
 
 
 def sequence_parallel_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, split: _Split,
-                               prompt_len: int, completion_ids: torch.Tensor, **logprob_kwargs) -> torch.Tensor:
-    """The row's completion log-probs [B, T] from this rank's slice of final hidden states
-    hidden [B, S/N, H]: the rank scores the tokens its positions predict (position prompt_len - 1 + t
-    predicts completion token t), the group's sum fills in the rest, on every rank."""
+                               prompt_len: int, completion_ids: torch.Tensor, **logprob_kwargs) -> tuple:
+    """The rows' completion log-probs [B, T] (and entropies, where `compute_entropy`; else None) from
+    this rank's slice of final hidden states hidden [B, S/N, H]: the rank scores the tokens its
+    positions predict (position prompt_len - 1 + t predicts completion token t), the group's sum
+    fills in the rest, on every rank. logprob_kwargs: `completion_logprobs`'s."""
     from mmgrpo.grpo.logprobs import completion_logprobs
 
     batch, length = completion_ids.shape
     offset = prompt_len - 1  # position offset + t predicts completion token t
     first, last = max(split.start, offset), min(split.end, offset + length)  # the slice's predicting positions
+    with_entropy = logprob_kwargs.get("compute_entropy", False)
     if last > first:
         targets = completion_ids[:, first - offset : last - offset]
-        logps, _ = completion_logprobs(hidden[:, first - split.start : last - split.start], lm_head_weight, targets,
-                                       **logprob_kwargs)
-        part = F.pad(logps.float(), (first - offset, offset + length - last))  # [B, T], zeros elsewhere
-    else:  # no completion token in this slice: zeros that still hang on its hidden states
-        part = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device) + hidden.sum() * 0.0
-    return _SumOverGroup.apply(part, split.group)
+        logps, entropy = completion_logprobs(hidden[:, first - split.start : last - split.start], lm_head_weight,
+                                             targets, **logprob_kwargs)
+        widths = (first - offset, offset + length - last)
+        parts = [F.pad(logps.float(), widths)] + ([F.pad(entropy.float(), widths)] if with_entropy else [])
+    else:  # no completion token in this slice: zeros that still hang on its hidden states and the head
+        zero = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device) + (hidden.sum() + lm_head_weight.sum()) * 0.0
+        parts = [zero] + ([zero] if with_entropy else [])
+    summed = _SumOverGroup.apply(torch.stack(parts), split.group)  # [1 or 2, B, T]
+    return summed[0], (summed[1] if with_entropy else None)
 
 
 def sum_gradients(model: nn.Module, group) -> None:
