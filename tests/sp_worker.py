@@ -17,10 +17,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_shared_prefix import GROUP, _completions, _prompts  # noqa: E402
 
+from mmgrpo.forward.sequence_parallel import (  # noqa: E402
+    new_sequence_group,
+    sequence_parallel_logprobs,
+    sum_gradients,
+    ulysses,
+)
 from mmgrpo.grpo.logprobs import completion_logprobs  # noqa: E402
 from mmgrpo.models import load_model, load_processor  # noqa: E402
 from mmgrpo.models.tiny import build_tiny  # noqa: E402
-from mmgrpo.forward.sequence_parallel import new_sequence_group, sequence_parallel_logprobs, sum_gradients, ulysses  # noqa: E402
 from mmgrpo.templates import get_template  # noqa: E402
 
 KINDS = {"qwen3.5": ("video", "two_images")}
