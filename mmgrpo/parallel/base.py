@@ -266,7 +266,8 @@ class Strategy:
         return bool(self._reduce(torch.tensor([float(flag)]), dist.ReduceOp.MAX)[0])
 
     def all_reduce_metrics(self, metrics: dict) -> dict:
-        """Means over ranks; `*_max` and `memory/*` keys take the max, `*_per_s` keys the sum.
+        """Means over ranks; `*_max` and `memory/*` keys take the max, `*_per_s` keys the sum (over
+        data-parallel ranks: a sequence group counts once).
 
         A key only some ranks have (e.g. `reward/video` where one rank drew a video) is averaged
         over the ranks that have it.
@@ -287,8 +288,8 @@ class Strategy:
         for i, key in enumerate(keys):
             if is_max[i]:
                 out[key] = float(maxima[i])
-            elif key.endswith("_per_s"):
-                out[key] = float(sums[i])
+            elif key.endswith("_per_s"):  # a sequence group's ranks process the same samples: once
+                out[key] = float(sums[i]) / self.sequence_size
             else:  # NaN on a rank (e.g. no sample of a modality there) does not poison the mean
                 out[key] = float(sums[i] / counts[i]) if counts[i] > 0 else float("nan")
             if isinstance(metrics.get(key), int) and float(out[key]).is_integer():
