@@ -64,7 +64,7 @@ def test_row_mask():
 
 
 TRAIN = ["train", "--model", "tiny:qwen2.5-vl", "--dataset", "shapes-color", "--num_generations", "4",
-         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--max_steps", "2", "--beta", "0.04",
+         "--per_device_train_batch_size", "8", "--max_completion_length", "8", "--beta", "0.04",
          "--learning_rate", "1e-3", "--dataloader_num_workers", "0", "--report_to", "none", "--seed", "3"]  # fmt: skip
 COMPARED = ("loss", "reward", "grad_norm", "kl", "completion_length")
 
@@ -83,7 +83,7 @@ def test_a_run_split_over_two_ranks_trains_as_one_process(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     plugin = tmp_path / "varied.py"  # the tiny model's completions differ in their text, not their length
     plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
-    train = [*TRAIN, "--reward_funcs", f"{plugin}:varied"]
+    train = [*TRAIN, "--reward_funcs", f"{plugin}:varied", "--max_steps", "2"]
     # the split run's forwards are the naive ones (and so its rollout engine, HF generate): the same here
     single = subprocess.run([sys.executable, "-m", "mmgrpo", *train, "--shared_prefix", "false",
                              "--output_dir", str(tmp_path / "one")],
@@ -123,3 +123,34 @@ def test_flags_that_cannot_split_are_named(monkeypatch):
         check(2, "--parallel", "fsdp2", "--sequence_parallel_size", "2", "--router_aux_loss_coef", "0.01",
               "--model", "tiny:qwen3-vl-moe")
     check(4, "--parallel", "fsdp2", "--sequence_parallel_size", "2")  # 2 data ranks x 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("distributed")
+def test_a_split_run_resumed_from_its_checkpoint_logs_the_uninterrupted_run(tmp_path):
+    """Four steps straight on 2 ranks with --sequence_parallel_size 2, and the same run restarted from its
+    checkpoint-2 (what a kill after that save leaves): the same metrics, step for step."""
+    import shutil
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    plugin = tmp_path / "varied.py"
+    plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mmgrpo",
+           *TRAIN, "--reward_funcs", f"{plugin}:varied", "--parallel", "fsdp2", "--sequence_parallel_size", "2",
+           "--save_steps", "2", "--max_steps", "4", "--ddp_timeout", "120"]  # fmt: skip
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    done = subprocess.run([*run, "--output_dir", str(whole)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed.mkdir()
+    shutil.copytree(whole / "checkpoint-2", resumed / "checkpoint-2")
+    lines = (whole / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (resumed / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 2))
+    done = subprocess.run([*run, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    expected, got = _metrics(whole), _metrics(resumed)
+    assert [row["step"] for row in got] == [1, 2, 3, 4]
+    for a, b in zip(expected[2:], got[2:]):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

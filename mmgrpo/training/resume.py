@@ -129,7 +129,8 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
         )
     strategy.load_loss_scale_state(state.loss_scale)
     apply_resume_changes(run, state)  # changed schedule flags take effect now; every change is recorded
-    position = {**state.data, "rank": strategy.rank}  # ranks move in step: rank 0's position is each one's
+    # ranks move in step: rank 0's position is each one's, at its own data rank (a sequence group's ranks share one)
+    position = {**state.data, "rank": strategy.data_rank}
     batches.load_state_dict(position)
     pipeline.policy_updated(state.step)  # an engine with its own copy gets these weights at its next rollout
     if state.rollout_in_flight:
