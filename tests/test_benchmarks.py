@@ -33,7 +33,9 @@ SMOKE = {
     "scaling.py": (["--steps", "2", "--repeats", "1", "--hidden_size", "128", "--layers", "1", "--configs", "zero3:1", "fsdp2:2",
                     "--output", "{tmp}/scaling.md"], ""),
     "shared_prefix.py": (["--num_prompts", "1", "--num_generations", "2", "--max_new_tokens", "4", "--repeats", "1",
-                          "--image_size", "56"], ""),
+                          "--image_size", "56", "--family", "qwen2-vl,qwen3.5"], "| `qwen3.5` |"),
+    # here without vLLM (its column: .venv-vllm); the greedy answers of the loop and the batched eval compared
+    "eval_speed.py": (["--limit", "4", "--num_samples", "1,2", "--max_new_tokens", "4"], ("| 1 | ", "| True |")),
     # its `smoke` preset: one warm-up and one timed step per system, the FLOP-count runs included;
     # fixed-length completions in both (mmgrpo's --suppress_eos, TRL's suppress_tokens)
     "vs_trl.py": (["--preset", "smoke", "--work_dir", "{tmp}/work"],
