@@ -18,8 +18,9 @@ may be a folder, a `tiny:` or a `random:` name (read from its config on the meta
                 with --gather_for_generation)
   activations   what the largest training micro-batch saves for backward: decoder layers
                 (prompt tokens once per prompt with the shared prefix, completion tokens per
-                row, the rows' attention K/V), the vision tower and merger where they train,
-                bf16 weight copies under --bf16
+                row, the rows' attention K/V; 1/N of each row's tokens per rank under
+                --sequence_parallel_size N), the vision tower and merger where they train
+                (the whole row on every rank), bf16 weight copies under --bf16
   log-probs     the chunked LM head's [chunk, vocab] fp32 blocks (mmgrpo/grpo/logprobs.py)
   rollout       the K/V cache (each prompt once with the shared prefix), the prefill's largest
                 intermediate, the decode step's logits
@@ -316,6 +317,12 @@ class StepBatch:
     prompts: int  # prompt sequences a micro-batch runs: one per prompt with the shared prefix, else one per row
 
 
+def shares_prefix(cfg) -> bool:
+    """The forwards and rollouts run each prompt once per group: --shared_prefix, not under sequence
+    parallelism (whose forwards and rollout run naive)."""
+    return cfg.model.shared_prefix and cfg.dist.sequence_parallel_size == 1
+
+
 def step_batch(cfg, options: EstimateOptions, shape: ModelShape) -> StepBatch:
     """The step's rows and micro-batches: per_device_train_batch_size rows each, or prompt groups
     packed under --max_tokens_per_microbatch."""
@@ -323,7 +330,7 @@ def step_batch(cfg, options: EstimateOptions, shape: ModelShape) -> StepBatch:
     L, patches = prompt_tokens(cfg, options, shape)
     step_rows = cfg.optim.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
     step_prompts = max(1, step_rows // G)
-    shared = cfg.model.shared_prefix
+    shared = shares_prefix(cfg)
     if cfg.algo.max_tokens_per_microbatch:
         group_tokens = (L + G * T) if shared else G * (L + T)
         rows = min(step_prompts, max(1, cfg.algo.max_tokens_per_microbatch // group_tokens)) * G
@@ -356,12 +363,13 @@ def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> fl
     precision, act_bytes = ("bf16", 2) if cfg.precision != "fp32" else ("fp32", 4)
     lora = cfg.model.train_type == "lora"
     L, T, rows, prompts = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.rows, batch.prompts
-    shared = cfg.model.shared_prefix
+    shared = shares_prefix(cfg)
+    split = cfg.dist.sequence_parallel_size  # each rank's decoder holds 1/N of every row's tokens
     h, q, i, kv, layers = shape.hidden, shape.q_dim, shape.intermediate, shape.kv_dim, shape.layers
     mode = "train" if "llm" in shape.trains else "frozen"
     coef = DECODER_BYTES[shape.qk_norm][(precision, mode)]
     per_token = coef[0] * h + coef[1] * q + coef[2] * i + coef[3] * kv + coef[4]
-    tokens = prompts * L + rows * T
+    tokens = math.ceil((prompts * L + rows * T) / split)
     kv_rows = 2 * rows * (L + T) * kv * act_bytes if shared else 0  # each row's K/V: its prompt's, expanded, + its own
     dropout = lora and cfg.model.lora_dropout > 0  # each adapter keeps its dropped-out input and mask
     if dropout:
@@ -404,7 +412,7 @@ def rollout_bytes(cfg, options: EstimateOptions, shape: ModelShape, batch: StepB
     L, T, patches = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.patches
     step_rows, step_prompts = batch.step_rows, batch.step_prompts
     h, i, kv, layers = shape.hidden, shape.intermediate, shape.kv_dim, shape.layers
-    shared = cfg.model.shared_prefix
+    shared = shares_prefix(cfg)
     cached = (step_prompts * L + step_rows * T) if shared else step_rows * (L + T)
     kv_cache = layers * 2 * kv * cached * kv_bytes
     prefill_tokens = step_prompts * L if shared else step_rows * L
@@ -441,7 +449,7 @@ def estimate(cfg, options: EstimateOptions, shape: ModelShape | None = None) -> 
     if L > cfg.data.max_prompt_length:
         notes.append(f"a prompt of {L} tokens is over --max_prompt_length {cfg.data.max_prompt_length}: train would stop")
     parts["activations"] = activation_bytes(cfg, shape, batch, shard)
-    completion_tokens = batch.rows * T
+    completion_tokens = math.ceil(batch.rows * T / cfg.dist.sequence_parallel_size)  # a rank scores its slice's
     parts["log-probs"] = 3 * min(logits_chunk_rows(shape.vocab), completion_tokens) * shape.vocab * 4
     parts.update(rollout_bytes(cfg, options, shape, batch))
     gathered_train = gathered_rollout = 0.0
@@ -469,6 +477,9 @@ ADVICE = (  # flags tried in this order, each where it applies
     ("--freeze_vit", lambda c, o: c.model.train_type == "full" and not c.model.freeze_vit),
     ("--offload_optimizer", lambda c, o: c.dist.strategy == "zero3" and not c.dist.offload_optimizer),
     ("--train_type lora", lambda c, o: c.model.train_type == "full"),
+    # split each row's tokens over ranks (Ulysses, docs/distributed.md): FSDP2, N dividing the ranks
+    *((f"--sequence_parallel_size {n}", lambda c, o, n=n: c.dist.strategy == "fsdp2" and o.world_size % n == 0
+       and c.dist.sequence_parallel_size < n and not c.rollout.use_vllm) for n in (2, 4, 8)),
 )
 
 
@@ -562,7 +573,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(cfg, options: EstimateOptions, result: Estimate, argv: list[str]) -> str:
     lines = [f"mmgrpo estimate: {cfg.model.model}, {cfg.model.train_type} training, {cfg.dist.strategy} over {options.world_size} "
-             f"device(s), {cfg.precision}{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"]
+             f"device(s), {cfg.precision}{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"
+             + (f", rows split over {cfg.dist.sequence_parallel_size} ranks" if cfg.dist.sequence_parallel_size > 1 else "")]
     lines += [f"  {note}" for note in result.notes]
     lines.append(f"{'part':<18}{'GB per device':>14}")
     for name, value in result.parts.items():

@@ -97,6 +97,38 @@ def test_estimate_of_real_sizes_on_eight_gpus_builds_nothing(tmp_path, monkeypat
     assert not (tmp_path / "cache").exists()  # no checkpoint was built
 
 
+def test_sequence_parallelism_splits_the_decoder_activations(tmp_path, monkeypatch, capsys):
+    """A long row on 8 x 80 GB: --sequence_parallel_size N puts 1/N of each row's decoder tokens on a rank
+    (the vision tower's share stays whole), the shared prefix is off under it, and the advice offers it."""
+    from mmgrpo.config import TrainConfig
+    from mmgrpo.config.flags import config_from_namespace
+    from mmgrpo.estimate import EstimateOptions, build_estimate_parser, estimate
+
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "cache"))
+    common = ["--model", "random:qwen2.5-vl-7b", "--parallel", "fsdp2", "--world_size", "8", "--bf16",
+              "--gradient_checkpointing", "--num_generations", "8", "--per_device_train_batch_size", "8",
+              "--max_completion_length", "8192", "--max_prompt_length", "40000", "--prompt_text_tokens", "30000",
+              "--device_memory_gb", "80"]  # fmt: skip
+
+    def activations(*flags) -> float:
+        args = build_estimate_parser().parse_args([*common, *flags])
+        options = EstimateOptions(world_size=8, device_memory_gb=80, prompt_text_tokens=30000)
+        return estimate(config_from_namespace(TrainConfig, args), options).parts["activations"]
+
+    naive, one, two, four = (activations("--shared_prefix", "false"), activations(),
+                             activations("--sequence_parallel_size", "2"), activations("--sequence_parallel_size", "4"))
+    assert one < naive  # the shared prefix runs the 30K-token prompt once per group ...
+    # ... SP runs it naive, split: close to 1/N (autocast's weight copies and the vision tower do not shrink)
+    assert naive / 2 < two < naive / 2 * 1.05 and naive / 4 < four < naive / 4 * 1.05
+    main(common)
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "--sequence_parallel_size 4" in out.split("fits with:")[1]
+    main([*common, "--train_type", "lora", "--sequence_parallel_size", "4"])
+    out = capsys.readouterr().out
+    assert "rows split over 4 ranks" in out and "fits:" in out
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--num_generations", "3"], "--num_generations 3"),
     (["--loss_type", "nope"], "unknown loss type 'nope' (--loss_type)"),
