@@ -3,8 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node N tests/sp_worker.py FAMILY OUT
 
 Every rank runs the naive forward of the whole batch in one process (the reference) and then the
-same batch split across the ranks (Ulysses); it writes the largest differences of the log-probs
-and of the group-summed gradients to OUT/rank<r>.json.
+same batch split across the ranks (Ulysses), for a padded batch and an unpadded one; it writes the
+largest differences of the log-probs and of the group-summed gradients to OUT/rank<r>.json.
 """
 
 import json
@@ -37,11 +37,25 @@ def main(family: str, out: str) -> None:
     path = str(build_tiny(family))
     model = load_model(path, dtype=torch.float32)
     template = get_template(family, load_processor(path))
+    group = new_sequence_group(dist.get_world_size())
+    results = {
+        # left-padded prompts of two kinds, right-padded completions: the whole row's mask
+        "padded": compare(model, template, group, KINDS.get(family, ("video", "two_images")), full=False),
+        # one prompt, completions of full length: nothing padded before a row's end, causal attention
+        "unpadded": compare(model, template, group, ("video",), full=True),
+    }
+    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def compare(model, template, group, kinds, full: bool) -> dict:
+    """One process's log-probs and gradients against the split forward's, on prompts of `kinds`."""
     backbone = model.get_submodule(template.components["backbone"])
-    batch = template.collate(_prompts(template, KINDS.get(family, ("video", "two_images"))))
-    ids, mask = _completions(2)
-    repeated = template.repeat_rows(batch, GROUP)
-    inputs = template.forward_inputs(repeated, ids, mask, model=model)
+    batch = template.collate(_prompts(template, kinds))
+    ids, mask = _completions(len(kinds))
+    if full:
+        mask = torch.ones_like(mask)
+    inputs = template.forward_inputs(template.repeat_rows(batch, GROUP), ids, mask, model=model)
     prompt_len = batch["input_ids"].shape[1]
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
 
@@ -55,22 +69,19 @@ def main(family: str, out: str) -> None:
     ((expected * mask) * weights).sum().backward()
     expected_grads = grads()
 
-    group = new_sequence_group(dist.get_world_size())
     with ulysses(model, template, group) as split:
         local = backbone(**inputs, use_cache=False).last_hidden_state
         got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
     ((got * mask) * weights).sum().backward()
     sum_gradients(model, group)
     got_grads = grads()
-    result = {
+    return {
         "rows": int(ids.shape[0]), "row_length": split.length, "slice": [split.start, split.end],
-        "logps": float(((got - expected) * mask).abs().max()),
+        "masked": split.mask is not None, "logps": float(((got - expected) * mask).abs().max()),
         "grads": {name: float((got_grads[name] - g).abs().max() / max(1.0, float(g.abs().max())))
                   for name, g in expected_grads.items()},
         "missing": sorted(set(expected_grads) - set(got_grads)),
     }  # fmt: skip
-    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -36,14 +36,16 @@ def _launch(family: str, ranks: int, out: Path) -> list[dict]:
 @pytest.mark.parametrize("family, ranks", [("qwen2.5-vl", 2), ("qwen2.5-vl", 4), ("qwen3-vl", 2), ("qwen3.5", 2)])
 def test_split_rows_score_and_train_as_one_process(family, ranks, tmp_path):
     results = _launch(family, ranks, tmp_path)
-    slices = [result["slice"] for result in results]
-    length = results[0]["row_length"]
-    assert slices == [[r * length // ranks, (r + 1) * length // ranks] for r in range(ranks)]  # contiguous, whole row
-    for rank, result in enumerate(results):
-        assert result["logps"] < 1e-5, (rank, result["logps"])
-        assert not result["missing"]  # every parameter the one-process backward reaches, the group's does
-        worst = max(result["grads"], key=result["grads"].get)
-        assert result["grads"][worst] < 1e-5, (rank, worst, result["grads"][worst])
+    for case, masked in (("padded", True), ("unpadded", False)):  # the whole row's mask, or causal attention alone
+        slices = [result[case]["slice"] for result in results]
+        length = results[0][case]["row_length"]
+        assert slices == [[r * length // ranks, (r + 1) * length // ranks] for r in range(ranks)]  # contiguous, whole row
+        for rank, result in enumerate(r[case] for r in results):
+            assert result["masked"] == masked, case
+            assert result["logps"] < 1e-5, (case, rank, result["logps"])
+            assert not result["missing"]  # every parameter the one-process backward reaches, the group's does
+            worst = max(result["grads"], key=result["grads"].get)
+            assert result["grads"][worst] < 1e-5, (case, rank, worst, result["grads"][worst])
 
 
 @pytest.mark.distributed

@@ -92,7 +92,7 @@ class _Split:
     def __init__(self, group):
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.mask = None  # [B, 1, L, L] bool, True = attend
+        self.mask = None  # [B, 1, L, L] bool, True = attend; None: causal, nothing padded before a row's end
         self.valid = None  # [B, L]: 1 at the row's tokens
         self.length = self.start = self.end = 0
 
@@ -130,7 +130,7 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
     q, k, v = split.seq_to_heads(query), split.seq_to_heads(key), split.seq_to_heads(value)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=split.mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
-        enable_gqa=k.shape[1] != q.shape[1],
+        is_causal=split.mask is None, enable_gqa=k.shape[1] != q.shape[1],
     )  # [B, H/N, S, D]
     return split.heads_to_seq(out).transpose(1, 2).contiguous(), None
 
@@ -196,8 +196,8 @@ def _register() -> None:
 
 def row_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
     """[B, 1, L, L] bool (True = attend) of rows whose 2D mask is attention_mask [B, S], padded to
-    L >= S: causal, padded keys hidden. A query that would see no key (left padding, the split's
-    own padding) sees itself, so no row of the softmax is empty; its output is never scored."""
+    L >= S: causal, padded keys hidden. A query that would see no key (left padding) sees itself,
+    so no row of the softmax is empty; its output is never scored."""
     batch, seq = attention_mask.shape
     valid = F.pad(attention_mask.bool(), (0, length - seq), value=False)  # [B, L]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
@@ -236,13 +236,15 @@ def ulysses(model: nn.Module, template, group):
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        split.mask = row_mask(mask, split.length)
+        # rows without padding (the split's own comes last, after every real token): causal attention, no
+        # [L, L] mask; else the whole row's mask, as transformers builds one for a padded batch
+        split.mask = None if bool(mask.all()) else row_mask(mask, split.length)
         split.valid = F.pad(mask, (0, split.length - full))  # [B, L]: the row's tokens (linear layers zero the rest)
         kwargs["inputs_embeds"] = F.pad(embeds, (0, 0, 0, split.length - full))[:, split.start : split.end]
         positions = kwargs.get("position_ids")  # [B, S] or [3|4, B, S], computed on the whole row
         if positions is None:  # a 1-D RoPE decoder would count its slice from 0
             positions = torch.arange(full, device=embeds.device).expand(embeds.shape[0], full)
-        # the split's padding positions are never scored and attend to themselves only
+        # the split's padding positions (after the row's end) are never scored
         kwargs["position_ids"] = F.pad(positions, (0, split.length - full))[..., split.start : split.end]
         kwargs["attention_mask"] = None
         visual = kwargs.get("visual_pos_masks")  # Qwen3-VL's deepstack: features added at the visual positions
@@ -252,7 +254,7 @@ def ulysses(model: nn.Module, template, group):
             in_slice[:, split.start : split.end] = True
             keep = in_slice[visual]  # of the row's visual tokens (in the order the features are), those in the slice
             kwargs["visual_pos_masks"] = mine
-            kwargs["deepstack_visual_embeds"] = [embeds[keep] for embeds in kwargs["deepstack_visual_embeds"]]
+            kwargs["deepstack_visual_embeds"] = [features[keep] for features in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
 
     config = decoder.config

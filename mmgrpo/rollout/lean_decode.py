@@ -136,7 +136,7 @@ class LeanDecoder:
         for layer in layers:
             mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
             for name, module in (*mixer.named_children(), *layer.mlp.named_children()):
-                if ("_proj" in name or name.startswith("in_proj")) and type(module) is not nn.Linear:
+                if "_proj" in name and type(module) is not nn.Linear:  # q_proj ... in_proj_qkv, out_proj
                     return False, f"{name} is a {type(module).__name__}, not nn.Linear (LoRA adapters run in its forward)"
         return True, ""
 
