@@ -104,7 +104,8 @@ class Strategy:
 
     def split_sequences(self, group, size: int) -> None:
         """Ranks [k * size, (k + 1) * size) form sequence group k: they read the same prompts (data rank
-        k of world_size / size), roll out once for all (their leader's rollout), and split each row."""
+        k of world_size / size), train on their leader's rollout (each rank generates, the leader's is
+        kept: `share_rollout`), and split each row."""
         self.sequence_group, self.sequence_size = group, size
         self.data_rank, self.data_world = self.rank // size, self.world_size // size
 
