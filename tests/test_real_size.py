@@ -12,7 +12,8 @@ a full-attention block does not; shared-prefix log-probs and gradients equal the
 equal HF generate's; a GRPO step trains every trainable weight (full training with the LLM frozen:
 the fp32 optimizer state of the whole 3B width would be 7 GB, over what a CI test may hold) and
 LoRA with --freeze_vit trains its adapters only. Qwen3-VL-30B-A3B at one layer (its 128 experts,
-1.3B parameters): a LoRA step trains every adapter. The untied 7B head (slow): greedy decode and
+1.3B parameters) and Qwen3.5-9B at one group of its hybrid pattern (2.9B parameters, 12 GB in fp32):
+a LoRA step trains every adapter. The untied 7B head (slow): greedy decode and
 log-probs at 3584 wide.
 
 The heavy tests share one xdist group, so at most one full-width model is in memory at a time
@@ -47,6 +48,7 @@ from test_shared_prefix import (  # noqa: E402  (the naive-vs-shared-prefix chec
 MODEL_3B = "random:qwen2.5-vl-3b?num_hidden_layers=1&vision_depth=2"
 MODEL_7B = "random:qwen2.5-vl-7b?num_hidden_layers=1&vision_depth=1"
 MODEL_MOE = "random:qwen3-vl-30b-a3b?num_hidden_layers=1&vision_depth=1"
+MODEL_HYBRID = "random:qwen3.5-9b?num_hidden_layers=4&vision_depth=1"  # 3 Gated DeltaNet layers + 1 full attention
 heavy = pytest.mark.xdist_group("real_size")  # one full-width model in memory at a time
 
 # The published totals of the checkpoints (safetensors), in billions.
@@ -255,11 +257,16 @@ def _step_changes(run) -> tuple[set[str], set[str]]:
 
     trainable = {name for name, param in run.model.named_parameters() if param.requires_grad}
     before = {name: param.detach().clone() for name, param in run.model.named_parameters() if name in trainable}
-    frozen_sums = {name: param.double().sum().item() for name, param in run.model.named_parameters() if name not in trainable}
+    frozen_sums = {name: _exact_sum(param) for name, param in run.model.named_parameters() if name not in trainable}
     grpo_step(run, dist_worker.image_prompts(run.template, 2), step=1)
     after = dict(run.model.named_parameters())
-    assert all(after[name].double().sum().item() == value for name, value in frozen_sums.items())  # frozen stay
+    assert all(_exact_sum(after[name]) == value for name, value in frozen_sums.items())  # frozen stay
     return {name for name in trainable if not torch.equal(after[name], before[name])}, trainable
+
+
+def _exact_sum(param) -> float:
+    """A float64 sum of a weight, 16M values at a time (a float64 copy of a 248,320-row embedding is 8 GB)."""
+    return sum(chunk.double().sum().item() for chunk in param.detach().flatten().split(1 << 24))
 
 
 def activate_adapters(model) -> None:
@@ -311,6 +318,23 @@ def test_moe_lora_step_at_full_width(tmp_path):
     changed, trainable = _step_changes(run)
     assert trainable and all("lora_" in name for name in trainable)
     assert any(".language_model.layers.0.self_attn." in name for name in trainable)
+    assert changed == trainable, f"did not train: {sorted(trainable - changed)}"
+
+
+@heavy
+def test_hybrid_lora_step_at_full_width(tmp_path):
+    """Qwen3.5-9B's width at the depth of one group of its hybrid pattern (3 Gated DeltaNet layers of 16 key
+    and 32 value heads, one gated full-attention layer, hidden 4096, the untied 248,320-row head, one
+    1152-wide vision block; 2.9B parameters, 11.8 GB in fp32): one LoRA GRPO step, through the shared
+    prefix, changes every adapter (both token mixers' projections, the MLPs, the merger) and nothing else."""
+    run = _run(tmp_path, "--train_type", "lora", "--lora_rank", "4", "--lora_dropout", "0", "--freeze_vit",
+               "--beta", "0.04", model=MODEL_HYBRID)
+    assert run.policy.shared_prefix and run.model.get_output_embeddings().weight.shape == (248320, 4096)
+    activate_adapters(run.model)
+    changed, trainable = _step_changes(run)
+    assert trainable and all("lora_" in name for name in trainable)
+    for part in (".layers.0.linear_attn.in_proj_qkv.", ".layers.3.self_attn.q_proj.", ".layers.0.mlp."):
+        assert any(part in name for name in trainable), part
     assert changed == trainable, f"did not train: {sorted(trainable - changed)}"
 
 
