@@ -104,6 +104,34 @@ def test_a_run_split_over_two_ranks_trains_as_one_process(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.xdist_group("distributed")
+def test_sequence_groups_inside_fsdp2_train_as_fsdp2_alone(tmp_path):
+    """SP 2 x FSDP2 2 (4 ranks: two sequence groups, each a data rank) against FSDP2 on 2 ranks: each
+    group reads its data rank's prompts and samples with its seeds, splits its rows over its two
+    ranks, and FSDP2 shards and averages over all four; the run logs what FSDP2 alone logs."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    plugin = tmp_path / "varied.py"
+    plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
+    train = [*TRAIN, "--reward_funcs", f"{plugin}:varied", "--max_steps", "2", "--parallel", "fsdp2", "--ddp_timeout", "120"]
+
+    def launch(ranks: int, out: str, *flags: str):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               str(ranks), "-m", "mmgrpo", *train, *flags, "--output_dir", str(tmp_path / out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        return _metrics(tmp_path / out)
+
+    fsdp = launch(2, "fsdp2", "--shared_prefix", "false")  # the split forwards are the naive ones
+    both = launch(4, "sp_x_fsdp2", "--sequence_parallel_size", "2")
+    assert [row["step"] for row in both] == [1, 2]
+    assert all(row["grad_norm"] > 0 for row in fsdp) and fsdp[1]["kl"] > 0  # the steps learn: the check can fail
+    for a, b in zip(fsdp, both):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+
+
 def test_flags_that_cannot_split_are_named(monkeypatch):
     from mmgrpo.config import TrainConfig
     from mmgrpo.errors import ConfigError
