@@ -6,7 +6,8 @@
 
 It takes `mmgrpo train`'s flags (parsed and checked by the same code, so a nonsense flag gives
 train's error) and a few of its own: --world_size, --device_memory_gb, and the prompt's shape
-(--image_pixels per image after resizing, --images_per_prompt, --prompt_text_tokens). The model
+(--image_pixels per image after resizing, --images_per_prompt, --prompt_text_tokens, and a video
+clip: --video_seconds at train's --video_fps or --video_nframes, --video_pixels per frame). The model
 may be a folder, a `tiny:` or a `random:` name (read from its config on the meta device: a
 `random:qwen2.5-vl-7b` estimate builds nothing). It prints each part:
 
@@ -82,6 +83,8 @@ class EstimateOptions:
     image_pixels: int | None = None  # per image after resizing; None: --max_pixels, else 448 x 448
     images_per_prompt: int = 1
     prompt_text_tokens: int = 64
+    video_seconds: float = 0.0  # one clip per prompt this long, sampled at train's --video_fps (or --video_nframes)
+    video_pixels: int | None = None  # per frame after resizing; None: 448 x 448
 
 
 @dataclass
@@ -102,6 +105,7 @@ class ModelShape:
     vision_out: int = 0
     patch: int = 14
     merge: int = 2
+    temporal_patch: int = 1  # video frames one patch covers (Qwen-VL: 2)
     deepstack: int = 0
     params: dict[str, int] = field(default_factory=dict)  # total, vision, aligner, llm_layers, root, block, experts
     experts: int = 0  # mixture of experts: experts per sparse layer (0: a dense model)
@@ -201,6 +205,7 @@ def model_shape(cfg) -> ModelShape:
         shape.vision_mlp = getattr(vision, "intermediate_size", None) or int(width * vision.mlp_ratio)
         shape.vision_out = getattr(vision, "out_hidden_size", None) or vision.hidden_size
         shape.patch, shape.merge = vision.patch_size, vision.spatial_merge_size
+        shape.temporal_patch = getattr(vision, "temporal_patch_size", 1) or 1
         shape.deepstack = len(getattr(vision, "deepstack_visual_indexes", []) or [])
         mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
         if not hasattr(mlp, "gate_proj"):
@@ -297,11 +302,26 @@ class Estimate:
 
 
 def prompt_tokens(cfg, options: EstimateOptions, shape: ModelShape) -> tuple[int, int]:
-    """(prompt tokens, vision patches) of one prompt."""
+    """(prompt tokens, vision patches) of one prompt: its text, images and video clip."""
     pixels = options.image_pixels or cfg.model.max_pixels or 448 * 448
     patches = pixels // shape.patch**2 if shape.vision_depth else 0
-    tokens = options.prompt_text_tokens + options.images_per_prompt * patches // shape.merge**2
-    return tokens, options.images_per_prompt * patches
+    video = clip_patches(cfg, options, shape)
+    tokens = options.prompt_text_tokens + (options.images_per_prompt * patches + video) // shape.merge**2
+    return tokens, options.images_per_prompt * patches + video
+
+
+def clip_patches(cfg, options: EstimateOptions, shape: ModelShape) -> int:
+    """The vision tower's patches of the prompt's video clip: its frames (--video_nframes, else
+    --video_seconds x --video_fps), in patches of `temporal_patch` frames, each frame --video_pixels.
+
+    A 2-minute clip at 2 fps and 448 x 448 on Qwen2.5-VL (14-px patches of 2 frames, 2 x 2 merged):
+    240 frames -> 120 x 1024 = 122,880 patches, 30,720 prompt tokens.
+    """
+    if not shape.vision_depth or not (options.video_seconds or cfg.model.video_nframes):
+        return 0
+    frames = cfg.model.video_nframes or max(1, round(options.video_seconds * cfg.model.video_fps))
+    pixels = options.video_pixels or 448 * 448
+    return math.ceil(frames / shape.temporal_patch) * (pixels // shape.patch**2)
 
 
 @dataclass
@@ -321,6 +341,13 @@ def shares_prefix(cfg) -> bool:
     """The forwards and rollouts run each prompt once per group: --shared_prefix, not under sequence
     parallelism (whose forwards and rollout run naive)."""
     return cfg.model.shared_prefix and cfg.dist.sequence_parallel_size == 1
+
+
+def rollout_prefills_once(cfg) -> bool:
+    """The rollout prefills each prompt once for its G samples (the shared-prefix engine), also under
+    sequence parallelism (it samples whole rows); on a sharded model only with --gather_for_generation
+    (and a family whose decode steps run lean, which the estimate takes for granted)."""
+    return cfg.model.shared_prefix and (cfg.dist.strategy not in ("fsdp2", "zero3") or cfg.dist.gather_for_generation)
 
 
 def step_batch(cfg, options: EstimateOptions, shape: ModelShape) -> StepBatch:
@@ -412,7 +439,7 @@ def rollout_bytes(cfg, options: EstimateOptions, shape: ModelShape, batch: StepB
     L, T, patches = batch.prompt_tokens, cfg.rollout.max_completion_length, batch.patches
     step_rows, step_prompts = batch.step_rows, batch.step_prompts
     h, i, kv, layers = shape.hidden, shape.intermediate, shape.kv_dim, shape.layers
-    shared = shares_prefix(cfg)
+    shared = rollout_prefills_once(cfg)
     cached = (step_prompts * L + step_rows * T) if shared else step_rows * (L + T)
     kv_cache = layers * 2 * kv * cached * kv_bytes
     prefill_tokens = step_prompts * L if shared else step_rows * L
@@ -528,9 +555,14 @@ def build_estimate_parser():
                        help="Memory of one device in GB (default 80: an A100/H100 80GB).")
     group.add_argument("--image_pixels", type=int, default=None,
                        help="Pixels of each image after resizing (default: --max_pixels, else 448 x 448).")
-    group.add_argument("--images_per_prompt", type=int, default=defaults.images_per_prompt, help="Images per prompt (default 1).")
+    group.add_argument("--images_per_prompt", type=int, default=None,
+                       help="Images per prompt (default 1; 0 with --video_seconds or --video_nframes).")
     group.add_argument("--prompt_text_tokens", type=int, default=defaults.prompt_text_tokens,
                        help="Text tokens of a prompt, chat template included (default 64).")
+    group.add_argument("--video_seconds", type=float, default=defaults.video_seconds,
+                       help="A video clip of this many seconds per prompt, sampled at --video_fps (or --video_nframes frames; "
+                            "default 0: no clip).")
+    group.add_argument("--video_pixels", type=int, default=None, help="Pixels of each video frame after resizing (default 448 x 448).")
     group.add_argument("--measure", action="store_true",
                        help="Also run two real steps of this configuration (one process) and print the second's measured peak.")
     return parser
@@ -544,14 +576,19 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_estimate_parser().parse_args(argv)
     from mmgrpo.training.startup_checks import check_train_flags  # after --help
     options = EstimateOptions(world_size=ns.world_size, device_memory_gb=ns.device_memory_gb, image_pixels=ns.image_pixels,
-                              images_per_prompt=ns.images_per_prompt, prompt_text_tokens=ns.prompt_text_tokens)  # fmt: skip
+                              images_per_prompt=ns.images_per_prompt if ns.images_per_prompt is not None
+                              else 0 if ns.video_seconds or getattr(ns, "model.video_nframes", None) else 1,
+                              prompt_text_tokens=ns.prompt_text_tokens,
+                              video_seconds=ns.video_seconds, video_pixels=ns.video_pixels)  # fmt: skip
     for flag, value, low in (("world_size", options.world_size, 1), ("device_memory_gb", options.device_memory_gb, None),
                              ("image_pixels", options.image_pixels, 1), ("images_per_prompt", options.images_per_prompt, 0),
-                             ("prompt_text_tokens", options.prompt_text_tokens, 0)):
+                             ("prompt_text_tokens", options.prompt_text_tokens, 0), ("video_seconds", options.video_seconds, 0),
+                             ("video_pixels", options.video_pixels, 1)):
         if value is None:
             continue
         if not math.isfinite(value) or (value <= 0 if low is None else value < low):
-            raise ConfigError(f"--{flag} {value}: give " + ("a finite number of GB > 0." if low is None else f"an integer >= {low}."))
+            raise ConfigError(f"--{flag} {value}: give " + ("a finite number of GB > 0." if low is None else
+                                                           f"{'a number' if isinstance(value, float) else 'an integer'} >= {low}."))
     cfg = config_from_namespace(TrainConfig, ns)
     if cfg.bf16 is None and not cfg.fp16 and cfg.torch_dtype in (None, "auto"):
         cfg.bf16 = True  # what train does on a GPU with bfloat16, the machines an estimate is for

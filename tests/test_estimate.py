@@ -129,6 +129,31 @@ def test_sequence_parallelism_splits_the_decoder_activations(tmp_path, monkeypat
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_video_clip_counts_its_frames(tmp_path, monkeypatch, capsys):
+    """--video_seconds at train's --video_fps (or --video_nframes): Qwen2.5-VL's 14-px patches cover 2 frames
+    and merge 2 x 2, so a 2-minute clip at 2 fps and 448 x 448 is 120 x 256 = 30,720 prompt tokens (no
+    image unless asked), and 16 frames at 224 x 224 are 8 x 64 = 512; the tower's patches grow with it."""
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path / "cache"))
+    common = ["--model", "random:qwen2.5-vl-7b", "--parallel", "fsdp2", "--world_size", "8", "--bf16",
+              "--gradient_checkpointing", "--max_prompt_length", "200000", "--device_memory_gb", "80"]  # fmt: skip
+
+    def prompt(*flags) -> int:
+        main([*common, *flags])
+        return int(capsys.readouterr().out.split("; prompt ")[1].split(" tokens")[0])
+
+    assert prompt("--video_seconds", "120") == 64 + 30720
+    assert prompt("--video_seconds", "120", "--video_fps", "1") == 64 + 15360
+    assert prompt("--video_nframes", "16", "--video_pixels", str(224 * 224)) == 64 + 512
+    assert prompt("--video_nframes", "16", "--video_pixels", str(224 * 224), "--images_per_prompt", "1") == 64 + 512 + 256
+    assert prompt() == 64 + 256  # one 448 x 448 image by default
+    main([*common, "--video_seconds", "600"])  # a 10-minute clip: the tower alone is over a device
+    out = capsys.readouterr().out
+    assert "prompt 153664 tokens" in out and "does NOT fit" in out
+    with pytest.raises(ConfigError, match="--video_seconds -1.0: give a number >= 0"):
+        main([*common, "--video_seconds", "-1"])
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--num_generations", "3"], "--num_generations 3"),
     (["--loss_type", "nope"], "unknown loss type 'nope' (--loss_type)"),

@@ -86,9 +86,8 @@ def test_a_run_split_over_two_ranks_trains_as_one_process(tmp_path):
     plugin = tmp_path / "varied.py"  # the tiny model's completions differ in their text, not their length
     plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
     train = [*TRAIN, "--reward_funcs", f"{plugin}:varied", "--max_steps", "2"]
-    # the split run's forwards are the naive ones (and so its rollout engine, HF generate): the same here
-    single = subprocess.run([sys.executable, "-m", "mmgrpo", *train, "--shared_prefix", "false",
-                             "--output_dir", str(tmp_path / "one")],
+    # the split run's forwards are the naive ones, its rollout the shared-prefix engine (unsplit), as here
+    single = subprocess.run([sys.executable, "-m", "mmgrpo", *train, "--output_dir", str(tmp_path / "one")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     split = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -123,7 +122,7 @@ def test_sequence_groups_inside_fsdp2_train_as_fsdp2_alone(tmp_path):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         return _metrics(tmp_path / out)
 
-    fsdp = launch(2, "fsdp2", "--shared_prefix", "false")  # the split forwards are the naive ones
+    fsdp = launch(2, "fsdp2")  # its forwards share the prompt prefix, the split ones run naive: equal to 1e-6
     both = launch(4, "sp_x_fsdp2", "--sequence_parallel_size", "2")
     assert [row["step"] for row in both] == [1, 2]
     assert all(row["grad_norm"] > 0 for row in fsdp) and fsdp[1]["kl"] > 0  # the steps learn: the check can fail

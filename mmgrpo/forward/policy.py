@@ -110,6 +110,9 @@ class Policy:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)
         if self.shared_prefix and per_row_routing and moe_routers(model):
             self.shared_prefix, self.naive_reason = False, "routes replayed per row (--routing_replay, --router_aux_loss_coef)"
+        # The rollout does not run split (each rank of a sequence group samples whole rows, the leader's
+        # are kept), so it prefills each prompt once for its G samples wherever the forwards could.
+        self.rollout_shares_prefix = self.shared_prefix
         self.sequence_group = sequence_group
         if self.shared_prefix and sequence_group is not None:
             self.shared_prefix, self.naive_reason = False, "rows split across ranks (--sequence_parallel_size)"

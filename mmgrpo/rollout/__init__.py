@@ -69,6 +69,16 @@ def build_rollout_engine(
     return engine
 
 
+def prefills_once(policy, strategy, gather_for_generation: bool, model=None) -> bool:
+    """True if the in-process rollout prefills each prompt once for its G samples (the shared-prefix
+    engine): the policy's forwards could share the prefix (under --sequence_parallel_size they run
+    split and naive, the rollout does not), on a sharded model only with its weights gathered and
+    lean decode steps (ranks may then stop apart)."""
+    sharded = strategy is not None and strategy.sharded
+    model = model if model is not None else policy.model
+    return policy.rollout_shares_prefix and (not sharded or (gather_for_generation and lean_applies(model, policy.template)))
+
+
 def choose_engine(policy, strategy, prepared, *, gather_for_generation, asynchronous, peft_model, vllm) -> RolloutEngine:
     """The engine that samples one turn (see build_rollout_engine)."""
     model, template = policy.model, policy.template
@@ -89,6 +99,6 @@ def choose_engine(policy, strategy, prepared, *, gather_for_generation, asynchro
         source = copy.deepcopy(peft_model).merge_and_unload() if peft_model is not None else copy.deepcopy(model)
         model = source.eval().requires_grad_(False)
         hooks = {"separate_weights": True}
-    if policy.shared_prefix and (not sharded or (gather_for_generation and lean_applies(model, template))):
+    if prefills_once(policy, strategy, gather_for_generation, model):
         return SharedPrefixRollout(model, template, **hooks)
     return HFRollout(model, template, synced=sharded and strategy.world_size > 1, **hooks)

@@ -34,7 +34,7 @@ from mmgrpo.models.saving import save_model_folder
 from mmgrpo.models.train_type import load_teacher, load_trainable_model, reference_copy
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards, judge_vllm_options
-from mmgrpo.rollout import RolloutEngine, build_rollout_engine
+from mmgrpo.rollout import RolloutEngine, build_rollout_engine, prefills_once
 from mmgrpo.rollout.base import SamplingParams, sampling_params
 from mmgrpo.rollout.vllm_engine import build_vllm_engine
 from mmgrpo.runstate.disk_space import checkpoint_bytes, checkpoints_kept, warn_if_short
@@ -313,7 +313,9 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
 
         check_heads(model, template, strategy.sequence_size)
     if cfg.model.shared_prefix and not policy.shared_prefix and strategy.is_main:
-        console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): prompts run once per completion")
+        where = ("in the log-prob forwards (the rollout prefills each prompt once)"
+                 if prefills_once(policy, strategy, cfg.dist.gather_for_generation) else "prompts run once per completion")
+        console.print(f"[yellow]group-shared prefix off ({policy.naive_reason}): {where}")
     rollout = build_rollout_engine(
         policy, strategy, prepared, gather_for_generation=cfg.dist.gather_for_generation,
         asynchronous=cfg.rollout.staleness_bound > 0, peft_model=peft_model,
