@@ -4,7 +4,8 @@
 
 Every rank runs the naive forward of the whole batch in one process (the reference) and then the
 same batch split across the ranks (Ulysses), for a padded batch and an unpadded one; it writes the
-largest differences of the log-probs and of the group-summed gradients to OUT/rank<r>.json.
+largest differences of the log-probs and of the group-summed gradients to OUT/rank<r>.json, and the
+patches its vision tower encoded in the split forward.
 """
 
 import json
@@ -69,9 +70,13 @@ def compare(model, template, group, kinds, full: bool) -> dict:
     ((expected * mask) * weights).sum().backward()
     expected_grads = grads()
 
+    encoded = []  # the patches this rank's tower encodes in the split forward
+    patches = model.get_submodule(template.components["vision"]).patch_embed
+    hook = patches.register_forward_pre_hook(lambda module, args: encoded.append(args[0].shape[0]))
     with ulysses(model, template, group) as split:
         local = backbone(**inputs, use_cache=False).last_hidden_state
         got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
+    hook.remove()
     ((got * mask) * weights).sum().backward()
     sum_gradients(model, group)
     got_grads = grads()
@@ -81,6 +86,8 @@ def compare(model, template, group, kinds, full: bool) -> dict:
         "grads": {name: float((got_grads[name] - g).abs().max() / max(1.0, float(g.abs().max())))
                   for name, g in expected_grads.items()},
         "missing": sorted(set(expected_grads) - set(got_grads)),
+        "tower_patches": sum(encoded), "all_patches": sum(int(inputs[key].shape[0]) for key in ("pixel_values", "pixel_values_videos")
+                                                          if inputs.get(key) is not None),
     }  # fmt: skip
 
 

@@ -42,6 +42,8 @@ SMOKE = {
                   ("completion length mmgrpo 4, trl 4", "samples/s", "CPU s/step", "peak RSS (MB)", "  s/step rollout",
                    "executed GFLOP/step", "mmgrpo/TRL samples/s ratio", "mmgrpo/TRL executed FLOPs ratio")),
     "token_budget.py": (["--prompts", "2", "--num_generations", "2", "--repeats", "1"], ""),
+    # N = 1 and 2 ranks (torchrun, gloo) on the tiny Qwen2.5-VL: the split run's row is half the tokens
+    "sequence_parallel.py": (["--smoke"], ("| 1 | 52 |", "| 2 | 26 |")),
     "zoom_tool.py": (["--models", "tiny:qwen2-vl", "--model_type", "qwen2-vl", "--limit", "2",
                       "--max_completion_length", "16", "--batch_size", "2"], ""),
     "learning_vs_trl.py": (["--tasks", "shapes-color", "--seeds", "0", "--steps", "2", "--save_every", "1",

@@ -6,7 +6,8 @@ the split forward and backward, and reports the largest differences. Rows: a vid
 two-image prompt (mRoPE positions computed on the whole row, then split), G = 3 completions each,
 left-padded prompts and right-padded completions; the decoders: Qwen2.5-VL, Qwen3-VL (deepstack
 features follow their tokens to the slice that holds them) and Qwen3.5 (Gated DeltaNet layers
-exchange heads for tokens as attention does).
+exchange heads for tokens as attention does). Each rank's vision tower encodes its run of the rows'
+images and frames, about 1/N of them (the tower's gradients are checked like the rest).
 """
 
 import json
@@ -40,6 +41,9 @@ def test_split_rows_score_and_train_as_one_process(family, ranks, tmp_path):
         slices = [result[case]["slice"] for result in results]
         length = results[0][case]["row_length"]
         assert slices == [[r * length // ranks, (r + 1) * length // ranks] for r in range(ranks)]  # contiguous, whole row
+        patches, total = [r[case]["tower_patches"] for r in results], results[0][case]["all_patches"]
+        # each rank's tower encodes its run of the rows' images and frames (G copies of each), the runs all of them
+        assert sum(patches) == total and max(patches) < total * 0.75, (case, patches, total)
         for rank, result in enumerate(r[case] for r in results):
             assert result["masked"] == masked, case
             assert result["logps"] < 1e-5, (case, rank, result["logps"])

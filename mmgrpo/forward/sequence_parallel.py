@@ -4,7 +4,9 @@ A long video row (tens of thousands of prompt tokens) is what runs a device out 
 log-prob and update forwards: every decoder layer keeps activations for every token. Here the
 decoder runs on 1/N of the tokens per rank:
 
-    backbone:   media towers, embeddings and 3-D mRoPE positions on the whole row   (every rank)
+    towers:     a Qwen-style vision tower encodes 1/N of the images and video frames on each rank;
+                one all-gather gives every rank the whole row's merged features (`_shard_tower`)
+    backbone:   embeddings and 3-D mRoPE positions on the whole row                 (every rank)
     split:      inputs_embeds and position_ids cut into N contiguous slices         (rank r: slice r)
     each layer: norms, projections, MLP on the rank's slice; attention exchanges heads for tokens
                 with one all-to-all (queries, keys, values: [B, H, S/N, D] -> [B, H/N, S, D]),
@@ -32,11 +34,20 @@ group is a loss scaled by N.
 In training (`--sequence_parallel_size N --parallel fsdp2`): groups of N consecutive ranks read the
 same prompts, train on their leader's rollout, run the policy's, reference's and teacher's log-prob
 forwards split (the shared prefix off), and scale the loss by N so that FSDP2's average over the
-world sums each group's shares. The vision tower still runs on the whole row on every rank.
+world sums each group's shares.
+
+The vision tower (the families whose tower takes `grid_thw`: Qwen2-VL to Qwen3.5) is sharded across
+the group: its inputs are cut at image and frame boundaries (its attention never crosses a frame:
+windows and full-attention blocks both stop at one, and positions are per frame) into N contiguous
+runs of about equal patches, each rank encodes its run, and one all-gather of the merged features
+(and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
+gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer
+images and frames than ranks, every rank encodes all of them.
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from functools import partial
 
@@ -83,6 +94,89 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Each rank's rows [n_r, D] -> all the group's rows in rank order [sum n_r, D] on every rank. Every
+    rank's loss may read every rank's rows, so the backward sums the gradient over the group and keeps
+    this rank's rows of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+        ctx.group, ctx.sizes, ctx.rank = group, sizes, dist.get_rank(group)
+        padded = F.pad(x, (0, 0, 0, max(sizes) - x.shape[0])).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.sizes[: ctx.rank])
+        return grad[start : start + ctx.sizes[ctx.rank]], None, None
+
+
+def tower_runs(grid_thw: torch.Tensor, merge: int, size: int) -> list[tuple[int, int, list[list[int]], int]] | None:
+    """The tower's inputs cut into `size` contiguous runs at frame boundaries, about equal in patches:
+    per run (first patch row, end row, its grid_thw rows, its merged tokens); None with fewer frames
+    (an image is one) than runs.
+
+    >>> [(a, b, grid, n) for a, b, grid, n in tower_runs(torch.tensor([[3, 2, 2], [1, 4, 4]]), 2, 2)]
+    [(0, 12, [[3, 2, 2]], 3), (12, 28, [[1, 4, 4]], 4)]
+    >>> tower_runs(torch.tensor([[1, 4, 4]]), 2, 2) is None  # one image, two ranks: each encodes it
+    True
+    """
+    frames = [(item, h * w) for item, (t, h, w) in enumerate(grid_thw.tolist()) for _ in range(t)]
+    if len(frames) < size:
+        return None
+    total, runs, first = sum(p for _, p in frames), [], 0
+    for r in range(size):
+        end, done = first, sum(p for _, p in frames[:first])
+        target = total * (r + 1) / size
+        while end < len(frames) - (size - r - 1) and (end == first or done + frames[end][1] / 2 <= target):
+            done += frames[end][1]
+            end += 1
+        if r == size - 1:
+            end = len(frames)
+        grid: list[list[int]] = []
+        for item, _ in frames[first:end]:
+            if grid and grid[-1][0] == item:
+                grid[-1][1] += 1
+            else:
+                grid.append([item, 1])
+        shapes = grid_thw.tolist()
+        rows = [[t, shapes[item][1], shapes[item][2]] for item, t in grid]
+        start_row = sum(p for _, p in frames[:first])
+        patches = sum(p for _, p in frames[first:end])
+        runs.append((start_row, start_row + patches, rows, patches // merge**2))
+        first = end
+    return runs
+
+
+def _shard_tower(tower: nn.Module, split: _Split):
+    """`tower.forward` encoding this rank's run of the inputs (`tower_runs`) and gathering the group's
+    merged features: an instance attribute, removed by the caller."""
+    original = tower.forward
+    merge = getattr(tower, "spatial_merge_size", None) or tower.config.spatial_merge_size
+
+    def forward(hidden_states, grid_thw, **kwargs):
+        runs = tower_runs(grid_thw, merge, split.size)
+        if runs is None:
+            return original(hidden_states, grid_thw=grid_thw, **kwargs)
+        start, end, rows, _ = runs[split.rank]
+        out = original(hidden_states[start:end], grid_thw=torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device),
+                       **kwargs)  # fmt: skip
+        features = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        gathered = _GatherRows.apply(torch.cat(features, dim=-1), [run[3] for run in runs], split.group)
+        parts = list(gathered.split([f.shape[-1] for f in features], dim=-1))
+        out.pooler_output = parts[0]
+        if len(parts) > 1:
+            out.deepstack_features = parts[1:]
+        out.last_hidden_state = None  # this rank's patches only: nothing downstream reads it
+        return out
+
+    return forward
 
 
 class _Split:
@@ -260,9 +354,13 @@ def ulysses(model: nn.Module, template, group):
     config = decoder.config
     saved = config._attn_implementation
     handle = decoder.register_forward_pre_hook(before, with_kwargs=True)
-    linear = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
-    for module in linear:
+    patched = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
+    for module in patched:
         module.forward = partial(_linear_attention, module)  # an instance attribute, removed below
+    tower = model.get_submodule(template.components["vision"]) if template.components.get("vision") else None
+    if tower is not None and "grid_thw" in inspect.signature(tower.forward).parameters:
+        tower.forward = _shard_tower(tower, split)
+        patched.append(tower)
     config._attn_implementation = ATTENTION
     _active = split
     try:
@@ -271,7 +369,7 @@ def ulysses(model: nn.Module, template, group):
         _active = None
         config._attn_implementation = saved
         handle.remove()
-        for module in linear:
+        for module in patched:
             del module.forward
 
 
