@@ -139,7 +139,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     size = dist.get_world_size()
-    path, _, template = load_template(args.model, None)
+    pixels = args.size * args.size  # every frame at --size x --size: the clip's tokens are what the table says
+    path, _, template = load_template(args.model, None, video_min_pixels=pixels, video_max_pixels=pixels)
     model = load_model(path, dtype=torch.float32, template=template)
     for part in ("vision", "aligner"):
         if template.components.get(part):

@@ -21,7 +21,7 @@ may be a folder, a `tiny:` or a `random:` name (read from its config on the meta
                 (prompt tokens once per prompt with the shared prefix, completion tokens per
                 row, the rows' attention K/V; 1/N of each row's tokens per rank under
                 --sequence_parallel_size N), the vision tower and merger where they train
-                (the whole row on every rank), bf16 weight copies under --bf16
+                (1/N of the row's patches per rank for the Qwen-VL towers), bf16 weight copies under --bf16
   log-probs     the chunked LM head's [chunk, vocab] fp32 blocks (mmgrpo/grpo/logprobs.py)
   rollout       the K/V cache (each prompt once with the shared prefix), the prefill's largest
                 intermediate, the decode step's logits
@@ -42,6 +42,7 @@ checks the whole estimate against the measured peak of real GRPO steps within 15
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class ModelShape:
     patch: int = 14
     merge: int = 2
     temporal_patch: int = 1  # video frames one patch covers (Qwen-VL: 2)
+    tower_splits: bool = False  # under --sequence_parallel_size each rank's tower encodes 1/N of the frames (Qwen-VL)
     deepstack: int = 0
     params: dict[str, int] = field(default_factory=dict)  # total, vision, aligner, llm_layers, root, block, experts
     experts: int = 0  # mixture of experts: experts per sparse layer (0: a dense model)
@@ -206,6 +208,8 @@ def model_shape(cfg) -> ModelShape:
         shape.vision_out = getattr(vision, "out_hidden_size", None) or vision.hidden_size
         shape.patch, shape.merge = vision.patch_size, vision.spatial_merge_size
         shape.temporal_patch = getattr(vision, "temporal_patch_size", 1) or 1
+        tower = _submodule(skeleton, components["vision"]) if components.get("vision") else None
+        shape.tower_splits = tower is not None and "grid_thw" in inspect.signature(tower.forward).parameters
         shape.deepstack = len(getattr(vision, "deepstack_visual_indexes", []) or [])
         mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
         if not hasattr(mlp, "gate_proj"):
@@ -407,6 +411,8 @@ def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> fl
     decoder += layers * tokens * 4 * h if checkpointing else layers * layer  # checkpointing: each layer's input only
     vision_act = block = 0.0
     mb_patches = prompts * batch.patches
+    if shape.tower_splits:  # each rank's tower encodes its 1/N of the images and frames (sequence_parallel.py)
+        mb_patches = math.ceil(mb_patches / split)
     if shape.vision_depth and ("vision" in shape.trains or "aligner" in shape.trains):
         merger = (1 + shape.deepstack) * mb_patches * (MERGER_BYTES_PER_WIDTH * shape.vision_width + shape.vision_out) * act_bytes / 4
         vision_act = merger
