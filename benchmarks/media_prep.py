@@ -39,7 +39,8 @@ Measured per run after a warm-up step (each run in its own process; the workers,
   media prep per prompt, off the critical path   decoding + the processor + prompt encoding of one
         prompt as a worker does it (`_EncodedDataset[i]`), timed in the driver, one thread
   workers' peak memory   the largest sum of the workers' unique memory (USS: pages not shared with
-        the trainer), sampled every 0.2 s; the prefetch holds at most workers x prefetch_factor batches
+        the trainer), sampled by the driver every second; the prefetch holds at most
+        workers x prefetch_factor batches
 """
 
 from __future__ import annotations
@@ -246,10 +247,12 @@ def prep_cost(model: Path, data: Path, flags: list[str], prompts: int) -> dict:
 
 
 class WorkerMemory:
-    """Samples, every `interval` s on a thread, the summed USS of this process's children (the
-    DataLoader workers): memory they hold that is not shared with the trainer they were forked from."""
+    """Samples, every `interval` s on a thread of the driver, the summed USS of the driver's
+    grandchildren, the DataLoader workers of the run in progress: memory they hold that is not
+    shared with the trainer they were forked from. Reading a process's USS walks its page tables
+    (20 ms for a torch process); the driver does it, so the trainer's time does not include it."""
 
-    def __init__(self, interval: float = 0.2):
+    def __init__(self, interval: float = 1.0):
         import psutil
 
         self.me, self.interval, self.peak_mb = psutil.Process(), interval, 0.0
@@ -261,9 +264,10 @@ class WorkerMemory:
 
         while not self.done.wait(self.interval):
             total = 0
-            for child in self.me.children(recursive=True):
+            for process in self.me.children(recursive=True):
                 try:
-                    total += child.memory_full_info().uss
+                    if process.ppid() != self.me.pid:  # not the run itself: one of its workers
+                        total += process.memory_full_info().uss
                 except psutil.Error:  # a worker that just ended
                     pass
             self.peak_mb = max(self.peak_mb, total / 2**20)
@@ -305,13 +309,11 @@ def run_mmgrpo(spec: dict) -> dict:
     # a later flag wins over vs_trl's (0 workers, prompts up to 4096 tokens)
     flags += ["--dataloader_num_workers", str(spec["workers"]), "--max_prompt_length", "16384", *spec["media_flags"]]  # fmt: skip
     calls = count_processor_calls()
-    with WorkerMemory() as workers:
-        out = train(TrainConfig.from_args(flags))
+    out = train(TrainConfig.from_args(flags))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     result = vs_trl.mmgrpo_summary(rows, spec["warmup"])
     result["media_s"] = statistics.mean(r["time/data"] for r in rows[spec["warmup"] :])
     result["processor_calls"] = calls[0] / len(rows)  # in this (the trainer's) process
-    result["workers_peak_mb"] = workers.peak_mb
     return result
 
 
@@ -350,7 +352,6 @@ def run_trl(spec: dict) -> dict:
     result = vs_trl.run_trl(spec, instrument=instrument)
     result["media_s"] = statistics.mean(result.pop("media_steps")[spec["warmup"] :])
     result["processor_calls"] = statistics.mean(result["processor_calls"][spec["warmup"] :])
-    result["workers_peak_mb"] = 0.0
     return result
 
 
@@ -456,9 +457,11 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     runs = RUNS[:4] if args.smoke else RUNS  # the smoke run leaves out the in-process clips (its time limit)
     for index, (label, system, workers, rows) in enumerate(runs):
-        result = vs_trl.run_worker(
-            system, {**spec, "data": str(data[rows]), "workers": workers}, work, index, script=__file__
-        )
+        with WorkerMemory() as memory:
+            result = vs_trl.run_worker(
+                system, {**spec, "data": str(data[rows]), "workers": workers}, work, index, script=__file__
+            )
+        result["workers_peak_mb"] = memory.peak_mb
         results[(label, system, workers, rows)] = result
         print(
             f"  {rows:<6} {label:<20} {result['s_per_step']:.3f} s/step, media {result['media_s']:.3f} s/step "
