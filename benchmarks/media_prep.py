@@ -1,7 +1,7 @@
 """Media preparation at real sizes: the share of a GRPO step that waits on decoding and processing
 media, mmgrpo (with its DataLoader workers, and without) against TRL 1.16, in one invocation.
 
-    python benchmarks/media_prep.py                 # about 12 minutes on 2 busy cores
+    python benchmarks/media_prep.py                 # 5 to 8 minutes on 2 busy cores
     python benchmarks/media_prep.py --smoke         # small media, one step per run: under a minute
     python benchmarks/media_prep.py --steps 4 --work_dir /tmp/media_prep
 
