@@ -414,8 +414,30 @@ def trl_reward(func):
     return reward
 
 
-def run_trl(spec: dict) -> dict:
+def trl_dataset(data_file: str):
+    """The JSONL's rows as TRL takes them: the user turn's text without its `<image>` tags (TRL puts the
+    images first, where the tags are in this data), the image files decoded by `datasets` as it reads a
+    row: an `image` column for one image per row, an `images` list for more."""
     import datasets
+
+    folder = Path(data_file).parent
+    rows = []
+    with open(data_file) as lines:
+        for line in lines:
+            row = json.loads(line)
+            text = row["messages"][0]["content"].replace("<image>", "")
+            rows.append({"prompt": [{"role": "user", "content": text}], "images": [str(folder / i) for i in row["images"]],
+                         "solution": row["solution"]})
+    if all(len(row["images"]) == 1 for row in rows):
+        rows = [{**row, "image": row.pop("images")[0]} for row in rows]
+        return datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
+    return datasets.Dataset.from_list(rows).cast_column("images", datasets.List(datasets.Image()))
+
+
+def run_trl(spec: dict, instrument=None) -> dict:
+    """One TRL run; `instrument(trainer, seconds)`, if given, may wrap more of the trainer before it
+    starts (`seconds`: this step's timers, cleared at each step end after the callbacks `instrument`
+    adds) and returns a dict that is filled during the run and returned with the figures."""
     import torch
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -426,15 +448,7 @@ def run_trl(spec: dict) -> dict:
     cpu = spec["device"] == "cpu"
     if cpu:
         torch.set_num_threads(1)
-    folder = Path(spec["data"]).parent
-    rows = []
-    with open(spec["data"]) as lines:
-        for line in lines:
-            row = json.loads(line)
-            text = row["messages"][0]["content"].replace("<image>", "")  # TRL puts the image first
-            rows.append({"prompt": [{"role": "user", "content": text}], "image": str(folder / row["images"][0]),
-                         "solution": row["solution"]})
-    dataset = datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
+    dataset = trl_dataset(spec["data"])
     batch = spec["prompts_per_step"] * spec["num_generations"]
     steps = 1 if spec["count_flops"] else spec["warmup"] + spec["steps"]
     args = GRPOConfig(
@@ -523,13 +537,14 @@ def run_trl(spec: dict) -> dict:
             })
             seconds.clear()
 
+    extra = instrument(trainer, seconds) if instrument else {}
     trainer.add_callback(Clock())
     clock.restart()
     trainer.train()
     if spec["count_flops"]:
         return facts
     facts["completion_length"] = float(spec["max_completion_length"])
-    return {**clock.summary(), **facts}
+    return {**clock.summary(), **facts, **extra}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,7 +552,8 @@ def run_trl(spec: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_worker(system: str, spec: dict, work: Path, index) -> dict:
+def run_worker(system: str, spec: dict, work: Path, index, script: str = __file__) -> dict:
+    """One run of `system` in a fresh `script --_worker system` process (one torch thread); its result dict."""
     spec_file = work / f"spec-{system}-{index}.json"
     result_file = work / f"result-{system}-{index}.json"
     log_file = work / f"log-{system}-{index}.txt"
@@ -550,7 +566,7 @@ def run_worker(system: str, spec: dict, work: Path, index) -> dict:
     start = time.perf_counter()
     with open(log_file, "w") as log:
         code = subprocess.call(
-            [sys.executable, __file__, "--_worker", system, "--_spec", str(spec_file), "--_result", str(result_file)],
+            [sys.executable, script, "--_worker", system, "--_spec", str(spec_file), "--_result", str(result_file)],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     if code or not result_file.exists():

@@ -41,6 +41,11 @@ SMOKE = {
     "vs_trl.py": (["--preset", "smoke", "--work_dir", "{tmp}/work"],
                   ("completion length mmgrpo 4, trl 4", "samples/s", "CPU s/step", "peak RSS (MB)", "  s/step rollout",
                    "executed GFLOP/step", "mmgrpo/TRL samples/s ratio", "mmgrpo/TRL executed FLOPs ratio")),
+    # --smoke: small media, G=2, one step per run; mmgrpo with 2 workers and in-process and TRL on the
+    # images, mmgrpo with 2 workers on the clips; the table's rows and TRL's processor calls counted
+    "media_prep.py": (["--smoke", "--work_dir", "{tmp}/work"],
+                      ("media on the critical path, s/step", "share of the step", "processor calls in the trainer",
+                       "workers' peak USS, MB", "mmgrpo 2 workers / TRL", "one 4-frame 112-px clip per prompt")),
     "token_budget.py": (["--prompts", "2", "--num_generations", "2", "--repeats", "1"], ""),
     # N = 1 and 2 ranks (torchrun, gloo) on the tiny Qwen2.5-VL: the split run's row is half the tokens
     "sequence_parallel.py": (["--smoke"], ("| 1 | 52 |", "| 2 | 26 |")),

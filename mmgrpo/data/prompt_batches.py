@@ -23,6 +23,7 @@ import math
 import pickle
 
 import numpy as np
+import PIL.Image
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
@@ -286,15 +287,21 @@ def _collate(batch: list) -> list | PackedBatch:
 
 
 class PackedBatch:
-    """A batch with all its tensors moved into one flat buffer per dtype, for the trip out of a worker.
+    """A batch with all its tensors, arrays and decoded images moved into one flat buffer per dtype,
+    for the trip out of a worker.
 
     A DataLoader worker hands each tensor of a batch over in its own shared-memory segment, with a
     file descriptor, a segment and a mapping each: for 64 tiny-image prompts of a dozen tensors
     each that cost the training loop more than encoding them did (docs/speed.md, "Data-loading
-    workers"). Packed, the rest of the batch is pickled to bytes with each tensor replaced by
-    (buffer, offset, shape), and `unpack` in the main process rebuilds the same objects with the
-    tensors as views of the buffers.
+    workers"). Everything else crosses as pickled bytes through a pipe, which the training loop
+    reads and copies: the decoded images (PIL) and video frames (numpy) a prompt keeps for a rollout
+    engine are 11 MB for four 1280 x 720 images, 40 ms of the loop's time a prompt on two busy cores
+    (docs/benchmarks.md, "Media preparation at real sizes"). Packed, tensors, numeric numpy arrays and
+    RGB / RGBA / L images go into the buffers, the rest of the batch is pickled to bytes with each of
+    them replaced by its place, and `unpack` in the main process rebuilds the same objects: tensors
+    and arrays as views of the buffers, images as new PIL images of the same pixels, mode and info.
 
+    >>> import PIL.Image
     >>> batch = [{"ids": torch.arange(3), "pixels": torch.ones(2, 2)}, ("text", torch.zeros(1, dtype=torch.long))]
     >>> packed = PackedBatch.pack(batch)
     >>> [tuple(b.shape) for b in packed.buffers]  # the two long tensors in one buffer, the float one in another
@@ -302,7 +309,16 @@ class PackedBatch:
     >>> out = packed.unpack()
     >>> out[0]["ids"].tolist(), out[0]["pixels"].tolist(), out[1]
     ([0, 1, 2], [[1.0, 1.0], [1.0, 1.0]], ('text', tensor([0])))
+    >>> image, frames = PIL.Image.new("RGB", (640, 360), "red"), np.zeros((8, 32, 32, 3), dtype=np.uint8)
+    >>> packed = PackedBatch.pack([(image, frames)])
+    >>> len(packed.payload) < 1000, [tuple(b.shape) for b in packed.buffers]  # pixels in the buffer, not the bytes
+    (True, [(715776,)])
+    >>> image_out, frames_out = packed.unpack()[0]
+    >>> image_out.mode, image_out.size, image_out.getpixel((0, 0)), frames_out.shape, type(frames_out).__name__
+    ('RGB', (640, 360), (255, 0, 0), (8, 32, 32, 3), 'ndarray')
     """
+
+    IMAGE_MODES = ("RGB", "RGBA", "L")  # modes whose pixels np.asarray and PIL.Image.fromarray carry exactly
 
     def __init__(self, payload: bytes, places: list[tuple[int, int, tuple]], buffers: list[torch.Tensor]):
         self.payload, self.places, self.buffers = payload, places, buffers  # places[i]: (buffer, offset, shape)
@@ -311,11 +327,22 @@ class PackedBatch:
     def pack(cls, batch) -> PackedBatch:
         tensors: list[torch.Tensor] = []
 
+        def keep(tensor: torch.Tensor) -> int:
+            tensors.append(tensor)
+            return len(tensors) - 1
+
         class _Pickler(pickle.Pickler):
             def persistent_id(self, obj):
                 if type(obj) is torch.Tensor and not obj.requires_grad:  # not Parameters or subclasses
-                    tensors.append(obj)
-                    return len(tensors) - 1
+                    return ("tensor", keep(obj))
+                if type(obj) is np.ndarray and obj.dtype.kind in "biuf" and obj.dtype.isnative:  # video frames, audio
+                    try:
+                        tensor = torch.from_numpy(obj if obj.flags.writeable else obj.copy())
+                    except TypeError:  # a dtype torch has no type for (uint32 in older torch)
+                        return None
+                    return ("array", keep(tensor))
+                if isinstance(obj, PIL.Image.Image) and obj.mode in PackedBatch.IMAGE_MODES:  # decoded images
+                    return ("image", keep(torch.from_numpy(np.array(obj))), obj.info)
                 return None
 
         stream = io.BytesIO()
@@ -336,9 +363,17 @@ class PackedBatch:
         places, buffers = self.places, self.buffers
 
         class _Unpickler(pickle.Unpickler):
-            def persistent_load(self, number):
+            def persistent_load(self, place):
+                kind, number = place[:2]
                 buffer, offset, shape = places[number]
-                return buffers[buffer][offset : offset + math.prod(shape)].view(shape)
+                tensor = buffers[buffer][offset : offset + math.prod(shape)].view(shape)
+                if kind == "tensor":
+                    return tensor
+                if kind == "array":
+                    return tensor.numpy()
+                image = PIL.Image.fromarray(tensor.numpy())
+                image.info.update(place[2])
+                return image
 
         return _Unpickler(io.BytesIO(self.payload)).load()
 
