@@ -184,6 +184,17 @@ def _prompts_3b(template):
 
 
 @heavy
+def test_video_frames_get_the_library_budget_not_the_tiny_one():
+    """A real size's video processor keeps transformers' Qwen2-VL budget: 128 to 768 merged 28-pixel
+    patches a frame (a 448 x 448 frame stays 448 x 448), where the tiny models' is 4 to 16."""
+    from mmgrpo.models import load_processor
+
+    video = load_processor(MODEL_3B).video_processor
+    assert (video.size.shortest_edge, video.size.longest_edge) == (128 * 28 * 28, 768 * 28 * 28)
+    assert video.patch_size == 14 and video.merge_size == 2
+
+
+@heavy
 class TestTiedHead3B:
     """The 3B width's tied head and [window, full] tower, one fp32 copy for these tests: released
     before the tests below load their own runs (a CI test holds one full-width model at a time)."""

@@ -38,7 +38,7 @@ from pathlib import Path
 from mmgrpo.errors import ConfigError
 
 RANDOM_PREFIX = "random:"
-BUILDER_VERSION = 1  # bump when the output changes, so caches rebuild
+BUILDER_VERSION = 2  # bump when the output changes, so caches rebuild
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,8 @@ def _write_checkpoint(size: str, overrides: dict, out: Path) -> None:
         torch.cuda.empty_cache()
     dims = {"patch_size": real.vision["patch_size"], "spatial_merge_size": real.vision["spatial_merge_size"],
             "temporal_patch_size": real.vision["temporal_patch_size"]}  # fmt: skip
-    qwen_vl_processor(real.processor_class, dims, real.pixels)(tokenizer).save_pretrained(out)
+    # videos: transformers' budget for the class (Qwen2.5-VL: 100,352 to 602,112 pixels a frame), not the tiny models'
+    qwen_vl_processor(real.processor_class, dims, real.pixels, library_video_budget=True)(tokenizer).save_pretrained(out)
     (out / "mmgrpo_random.json").write_text(
         json.dumps({"size": size, "published": real.published, "overrides": overrides}, indent=2) + "\n"
     )

@@ -621,10 +621,13 @@ def _qwen_image_processor(dims: dict, pixels: tuple[int, int] = (IMAGE_MIN_PIXEL
     return Qwen2VLImageProcessor(min_pixels=pixels[0], max_pixels=pixels[1], **_qwen_patches(dims))
 
 
-def _qwen_video_processor(dims: dict, cls_name: str = "Qwen2VLVideoProcessor", frames: int = 1):
-    """Qwen's video processor; `frames` > 1 makes the pixel budget a per-clip one (Qwen3-VL's)."""
+def _qwen_video_processor(dims: dict, cls_name: str = "Qwen2VLVideoProcessor", frames: int = 1, library_budget: bool = False):
+    """Qwen's video processor; `frames` > 1 makes the pixel budget a per-clip one (Qwen3-VL's);
+    `library_budget`: transformers' own budget for the class (a real size's, not the tiny one)."""
     import transformers
 
+    if library_budget:
+        return getattr(transformers, cls_name)(**_qwen_patches(dims))
     if frames == 1:
         budget = {"min_pixels": VIDEO_MIN_PIXELS, "max_pixels": VIDEO_MAX_PIXELS}
     else:
@@ -646,8 +649,10 @@ def _whisper_features(chunk_seconds: int = AUDIO_CHUNK_SECONDS):
     )
 
 
-def qwen_vl_processor(processor_class: str, dims: dict, pixels: tuple[int, int] = (IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)):
-    """(tokenizer) -> a Qwen VL processor with `dims`' patch sizes; `pixels`: the image budget (min, max)."""
+def qwen_vl_processor(processor_class: str, dims: dict, pixels: tuple[int, int] = (IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS),
+                      library_video_budget: bool = False):
+    """(tokenizer) -> a Qwen VL processor with `dims`' patch sizes; `pixels`: the image budget (min, max);
+    `library_video_budget`: the video processor keeps transformers' budget (real sizes), else the tiny one."""
 
     def make(tokenizer):
         import transformers
@@ -656,6 +661,7 @@ def qwen_vl_processor(processor_class: str, dims: dict, pixels: tuple[int, int] 
             dims,
             "Qwen3VLVideoProcessor" if processor_class == "Qwen3VLProcessor" else "Qwen2VLVideoProcessor",
             frames=8 if processor_class == "Qwen3VLProcessor" else 1,
+            library_budget=library_video_budget,
         )
         return getattr(transformers, processor_class)(
             image_processor=_qwen_image_processor(dims, pixels),
