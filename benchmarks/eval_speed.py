@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/eval_speed.py [--family qwen2-vl] [--limit 48] [--num_samples 1,4] \
         [--max_new_tokens 32] [--threads 1]
+    python benchmarks/eval_speed.py --model "random:qwen2.5-vl-3b?num_hidden_layers=2&vision_depth=2" --limit 8
 
 The same split (shapes-color:test), the same metrics, one process:
   - hf loop:  one sample per `generate` call (HFRollout, batch 1): what an eval script that loops
@@ -26,6 +27,8 @@ import time
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--family", default="qwen2-vl", help="tiny model family (tiny:<family>)")
+    parser.add_argument("--model", default=None,
+                        help="another model than the tiny one, e.g. random:qwen2.5-vl-3b?num_hidden_layers=2 (its family's template)")
     parser.add_argument("--limit", type=int, default=48, help="samples of the test split")
     parser.add_argument("--num_samples", default="1,4", help="completions per sample, comma-separated (1 = greedy)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
@@ -40,7 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     from mmgrpo.rollout import HFRollout
 
     torch.set_num_threads(args.threads)
-    path = str(build_tiny(args.family))
+    path = args.model or str(build_tiny(args.family))
+    if args.model and args.model.startswith("random:"):
+        from mmgrpo.models.real_configs import random_family
+
+        args.family = random_family(args.model)
     dataset = resolve_dataset("shapes-color:test", split="test")
     engine, template = load_for_eval(path, args.family, device="cpu", torch_dtype="float32")
     engines = {"hf loop": (HFRollout(engine.model, template), 1), "eval": (engine, 32)}
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                 row["equal"] = all(a == answers["eval"] for a in answers.values())
             rows.append(row)
     names = list(engines)
-    print(f"\ntiny:{args.family}, {args.limit} samples of shapes-color:test, {args.max_new_tokens} new tokens, "
+    print(f"\n{args.model or 'tiny:' + args.family}, {args.limit} samples of shapes-color:test, {args.max_new_tokens} new tokens, "
           f"{args.threads} thread(s)")
     print("| k | " + " | ".join(f"{n} samples/s" for n in names) + " | eval / hf loop | greedy answers equal |")
     print("|---|" + "---|" * (len(names) + 2))

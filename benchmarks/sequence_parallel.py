@@ -15,9 +15,12 @@ frozen and the embeddings too, so what grows with the row is the decoder's saved
 rank's tower encodes its 1/N of the clip's frames (gathered for every rank).
 
 Measured on each rank after one warm-up step, the largest over the group is printed:
-  peak GB      the process's resident anonymous memory at its highest during the step
-  act GB       that peak less the memory before the step (weights, gradients kept from the warm-up):
-               the step's activations, the tower's transient encode and the log-prob blocks
+  live GB      the step's tensors at their peak beyond the weights and gradients, counted storage by
+               storage (`TrackedMemory`, what `mmgrpo estimate` is checked against; a third step):
+               the decoder's saved activations, the tower's transient encode, the log-prob blocks
+  peak GB      the process's resident anonymous memory at its highest during the timed step
+  RSS act GB   that peak less the memory before the step (the allocator's cache and fragmentation
+               count here, not in live GB)
   tokens       one row's tokens on a rank (the whole row / N, padded to a multiple of N)
   step s       wall seconds of the step; cpu s, its CPU seconds (ranks share the cores: read cpu s)
   a2a s        seconds in the all-to-all exchanges (attention's heads for tokens, both directions),
@@ -134,6 +137,7 @@ def worker(args) -> None:
     from mmgrpo.grpo.logprobs import completion_logprobs
     from mmgrpo.models import load_model
     from mmgrpo.models.loading import load_template
+    from mmgrpo.parallel.tracked_memory import TrackedMemory
     from mmgrpo.processors.video import Video
 
     torch.set_num_threads(1)
@@ -185,9 +189,14 @@ def worker(args) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         tokens = step()
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tracked = TrackedMemory(model)  # a third step, counted tensor by tensor (slower: not the timed one)
+    kept = tracked.current_bytes  # weights, buffers, gradients
+    with tracked:
+        step()
+    live = tracked.peak_bytes - kept
     result = {"rank": dist.get_rank(), "ranks": size, "prompt_tokens": prompt_len, "row_tokens": prompt_len + args.completion,
               "tokens": tokens, "before_gb": before, "peak_gb": sampler.peak, "act_gb": sampler.peak - before,
-              "step_s": wall, "cpu_s": cpu, "a2a_s": timer.seconds["all_to_all_single"],
+              "live_gb": live / 2**30, "step_s": wall, "cpu_s": cpu, "a2a_s": timer.seconds["all_to_all_single"],
               "sums_s": timer.seconds["all_reduce"]}  # fmt: skip
     results = [None] * size
     dist.all_gather_object(results, result)
@@ -213,28 +222,25 @@ def launch(ranks: int, args, out: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
-def table(runs: dict[int, list[dict]]) -> str:
-    base = max(r["act_gb"] for r in runs[min(runs)])
-    first = runs[min(runs)][0]
-    lines = [f"one row: {first['prompt_tokens']} prompt + {first['row_tokens'] - first['prompt_tokens']} completion tokens, "
-             f"x {ARGS.rows} rows",
-             "| N | tokens per rank (one row) | peak GB per rank | act GB per rank | act vs N=1 | step s | cpu s | a2a s (share) | sums s |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for n, ranks in runs.items():
-        worst = max(ranks, key=lambda r: r["peak_gb"])
-        act = max(r["act_gb"] for r in ranks)
-        step, cpu = max(r["step_s"] for r in ranks), max(r["cpu_s"] for r in ranks)
-        a2a, sums = max(r["a2a_s"] for r in ranks), max(r["sums_s"] for r in ranks)
-        lines.append(f"| {n} | {worst['tokens']:,} | {worst['peak_gb']:.2f} | {act:.2f} | {act / base:.2f} (1/N = {1 / n:.2f}) "
-                     f"| {step:.1f} | {cpu:.1f} | {a2a:.2f} ({a2a / step:.0%}) | {sums:.2f} |")
-    return "\n".join(lines)
+HEADER = ("| N | tokens per rank (one row) | live GB per rank | live vs first N | peak GB | RSS act GB | step s | cpu s "
+          "| a2a s (share) | sums s |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def row(n: int, ranks: list[dict], base: float) -> str:
+    """One N's line of the table: the largest figure over the group's ranks."""
+    worst = max(ranks, key=lambda r: r["peak_gb"])
+    live, act = max(r["live_gb"] for r in ranks), max(r["act_gb"] for r in ranks)
+    step, cpu = max(r["step_s"] for r in ranks), max(r["cpu_s"] for r in ranks)
+    a2a, sums = max(r["a2a_s"] for r in ranks), max(r["sums_s"] for r in ranks)
+    return (f"| {n} | {worst['tokens']:,} | {live:.2f} | {live / base:.2f} (1/N = {1 / n:.2f}) | {worst['peak_gb']:.2f} "
+            f"| {act:.2f} | {step:.1f} | {cpu:.1f} | {a2a:.2f} ({a2a / step:.0%}) | {sums:.2f} |")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="1,2,4", help="comma-separated N (default 1,2,4)")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--frames", type=int, default=32, help="video frames (default 32: 16 x 256 tokens at 448 px)")
+    p.add_argument("--frames", type=int, default=24, help="video frames (default 24: 12 x 256 tokens at 448 px)")
     p.add_argument("--size", type=int, default=448, help="frame width and height in pixels (default 448)")
     p.add_argument("--rows", type=int, default=2, help="completions of the prompt, G (default 2)")
     p.add_argument("--completion", type=int, default=32, help="completion tokens (default 32)")
@@ -248,22 +254,23 @@ def parse(argv=None):
 
 
 def main(argv=None) -> None:
-    global ARGS
-    ARGS = args = parse(argv)
+    args = parse(argv)
     if args.worker:
         return worker(args)
     print(f"model {args.model}, a video of {args.frames} frames at {args.size} x {args.size}, {args.rows} rows, "
           f"N = {args.ranks}, {os.cpu_count()} cores", flush=True)
-    runs = {}
+    base = None
     with tempfile.TemporaryDirectory() as tmp:
-        for n in map(int, args.ranks.split(",")):
+        for n in map(int, args.ranks.split(",")):  # each N's line as soon as it is measured
             start = time.perf_counter()
-            runs[n] = launch(n, args, Path(tmp) / f"n{n}.json")
-            print(f"N = {n}: {time.perf_counter() - start:.0f} s", flush=True)
-    print(table(runs))
+            ranks = launch(n, args, Path(tmp) / f"n{n}.json")
+            if base is None:
+                first = ranks[0]
+                print(f"one row: {first['prompt_tokens']} prompt + {first['row_tokens'] - first['prompt_tokens']} "
+                      f"completion tokens, x {args.rows} rows\n{HEADER}", flush=True)
+                base = max(max(r["live_gb"] for r in ranks), 1e-6)
+            print(row(n, ranks, base) + f"   ({time.perf_counter() - start:.0f} s)", flush=True)
 
-
-ARGS = None
 
 if __name__ == "__main__":
     main()

@@ -42,7 +42,6 @@ checks the whole estimate against the measured peak of real GRPO steps within 15
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -208,8 +207,7 @@ def model_shape(cfg) -> ModelShape:
         shape.vision_out = getattr(vision, "out_hidden_size", None) or vision.hidden_size
         shape.patch, shape.merge = vision.patch_size, vision.spatial_merge_size
         shape.temporal_patch = getattr(vision, "temporal_patch_size", 1) or 1
-        tower = _submodule(skeleton, components["vision"]) if components.get("vision") else None
-        shape.tower_splits = tower is not None and "grid_thw" in inspect.signature(tower.forward).parameters
+        shape.tower_splits = template_class.frame_local_tower
         shape.deepstack = len(getattr(vision, "deepstack_visual_indexes", []) or [])
         mlp = getattr(_submodule(skeleton, f"{components.get('vision')}.blocks.0"), "mlp", None)
         if not hasattr(mlp, "gate_proj"):

@@ -36,8 +36,8 @@ same prompts, train on their leader's rollout, run the policy's, reference's and
 forwards split (the shared prefix off), and scale the loss by N so that FSDP2's average over the
 world sums each group's shares.
 
-The vision tower (the families whose tower takes `grid_thw`: Qwen2-VL to Qwen3.5) is sharded across
-the group: its inputs are cut at image and frame boundaries (its attention never crosses a frame:
+The vision tower (templates with `frame_local_tower`: Qwen2-VL to Qwen3.5) is sharded across the
+group: its inputs are cut at image and frame boundaries (its attention never crosses a frame:
 windows and full-attention blocks both stop at one, and positions are per frame) into N contiguous
 runs of about equal patches, each rank encodes its run, and one all-gather of the merged features
 (and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
@@ -47,7 +47,6 @@ images and frames than ranks, every rank encodes all of them.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 from functools import partial
 
@@ -357,8 +356,8 @@ def ulysses(model: nn.Module, template, group):
     patched = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
     for module in patched:
         module.forward = partial(_linear_attention, module)  # an instance attribute, removed below
-    tower = model.get_submodule(template.components["vision"]) if template.components.get("vision") else None
-    if tower is not None and "grid_thw" in inspect.signature(tower.forward).parameters:
+    if template.frame_local_tower:
+        tower = model.get_submodule(template.components["vision"])
         tower.forward = _shard_tower(tower, split)
         patched.append(tower)
     config._attn_implementation = ATTENTION

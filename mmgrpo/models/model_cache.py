@@ -20,17 +20,40 @@ def default_cache_dir() -> Path:
 
 def publish_checkpoint(target: Path, write) -> Path:
     """`write(folder)` into a private temp folder beside `target`, then rename it into place: the
-    first of concurrent builders wins and the others discard their copy."""
+    first of concurrent builders wins and the others discard their copy. A `target` without a
+    config.json (a folder something left incomplete) is moved aside and replaced.
+
+    >>> root = Path(tempfile.mkdtemp())
+    >>> (root / "m").mkdir(); _ = (root / "m" / "tokenizer.json").write_text("{}")  # no config.json
+    >>> done = publish_checkpoint(root / "m", lambda folder: (folder / "config.json").write_text("{}"))
+    >>> sorted(p.name for p in done.iterdir()), [p.name for p in root.iterdir() if p.name != "m"]
+    (['config.json'], [])
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
+        for _ in range(3):
+            try:
+                os.rename(tmp, target)
+                break
+            except OSError:
+                if (target / "config.json").exists():  # another builder's, complete: ours is discarded
+                    break
+                _discard(target)
+        else:
+            raise OSError(f"could not publish the checkpoint {target}: the folder there keeps coming back incomplete")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _discard(folder: Path) -> None:
+    """Move an incomplete folder out of the way (renamed first, so no reader sees it half deleted)."""
+    aside = folder.with_name(f".{folder.name}-incomplete-{os.getpid()}")
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return  # gone already, or another process moved it
+    shutil.rmtree(aside, ignore_errors=True)

@@ -64,6 +64,7 @@ class Qwen2VLTemplate(Template):
     seconds_key: str | None = None  # Qwen2-VL positions do not advance with video time
     shared_prefix = True
     lean_decode = True  # Qwen2-style decoder layers (Qwen2.5-VL's too)
+    frame_local_tower = True  # windows and full-attention blocks stop at a frame; positions per frame
 
     def build_media(self) -> dict:
         o = self.options

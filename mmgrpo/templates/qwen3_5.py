@@ -106,6 +106,7 @@ class Qwen3_5Template(Template):
     shared_prefix = True  # K/V of the attention layers, state of the Gated DeltaNet ones (module docstring)
     linear_attention_layers = True
     lean_decode = True  # the lean step runs Gated DeltaNet and gated attention layers (rollout/lean_decode.py)
+    frame_local_tower = True  # windows and full-attention blocks stop at a frame; positions per frame
     zero_centered_norm = True
     thinking = False  # the generation prompt opens the thinking block (True) or closes an empty one
 

@@ -111,6 +111,7 @@ class Qwen3VLTemplate(Template):
     token_types = {"image": 1, "video": 2}
     shared_prefix = True  # deepstack features are added at prompt positions only
     lean_decode = True  # Qwen3 layers: the lean step's per-head q/k RMSNorm
+    frame_local_tower = True  # windows and full-attention blocks stop at a frame; positions per frame
 
     def build_media(self) -> dict:
         return qwen3_vl_media(self)
