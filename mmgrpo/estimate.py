@@ -340,8 +340,8 @@ class StepBatch:
 
 
 def shares_prefix(cfg) -> bool:
-    """The forwards and rollouts run each prompt once per group: --shared_prefix, not under sequence
-    parallelism (whose forwards and rollout run naive)."""
+    """The log-prob forwards run each prompt once per group: --shared_prefix, not under sequence
+    parallelism (whose split forwards run naive; its rollout does not: `rollout_prefills_once`)."""
     return cfg.model.shared_prefix and cfg.dist.sequence_parallel_size == 1
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
+from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
@@ -126,30 +127,21 @@ def tower_runs(grid_thw: torch.Tensor, merge: int, size: int) -> list[tuple[int,
     >>> tower_runs(torch.tensor([[1, 4, 4]]), 2, 2) is None  # one image, two ranks: each encodes it
     True
     """
-    frames = [(item, h * w) for item, (t, h, w) in enumerate(grid_thw.tolist()) for _ in range(t)]
+    shapes = grid_thw.tolist()
+    frames = [item for item, (t, _, _) in enumerate(shapes) for _ in range(t)]  # each frame's image or video
     if len(frames) < size:
         return None
-    total, runs, first = sum(p for _, p in frames), [], 0
-    for r in range(size):
-        end, done = first, sum(p for _, p in frames[:first])
-        target = total * (r + 1) / size
-        while end < len(frames) - (size - r - 1) and (end == first or done + frames[end][1] / 2 <= target):
-            done += frames[end][1]
-            end += 1
-        if r == size - 1:
-            end = len(frames)
-        grid: list[list[int]] = []
-        for item, _ in frames[first:end]:
-            if grid and grid[-1][0] == item:
-                grid[-1][1] += 1
-            else:
-                grid.append([item, 1])
-        shapes = grid_thw.tolist()
-        rows = [[t, shapes[item][1], shapes[item][2]] for item, t in grid]
-        start_row = sum(p for _, p in frames[:first])
-        patches = sum(p for _, p in frames[first:end])
-        runs.append((start_row, start_row + patches, rows, patches // merge**2))
-        first = end
+    patches = [shapes[item][1] * shapes[item][2] for item in frames]
+    starts = [0, *accumulate(patches)]  # starts[i]: frame i's first patch row
+    cuts = [0]
+    for r in range(1, size):  # run r starts at the first frame whose middle is past r/N of the patches
+        middle = sum(start + n / 2 <= starts[-1] * r / size for start, n in zip(starts, patches))
+        cuts.append(min(max(middle, cuts[-1] + 1), len(frames) - (size - r)))  # a frame or more in every run
+    cuts.append(len(frames))
+    runs = []
+    for a, b in zip(cuts, cuts[1:]):
+        grid = [[len(list(run)), shapes[item][1], shapes[item][2]] for item, run in groupby(frames[a:b])]
+        runs.append((starts[a], starts[b], grid, (starts[b] - starts[a]) // merge**2))
     return runs
 
 
