@@ -8,12 +8,16 @@ rate a completion's later tokens come from newer weights, each tagged with its v
 """
 
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from mmgrpo.config import TrainConfig
 from mmgrpo.data.sample import LoadedSample, Video
+from mmgrpo.engine import train
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
@@ -102,3 +106,70 @@ def test_a_rollout_that_ended_in_its_first_chunk_is_not_continued(engine_and_pro
     assert engine.continue_(prompts, sampling, partial, until=20) is partial  # nothing decoded again
     rollout = engine.generate(prompts, sampling, resume=partial)
     assert rollout.token_versions is None and rollout.weight_version == 0
+
+
+def test_a_row_of_a_round_without_token_versions_gets_its_rows_version_in_concat():
+    from mmgrpo.rollout.base import Rollout
+
+    ids, mask = torch.tensor([[5, 6, 2]]), torch.ones(1, 3, dtype=torch.long)
+    chunked = Rollout(ids, mask, torch.tensor([False]), weight_version=1, token_versions=torch.tensor([[1, 2, 2]]))
+    round_ = Rollout(ids[:, :2], mask[:, :2], torch.tensor([True]), weight_version=3)  # an extra round, newest weights
+    both = Rollout.concat([chunked, round_], pad_token_id=0)
+    assert both.token_versions.tolist() == [[1, 2, 2], [3, 3, 0]] and both.versions().tolist() == [1, 3]
+
+
+# ---- the run: `mmgrpo train --max_staleness 2 --partial_rollouts` -------------------------------------
+
+REWARD = '''
+def digits(completions, **columns):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+'''
+VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s", "partial/")
+
+
+def config(tmp_path, *extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    plugin = tmp_path / "digits.py"
+    plugin.write_text(REWARD)
+    return TrainConfig.from_args([
+        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
+        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+        "--dataloader_num_workers", "0", "--learning_rate", "2e-2", "--beta", "0", "--max_steps", "4",
+        "--report_to", "none", "--output_dir", str(tmp_path / "run"), *extra,
+    ])
+
+
+def metrics_of(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def strip(rows):
+    return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
+
+
+def test_on_weights_that_do_not_move_partial_rollouts_are_the_same_run(tmp_path, monkeypatch):
+    """--learning_rate 0 (refused on the command line, where a GRPO run must move; allowed here): every
+    version holds the same weights, so the chunks continued on each give the whole rollouts of the run
+    without --partial_rollouts, and the same losses and rewards, step for step."""
+    from mmgrpo.config import checks
+    from mmgrpo.config.domains import at_least
+
+    monkeypatch.setattr(checks, "GRPO_LEARNING_RATE", at_least(0))
+    runs = {}
+    for name, extra in (("whole", ()), ("partial", ("--partial_rollouts",))):
+        runs[name] = metrics_of(train(config(tmp_path / name, "--max_staleness", "2", "--learning_rate", "0", *extra)))
+    assert strip(runs["partial"]) == strip(runs["whole"])
+    assert [m["partial/continued_frac"] for m in runs["partial"]] == [0.0, 0.0, 1.0, 1.0]  # steps 3, 4: two chunks
+    assert "partial/continued_frac" not in runs["whole"][0]
+
+
+def test_with_a_learning_rate_completions_span_two_versions_and_stay_within_k(tmp_path):
+    """K = 2, C = 4 of 8 tokens: from step 3 on a rollout's first 4 tokens come from version t - 3 and
+    the rest from t - 2, so its tokens are fresher than the rollout's staleness (its oldest, 2)."""
+    logged = metrics_of(train(config(tmp_path, "--max_staleness", "2", "--partial_rollouts")))
+    assert [m["rollout/staleness"] for m in logged] == [0, 1, 2, 2]
+    for m in logged[2:]:
+        assert m["partial/continued_frac"] > 0.5 and m["staleness/share_2"] == 1.0
+        assert 1 < m["partial/token_staleness_mean"] < 2  # tokens 2 and 1 steps stale, never more than K
+        assert m["sampling/logp_diff_max"] > 0  # the sampler's per-token log-probs against the policy's
+    assert all(m["partial/token_staleness_mean"] <= 2 for m in logged)
