@@ -18,6 +18,7 @@ from PIL import Image
 from mmgrpo.config import TrainConfig
 from mmgrpo.data.sample import LoadedSample, Video
 from mmgrpo.engine import train
+from mmgrpo.errors import ConfigError
 from mmgrpo.models import load_model, load_processor
 from mmgrpo.rollout.base import SamplingParams
 from mmgrpo.rollout.shared_prefix_engine import SharedPrefixRollout
@@ -143,8 +144,10 @@ def metrics_of(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def strip(rows):
-    return [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
+def strip(rows, keep_partial=False):
+    """The rows without wall-clock figures (and without partial/*, which one of two runs compared lacks)."""
+    varying = tuple(v for v in VARYING if not (keep_partial and v == "partial/"))
+    return [{k: v for k, v in row.items() if not k.startswith(varying)} for row in rows]
 
 
 def test_on_weights_that_do_not_move_partial_rollouts_are_the_same_run(tmp_path, monkeypatch):
@@ -173,3 +176,110 @@ def test_with_a_learning_rate_completions_span_two_versions_and_stay_within_k(tm
         assert 1 < m["partial/token_staleness_mean"] < 2  # tokens 2 and 1 steps stale, never more than K
         assert m["sampling/logp_diff_max"] > 0  # the sampler's per-token log-probs against the policy's
     assert all(m["partial/token_staleness_mean"] <= 2 for m in logged)
+
+
+# ---- what cannot work: one line naming the flag ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--max_staleness", "1"), "--partial_rollouts with --max_staleness 1 .*use --max_staleness 2 or more"),
+    (("--async_generate",), "--partial_rollouts with --max_staleness 1 \\(or --async_generate\\)"),
+    ((), "--partial_rollouts needs asynchronous training: add --max_staleness 2"),
+    (("--max_staleness", "2", "--use_vllm"), "--partial_rollouts with --use_vllm --vllm_mode colocate: the vLLM engines cannot pause"),
+    (("--max_staleness", "2", "--use_vllm", "--vllm_mode", "server"), "--use_vllm --vllm_mode server: the vLLM engines"),
+])
+def test_partial_rollouts_that_cannot_work_are_one_line(tmp_path, flags, match):
+    from mmgrpo.training.startup_checks import check_train_flags
+
+    with pytest.raises(ConfigError, match=match) as error:
+        check_train_flags(config(tmp_path, "--partial_rollouts", *flags))
+    assert "\n" not in str(error.value)
+
+
+def test_partial_rollout_tokens_without_the_flag_is_one_line(tmp_path):
+    from mmgrpo.training.startup_checks import check_train_flags
+
+    with pytest.raises(ConfigError, match="--partial_rollout_tokens 3 needs --partial_rollouts"):
+        check_train_flags(config(tmp_path, "--max_staleness", "2", "--partial_rollout_tokens", "3"))
+
+
+def test_an_engine_that_cannot_pause_is_named(tmp_path):
+    """Transformers' generate (HFRollout, where a model's prefix cannot be shared), vLLM and multi-turn
+    episodes generate a rollout in one call: the pipeline refuses them before the first step."""
+    from types import SimpleNamespace
+
+    from mmgrpo.rollout.hf import HFRollout
+    from mmgrpo.rollout.pipeline import RolloutPipeline
+
+    engine = HFRollout.__new__(HFRollout)  # no model needed: the refusal comes first
+    engine.separate_weights = True
+    setup = SimpleNamespace(options=config(tmp_path, "--max_staleness", "2", "--partial_rollouts").rollout,
+                            sampler=SimpleNamespace(engine=engine))
+    with pytest.raises(ConfigError, match="--partial_rollouts: the rollout engine HFRollout cannot pause") as error:
+        RolloutPipeline(setup, batches=iter(()), policy_weights=list, total_steps=4)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("changes, partial, match", [
+    ({"partial_rollouts": (True, False)}, False, "--partial_rollouts dropped: .*resume with --partial_rollouts"),
+    ({"partial_rollouts": (False, True)}, True, "--partial_rollouts given: .*resume without --partial_rollouts"),
+    ({"max_staleness": (3, 2)}, True, "--max_staleness 3 -> 2 with --partial_rollouts: .*resume with --max_staleness 3"),
+])
+def test_a_resume_that_changes_partial_rollouts_is_refused_naming_the_flag(changes, partial, match):
+    from mmgrpo.training.resume_flags import check_changes
+
+    with pytest.raises(ConfigError, match=match) as error:
+        check_changes(changes, "out/checkpoint-2", step=2, in_flight=2, staleness=2, partial=partial)
+    assert "\n" not in str(error.value)
+
+
+# ---- killed with rollouts paused in flight, and resumed ------------------------------------------------
+
+
+def _command_flags(tmp_path, out):
+    plugin = tmp_path / "digits.py"
+    plugin.write_text(REWARD)
+    return ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
+            "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
+            "--dataloader_num_workers", "0", "--learning_rate", "2e-2", "--beta", "0", "--max_steps", "6",
+            "--save_steps", "2", "--max_staleness", "2", "--partial_rollouts", "--report_to", "none", "--output_dir", str(out)]
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_rollouts_paused_in_flight_resumes_exactly(tmp_path):
+    """SIGKILL after the first checkpoint (its rollouts in flight: step 3's finished, step 4's paused
+    after its first chunk), then `--resume_from_checkpoint latest`: the resumed run continues the
+    paused rollouts with their next chunks and logs what the uninterrupted run logs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from mmgrpo.runstate.checkpoint import latest_checkpoint
+
+    whole = metrics_of(train(TrainConfig.from_args(_command_flags(tmp_path, tmp_path / "whole"))))
+    assert [m["partial/continued_frac"] > 0 for m in whole] == [False, False, True, True, True, True]
+
+    out = tmp_path / "killed"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def start(*extra):
+        return subprocess.Popen([sys.executable, "-m", "mmgrpo", "train", *_command_flags(tmp_path, out), *extra], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    process = start()
+    while latest_checkpoint(out) is None:
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)  # at once: the run is at step 3 at most, rollouts paused in flight
+    process.wait()
+    checkpoint = latest_checkpoint(out)
+    saved = torch.load(checkpoint / "rollouts_in_flight_0.pt", weights_only=True)
+    assert [("partial" in record, record["chunks"]) for record in saved] == [(False, 2), (True, 1)]
+    assert saved[1]["partial"]["token_versions"].unique().tolist() == [int(checkpoint.name.split("-")[1]) - 1]
+
+    _, stderr = (resumed := start("--resume_from_checkpoint", "latest")).communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert strip(metrics_of(out), keep_partial=True) == strip(whole, keep_partial=True)
