@@ -50,7 +50,7 @@ class RolloutRequest:
     until: int | None = None
     rollout: Rollout | PartialRollout | None = None
     error: BaseException | None = None
-    seconds: float = 0.0  # the engine's time on it: loading its weights, then generating
+    seconds: float = 0.0  # the engine's time on it: loading its weights, then generating (with its earlier chunks')
     done: threading.Event = field(default_factory=threading.Event)
 
     def result(self) -> Rollout | PartialRollout:
@@ -119,12 +119,13 @@ class RolloutWorker:
                 request = self._queue.popleft()
                 self._running = True
             started = time.perf_counter()
+            earlier = 0.0 if request.resume is None else request.resume.seconds  # the chunks before it ran first
             try:
                 request.rollout = self._run(request)
             except BaseException as error:  # raised in the caller's thread by `wait`
                 request.error = error
             request.weights = None  # the copies go as soon as they are loaded
-            request.seconds = time.perf_counter() - started
+            request.seconds = earlier + time.perf_counter() - started
             with self._changed:
                 self._running = False
                 request.done.set()
