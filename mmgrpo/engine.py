@@ -191,7 +191,6 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
         # optimizer steps between the weights that sampled and the policy that trains on them (the oldest row's)
         "rollout/staleness": (step - 1) - batch.weight_version,
         **staleness_shares(staleness, cfg.rollout.staleness_bound),
-        **(partial_rollout_metrics(batch, step) if cfg.rollout.partial_rollouts else {}),
         **sampling_metrics,
         **weight_metrics,
         **loss_metrics,
@@ -345,26 +344,6 @@ def staleness_shares(staleness: torch.Tensor, max_staleness: int) -> dict[str, f
     if not max_staleness:
         return {}
     return {f"staleness/share_{k}": float((staleness == k).float().mean()) for k in range(max_staleness + 1)}
-
-
-def partial_rollout_metrics(batch: Rollout, step: int) -> dict[str, float]:
-    """--partial_rollouts: the share of completions whose tokens came from more than one weight
-    version (continued after a weight update), and the mean staleness of their tokens, each token
-    (step - 1) minus the version that sampled it (the rows' own, `rollout/staleness`, is their oldest).
-
-    >>> ids = torch.tensor([[5, 6, 2], [7, 2, 0]])
-    >>> batch = Rollout(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), torch.tensor([False, False]), weight_version=1,
-    ...                 token_versions=torch.tensor([[1, 2, 2], [1, 1, 0]]))
-    >>> partial_rollout_metrics(batch, step=4)   # policy version 3: tokens 2, 1, 1 and 2, 2 steps behind
-    {'partial/continued_frac': 0.5, 'partial/token_staleness_mean': 1.6}
-    """
-    mask = batch.model_mask.bool()  # [N, T]
-    versions = batch.tokens_versions()  # [N, T]
-    newest = versions.masked_fill(~mask, torch.iinfo(versions.dtype).min).amax(1)  # [N]
-    continued = newest > batch.versions()
-    staleness = ((step - 1) - versions)[mask].double()
-    return {"partial/continued_frac": float(continued.double().mean()),
-            "partial/token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0}
 
 
 def routing_of(run: Run, rows: Rollout, forward: ForwardBatch, aux: bool = False) -> Routing | None:

@@ -353,8 +353,9 @@ class RolloutSampler:
     def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
         """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous;
         resume: a paused rollout of them to finish (--partial_rollouts)."""
+        resuming = {} if resume is None else {"resume": resume}  # an engine that cannot pause takes no `resume`
         with autocast(self.dtype, self.device):
-            rollout = self.engine.generate(prompts, sampling) if resume is None else self.engine.generate(prompts, sampling, resume=resume)
+            rollout = self.engine.generate(prompts, sampling, **resuming)
         return rollout if self.share is None else self.share(rollout)
 
     def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None, until: int) -> PartialRollout:

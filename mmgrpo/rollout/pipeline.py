@@ -84,7 +84,8 @@ class StepBatch:
 
     prompts: list  # (Sample, PromptInputs) of the B prompts
     rollout: Rollout  # their B x G completions, scored
-    metrics: dict[str, float]  # the rounds' (dynamic/*, two_stage/*), rollout/generate_s, rollout/dropped_stale
+    # the rounds' (dynamic/*, two_stage/*), rollout/generate_s, rollout/dropped_stale, partial/* (--partial_rollouts)
+    metrics: dict[str, float]
 
 
 @dataclass
@@ -165,6 +166,8 @@ class RolloutPipeline:
             if later not in self.ahead:
                 self._ask(later, timers, chunked=self.partial and later > step + 1)
         metrics["rollout/generate_s"] = self._generate_seconds
+        if self.partial:
+            metrics.update(partial_rollout_metrics(rollout, step))
         return StepBatch(prompts, rollout, metrics)
 
     def generate(self, encoded: list, sampling: SamplingParams) -> Rollout:
@@ -248,3 +251,23 @@ class RolloutPipeline:
         rollout = request.result()
         self._generate_seconds += request.seconds
         return rollout
+
+
+def partial_rollout_metrics(rollout: Rollout, step: int) -> dict[str, float]:
+    """--partial_rollouts: the share of completions whose tokens came from more than one weight
+    version (continued after a weight update), and the mean staleness of their tokens, each token
+    (step - 1) minus the version that sampled it (the rows' own, `rollout/staleness`, is their oldest).
+
+    >>> ids = torch.tensor([[5, 6, 2], [7, 2, 0]])
+    >>> rollout = Rollout(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), torch.tensor([False, False]), weight_version=1,
+    ...                   token_versions=torch.tensor([[1, 2, 2], [1, 1, 0]]))
+    >>> partial_rollout_metrics(rollout, step=4)   # policy version 3: tokens 2, 1, 1 and 2, 2 steps behind
+    {'partial/continued_frac': 0.5, 'partial/token_staleness_mean': 1.6}
+    """
+    mask = rollout.model_mask.bool()  # [N, T]
+    versions = rollout.tokens_versions()  # [N, T]
+    newest = versions.masked_fill(~mask, torch.iinfo(versions.dtype).min).amax(1)  # [N]
+    continued = newest > rollout.versions()
+    staleness = ((step - 1) - versions)[mask].double()
+    return {"partial/continued_frac": float(continued.double().mean()),
+            "partial/token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0}
