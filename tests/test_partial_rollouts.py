@@ -7,7 +7,7 @@ token (the forced steps draw their uniforms as the first decode did), so a run w
 rate a completion's later tokens come from newer weights, each tagged with its version.
 """
 
-
+import copy
 import json
 
 import numpy as np
@@ -95,6 +95,40 @@ def test_a_rollout_continued_in_chunks_equals_one_uninterrupted_generate(model_a
     assert rollout.weight_version == 0 and rollout.versions().tolist() == [0] * len(rollout)
     spans = (rollout.token_versions * rollout.completion_mask).amax(1)
     assert spans.max() == len(cuts) and spans.min() == 0  # rows ended in the first chunk are not continued
+
+
+def test_a_chunk_on_new_weights_keeps_the_earlier_tokens_and_samples_on_under_the_new_weights(model_and_template):
+    """The weights move between two chunks: the first chunk's tokens and log-probs stay; each later
+    token's log-prob is its log-prob under the new weights given the whole prefix (the forced
+    tokens' K/V recomputed on them), as the training forward computes it."""
+    from mmgrpo.forward.shared_prefix import shared_prefix_hidden
+    from mmgrpo.grpo.logprobs import completion_logprobs
+
+    model, template = model_and_template
+    engine, prompts = _engine(copy.deepcopy(model), template), _prompts(template)
+    sampling = SamplingParams(num_generations=3, max_new_tokens=14, temperature=0.9, seed=11)
+    whole = engine.generate(prompts, sampling)
+    partial = engine.continue_(prompts, sampling, until=5)
+    moved = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # an optimizer step, as far as the engine can tell
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    engine.update_weights(moved.named_parameters(), version=1)
+    rollout = engine.generate(prompts, sampling, resume=partial)
+    assert torch.equal(rollout.completion_ids[:, :5], whole.completion_ids[:, :5])
+    assert torch.equal(rollout.logps[:, :5], whole.logps[:, :5])
+    assert not torch.equal(rollout.completion_ids, whole.completion_ids)  # sampled on under other weights
+    ids, mask = rollout.completion_ids, rollout.completion_mask
+    batch = template.collate(prompts)
+    with torch.no_grad():
+        expected = {}
+        for name, weights in (("old", model), ("new", moved)):
+            hidden = shared_prefix_hidden(weights, template, batch, ids, mask, 3)
+            expected[name] = completion_logprobs(hidden, weights.lm_head.weight, ids, temperature=0.9)[0] * mask
+    assert torch.allclose(rollout.logps[:, 5:], expected["new"][:, 5:], atol=1e-5)
+    assert torch.allclose(rollout.logps[:, :5], expected["old"][:, :5], atol=1e-5)
+    assert not torch.allclose(expected["old"][:, 5:], expected["new"][:, 5:], atol=1e-3)
 
 
 def test_a_rollout_that_ended_in_its_first_chunk_is_not_continued(engine_and_prompts):
