@@ -19,6 +19,7 @@ def episode_rollout(tag: str, rows: int, width: int, version: int) -> Rollout:
     return Rollout(
         completion_ids=ids, completion_mask=mask, truncated=torch.arange(rows) % 2 == 0, logps=-ids.float() / 1000,
         weight_version=version, row_versions=torch.full((rows,), version), loss_mask=(ids % 3 != 0).long(),
+        token_versions=torch.full((rows, width), version) + (torch.arange(width) >= 2),  # --partial_rollouts
         completion_media=[{"pixel_values": torch.full((1, 2), float(r))} for r in range(rows)],
         texts=[f"{tag}{r}" for r in range(rows)], columns={"turns": [r + 1 for r in range(rows)]},
         metrics={"tools/turns": float(rows)}, totals={"tools/errors": 1.0},
@@ -57,6 +58,7 @@ def test_concat_pads_to_the_longest_and_keeps_every_field():
     assert both.weight_version == 3  # the oldest weights among the rows
     assert both.versions().tolist() == [4, 4, 3]  # and each row's own
     assert both.select([2, 0]).versions().tolist() == [3, 4]
+    assert both.token_versions.tolist() == [[4, 4, 5, 0, 0], [4, 4, 5, 0, 0], [3, 3, 4, 4, 4]]
     plain = Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.zeros(1, dtype=torch.bool),
                     weight_version=3)
     assert Rollout.concat([plain, plain], pad_token_id=7).row_versions is None  # one version: no per-row tensor

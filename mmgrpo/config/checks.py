@@ -119,6 +119,7 @@ def validate_train(cfg) -> None:
         raise ConfigError(f"--vllm_importance_sampling_floor {floor} is above --vllm_importance_sampling_cap {cap}: "
                           "the band [floor, cap] would be empty; give a floor below the cap.")
     parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
+    validate_partial_rollouts(rollout)
     one_process = cfg.dist.strategy == "none"
     if cfg.algo.max_tokens_per_microbatch and not one_process:
         raise ConfigError(
@@ -144,6 +145,29 @@ def validate_train(cfg) -> None:
 
 
 MODALITIES = ("text", "image", "video", "audio", "mixed")  # `Sample.modality` values
+
+
+def validate_partial_rollouts(rollout) -> None:
+    """--partial_rollouts: K >= 2 (a rollout spans K versions; with K = 1 it spans one) and an engine that can pause."""
+    if rollout.partial_rollout_tokens is not None and not rollout.partial_rollouts:
+        raise ConfigError(f"--partial_rollout_tokens {rollout.partial_rollout_tokens} needs --partial_rollouts; add it or drop "
+                          "--partial_rollout_tokens.")
+    if not rollout.partial_rollouts:
+        return
+    k = rollout.staleness_bound
+    if k == 0:
+        raise ConfigError("--partial_rollouts needs asynchronous training: add --max_staleness 2 (or more); a rollout then "
+                          "pauses at each weight update and continues on the new weights.")
+    if k == 1:
+        raise ConfigError("--partial_rollouts with --max_staleness 1 (or --async_generate): each rollout is generated while "
+                          "one step trains, on one weight version, so there is nothing to continue; use --max_staleness 2 "
+                          "or more, or drop --partial_rollouts.")
+    if rollout.use_vllm:
+        raise ConfigError(f"--partial_rollouts with --use_vllm --vllm_mode {rollout.vllm_mode}: the vLLM engines cannot pause "
+                          "a rollout (yet); drop --use_vllm (the in-process shared-prefix engine pauses) or --partial_rollouts.")
+    if rollout.max_turns > 1:
+        raise ConfigError(f"--partial_rollouts with --max_turns {rollout.max_turns}: multi-turn episodes cannot pause (yet); "
+                          "drop one of them.")
 
 
 def parse_modality_weights(specs: list[str]) -> dict[str, float]:

@@ -145,6 +145,15 @@ class RolloutConfig:
     step t's on the weights of step t - 1 - K (so K steps stale; 1 is --async_generate), and a rollout staler than
     K is never trained on (dropped and generated again, rollout/dropped_stale). Larger K absorbs rollouts that
     take longer than a step. None: synchronous, or 1 with --async_generate (mmgrpo/rollout/pipeline.py)."""
+    partial_rollouts: bool = False
+    """With --max_staleness K >= 2: a rollout generated ahead pauses at every weight update and continues on the new
+    weights (verl's partial rollout, slime's --partial-rollout), so a completion's later tokens are fresher: step s's
+    rollout is generated in K chunks on versions s - 1 - K .. s - 2, each token tagged with its version (the oldest
+    bounds the staleness). The in-process shared-prefix engine only; a continued chunk re-decodes the tokens so far
+    teacher-forced on the new weights (docs/vllm.md, Partial rollouts)."""
+    partial_rollout_tokens: int | None = flag(None, count(1, what="a number of tokens"))
+    """--partial_rollouts: the most tokens a completion gains in each chunk but its last (which finishes it).
+    None: ceil(--max_completion_length / K)."""
     # ---- which completions the step trains on (mmgrpo/rollout/rounds.py) ----
     dynamic_sample: bool = False
     """DAPO dynamic sampling (ms-swift's name): groups whose G rewards are all equal are dropped and more
@@ -198,6 +207,14 @@ class RolloutConfig:
         if self.max_staleness is not None:
             return self.max_staleness
         return 1 if self.async_generate else 0
+
+    @property
+    def chunk_tokens(self) -> int:
+        """--partial_rollouts: the tokens a completion gains per chunk but its last (--partial_rollout_tokens,
+        else ceil(--max_completion_length / K))."""
+        if self.partial_rollout_tokens is not None:
+            return self.partial_rollout_tokens
+        return -(-self.max_completion_length // max(1, self.staleness_bound))
 
 
 @dataclass

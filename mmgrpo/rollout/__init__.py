@@ -17,7 +17,9 @@
     multiturn.py      episodes with tool calls over any of them (--max_turns > 1)
 
 A new engine subclasses `RolloutEngine`, implements `generate` (and `update_weights` where it
-holds its own weights) and gets a branch in `build_rollout_engine` (docs/architecture.md).
+holds its own weights) and gets a branch in `build_rollout_engine` (docs/architecture.md). One that
+can pause a rollout and continue it on newer weights (--partial_rollouts) sets `can_pause` and
+implements `continue_` (the shared-prefix engine does).
 """
 
 from __future__ import annotations

@@ -8,6 +8,15 @@ or as a server) stand behind the same calls of `RolloutEngine`:
     engine.update_weights(named_tensors, version)     # after every optimizer step
     engine.close()                                    # at the end of the run
 
+An engine that can pause (`can_pause`: the in-process shared-prefix engine) also generates a
+rollout in chunks, for --partial_rollouts (mmgrpo/rollout/pipeline.py): a chunk decodes up to a
+number of decode steps and returns a `PartialRollout`, which a later chunk continues, possibly on
+newer weights, and `generate(..., resume=partial)` finishes:
+
+    partial = engine.continue_(prompts, sampling, until=64)            # decode steps 0 .. 63
+    partial = engine.continue_(prompts, sampling, partial, until=128)  # 64 .. 127 (after a weight update)
+    rollout = engine.generate(prompts, sampling, resume=partial)       # the rest; token_versions per token
+
 An in-process engine samples from the policy's own module, so its `update_weights` only records
 the version; an engine holding its own copy of the weights (vLLM) loads the tensors it is given.
 `named_tensors` is a lazy iterable of (HF parameter name, full tensor): an engine that does not
@@ -88,7 +97,7 @@ class SamplingParams:
 
 # Rollout fields by how they follow the rows: [N, T] tensors right-padded by `concat` (the value
 # it pads with; None: the pad token id), [N] / [F, N] tensors, and per-row lists.
-_PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0,
+_PADDED = {"completion_ids": None, "completion_mask": 0, "logps": 0.0, "loss_mask": 0, "token_versions": 0,
            "old_logps": 0.0, "ref_logps": 0.0, "teacher_logps": 0.0, "importance_weights": 0.0}
 _ROW_TENSORS = ("truncated", "rewards", "row_versions", "advantages")
 _ROW_LISTS = ("completion_media", "texts", "routed_experts")
@@ -104,6 +113,10 @@ class Rollout:
     # [B * G] each row's weight version where the rows' differ (`concat` of rounds sampled on other weights);
     # None: every row's is weight_version. `versions()` gives them either way.
     row_versions: torch.Tensor | None = None
+    # [B * G, T] the weight version that sampled each token (0 after the row's end), where a row's tokens may
+    # come from several versions (--partial_rollouts: a rollout paused at weight updates, continued on the
+    # new weights); None: every token's is its row's.
+    token_versions: torch.Tensor | None = None
     # Multi-turn episodes (mmgrpo/rollout/multiturn.py); a single-turn engine leaves these unset.
     # A completion is then the whole trajectory after the prompt: the model's turns and the tool
     # turns between them, all under completion_mask (the training forward runs them all).
@@ -149,10 +162,29 @@ class Rollout:
         return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     def versions(self) -> torch.Tensor:
-        """[B * G] the weight version that sampled each row."""
+        """[B * G] the weight version that sampled each row: the oldest among its tokens (what
+        --max_staleness bounds) where they differ.
+
+        >>> ids = torch.tensor([[5, 6, 2], [7, 2, 0]])
+        >>> r = Rollout(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), torch.tensor([False, False]), weight_version=3,
+        ...             token_versions=torch.tensor([[3, 4, 4], [3, 3, 0]]))
+        >>> r.versions().tolist()
+        [3, 3]
+        """
         if self.row_versions is not None:
             return self.row_versions
+        if self.token_versions is not None:
+            newest = torch.iinfo(self.token_versions.dtype).max  # after a row's end: never the oldest (every row has a token)
+            mask = self.completion_mask.to(self.token_versions.device) == 0
+            return self.token_versions.masked_fill(mask, newest).min(1).values
         return torch.full((len(self),), self.weight_version, dtype=torch.long)
+
+    def tokens_versions(self) -> torch.Tensor:
+        """[B * G, T] the weight version that sampled each token: `token_versions`, or each row's version
+        on all its tokens where the rollout has none."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return self.versions()[:, None].expand(self.completion_mask.shape)
 
     def select(self, rows: Sequence[int] | torch.Tensor, width: int | None = None) -> Rollout:
         """The completions `rows` (indices, in that order), every per-row field with them; [N, T]
@@ -193,7 +225,7 @@ class Rollout:
     def concat(cls, rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
         """The rows of `rollouts` one after the other; [N, T] fields right-padded to the longest.
         A field set in some parts and not in others is dropped (None), except `loss_mask`, which
-        defaults to the completion mask. Metrics are weighted by rows, totals added."""
+        defaults to the completion mask, and `token_versions`, to each row's version. Metrics are weighted by rows, totals added."""
         if len(rollouts) == 1:
             return rollouts[0]
         width = max(r.completion_ids.shape[1] for r in rollouts)
@@ -203,6 +235,8 @@ class Rollout:
             parts = [getattr(r, name) for r in rollouts]
             if name == "loss_mask" and any(p is not None for p in parts):
                 parts = [r.completion_mask if p is None else p for r, p in zip(rollouts, parts)]
+            if name == "token_versions" and any(p is not None for p in parts):  # a round's rows: all of their row's
+                parts = [r.tokens_versions() * r.completion_mask if p is None else p for r, p in zip(rollouts, parts)]
             if any(p is None for p in parts):
                 values[name] = None
                 continue
@@ -237,6 +271,36 @@ class Rollout:
         return cls(**{key: value for key, value in saved.items() if key in known})
 
 
+@dataclass
+class PartialRollout:
+    """A rollout paused between chunks (--partial_rollouts; `RolloutEngine.continue_`): the decode
+    steps done so far, which the next chunk feeds back teacher-forced (their K/V recomputed on the
+    weights it holds then) before it samples on. Tensors only, so a checkpoint saves it as is.
+
+    Each row of a rollout decodes in step with the others: a row that has not ended has as many
+    tokens as the decode steps done (`steps`), so a chunk is a window of decode steps.
+    """
+
+    tokens: torch.Tensor  # [B * G, S] the tokens of the S decode steps done; the pad id after a row's end
+    logps: torch.Tensor  # [B * G, S] the sampler's log-probs, each under the weights of the chunk that drew it
+    token_versions: torch.Tensor  # [B * G, S] the weight version of the chunk that drew each token
+    finished: torch.Tensor  # [B * G] bool: the row ended (EOS, or its budget)
+    chunks: int = 1  # chunks decoded so far
+    complete: bool = False  # every row ended, or max_new_tokens steps are done: a later chunk has nothing to decode
+
+    @property
+    def steps(self) -> int:
+        return self.tokens.shape[1]
+
+    def to_file(self) -> dict:
+        """What `torch.save` writes for `from_file` (loads with weights_only=True)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_file(cls, saved: dict) -> PartialRollout:
+        return cls(**saved)
+
+
 class RolloutEngine:
     """What every rollout engine is (see the module docstring); subclasses implement `generate`
     and keep these defaults where they fit: an engine on the policy's own module has no weights to
@@ -247,10 +311,19 @@ class RolloutEngine:
     # policy, so the step recomputes their log-probs and measures the mismatch.
     separate_weights: bool = False
     weight_version: int = 0  # the version of the weights it samples from
+    # True where a rollout can pause and continue on other weights (`continue_`, --partial_rollouts)
+    can_pause: bool = False
 
-    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
-        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
+    def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
+        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous.
+        resume: a paused rollout of these prompts to finish (engines that `can_pause`)."""
         raise NotImplementedError
+
+    def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None,
+                  until: int | None = None) -> PartialRollout:
+        """One chunk of a rollout: decode steps from where `resume` stopped (None: the start) to
+        `until` (None: the end), on the weights the engine holds now. Engines that `can_pause`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause a rollout (--partial_rollouts)")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Make the next `generate` sample from these weights, tagged `version`. Here, for the
@@ -277,11 +350,18 @@ class RolloutSampler:
     # --sequence_parallel_size: the group leader's rollout on each of its ranks (Strategy.share_rollout)
     share: Callable[[Rollout], Rollout] | None = None
 
-    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
-        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous."""
+    def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
+        """B encoded prompts (`PromptInputs`) -> B x G completions, the G of a prompt contiguous;
+        resume: a paused rollout of them to finish (--partial_rollouts)."""
+        resuming = {} if resume is None else {"resume": resume}  # an engine that cannot pause takes no `resume`
         with autocast(self.dtype, self.device):
-            rollout = self.engine.generate(prompts, sampling)
+            rollout = self.engine.generate(prompts, sampling, **resuming)
         return rollout if self.share is None else self.share(rollout)
+
+    def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None, until: int) -> PartialRollout:
+        """One chunk of a paused rollout (`RolloutEngine.continue_`), under the policy's autocast."""
+        with autocast(self.dtype, self.device):
+            return self.engine.continue_(prompts, sampling, resume, until)
 
 
 def collate_on_device(template, prompts: list, model: torch.nn.Module, prepare=None) -> dict:
@@ -332,6 +412,8 @@ def cut_to_budgets(rollout: Rollout, sampling: SamplingParams, pad_token_id: int
     rollout.completion_ids = rollout.completion_ids.masked_fill(mask == 0, pad_token_id)[:, :width]
     if rollout.logps is not None:
         rollout.logps = (rollout.logps * mask)[:, :width]
+    if rollout.token_versions is not None:
+        rollout.token_versions = (rollout.token_versions * mask)[:, :width]
     return rollout
 
 

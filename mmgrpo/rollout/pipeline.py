@@ -38,6 +38,28 @@ asked before them, on the newest weights (staleness 0).
 A rollout staler than K (restored from a checkpoint saved with a larger K, or sampled by an engine
 that held other weights than asked) is never trained on: it is dropped (rollout/dropped_stale
 counts its completions) and generated again from the same prompts on the newest weights.
+
+Partial rollouts (`--partial_rollouts`, K >= 2). A rollout asked ahead does not finish on the
+weights it was asked on: it pauses at every weight update and continues on the new weights, so
+its later tokens are fresher. Once step t's batch is taken, every rollout in flight gets one more
+chunk on version t - 1 (oldest step first): a rollout taken at the next step finishes (its last
+chunk), the others decode C more tokens per completion (C: --partial_rollout_tokens, else
+ceil(--max_completion_length / K)); the rollout of step t + K gets its first chunk, also of C
+tokens. So step s's rollout is generated in K chunks (fewer in the first steps) on versions
+s - 1 - K .. s - 2, and its first tokens bound its staleness: K, as without the flag. With K = 2:
+
+    after step t's batch   chunk on version t - 1
+    t = 1                  rollout 2: whole (its first chunk is its last), rollout 3: tokens 0 .. C - 1
+    t = 2                  rollout 3: tokens C .. end,                     rollout 4: tokens 0 .. C - 1
+    t = 3                  rollout 4: tokens C .. end,                     rollout 5: tokens 0 .. C - 1
+
+A completion that ended in an earlier chunk is not continued. A continued chunk feeds the tokens
+so far back teacher-forced (their K/V recomputed on the new weights, the tokens and their log-probs
+kept: `SharedPrefixRollout.continue_`), and every token carries the version that sampled it
+(`Rollout.token_versions`; the importance correction reads each token's own log-prob). Which
+version samples which tokens is fixed by this schedule, so a run is as reproducible as without
+the flag, and on weights that do not change (--learning_rate 0) it is the same run. A checkpoint
+keeps the paused rollouts (`in_flight`), and the resumed run continues them.
 """
 
 from __future__ import annotations
@@ -50,7 +72,8 @@ from dataclasses import dataclass
 import torch
 
 from mmgrpo.data.prompt_batches import PromptStream
-from mmgrpo.rollout.base import Rollout, SamplingParams
+from mmgrpo.errors import ConfigError
+from mmgrpo.rollout.base import PartialRollout, Rollout, SamplingParams
 from mmgrpo.rollout.rounds import RolloutSetup, complete_batch
 from mmgrpo.rollout.worker import RolloutRequest, RolloutWorker, snapshot
 
@@ -61,7 +84,8 @@ class StepBatch:
 
     prompts: list  # (Sample, PromptInputs) of the B prompts
     rollout: Rollout  # their B x G completions, scored
-    metrics: dict[str, float]  # the rounds' (dynamic/*, two_stage/*), rollout/generate_s, rollout/dropped_stale
+    # the rounds' (dynamic/*, two_stage/*), rollout/generate_s, rollout/dropped_stale, partial/* (--partial_rollouts)
+    metrics: dict[str, float]
 
 
 @dataclass
@@ -70,7 +94,8 @@ class Ahead:
 
     prompts: list
     position: tuple[int, int]  # (epoch, batch) of the prompt stream where its prompts began
-    request: RolloutRequest
+    request: RolloutRequest  # under --partial_rollouts its latest chunk's
+    chunks: int = 1  # --partial_rollouts: chunks asked so far; chunk j stops at decode step j * C
 
 
 def untimed(name: str):
@@ -92,6 +117,12 @@ class RolloutPipeline:
         self.version = 0  # optimizer steps the policy's weights have taken
         self.ahead: dict[int, Ahead] = {}  # by step
         self.worker = RolloutWorker(setup.sampler) if self.max_staleness else None
+        self.partial = setup.options.partial_rollouts  # rollouts ahead continue on each new version
+        self.chunk_tokens = setup.options.chunk_tokens
+        if self.partial and not self.engine.can_pause:
+            raise ConfigError(f"--partial_rollouts: the rollout engine {type(self.engine).__name__} cannot pause a rollout; "
+                              "partial rollouts need the in-process shared-prefix engine (a model whose template declares "
+                              "shared_prefix, without --use_vllm or --max_turns > 1), or drop --partial_rollouts.")
         # the version the engine holds once everything asked of it has run
         self._asked_version = self.engine.weight_version
         self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of
@@ -128,10 +159,15 @@ class RolloutPipeline:
         if (step - 1) - oldest > self.max_staleness:
             raise RuntimeError(f"step {step} would train on weights of version {oldest}, more than --max_staleness "
                                f"{self.max_staleness} behind the policy's {step - 1}")
+        if self.partial:  # every rollout in flight: one more chunk on the newest weights, the next step's last
+            for later in sorted(self.ahead):
+                self._continue(later, last=later == step + 1, timers=timers)
         for later in range(step + 1, min(step + self.max_staleness, self.total_steps) + 1):
             if later not in self.ahead:
-                self._ask(later, timers)
+                self._ask(later, timers, chunked=self.partial and later > step + 1)
         metrics["rollout/generate_s"] = self._generate_seconds
+        if self.partial:
+            metrics.update(partial_rollout_metrics(rollout, step))
         return StepBatch(prompts, rollout, metrics)
 
     def generate(self, encoded: list, sampling: SamplingParams) -> Rollout:
@@ -139,24 +175,29 @@ class RolloutPipeline:
         rollouts asked before it, on the same engine)."""
         return self._take(self._submit(encoded, sampling, untimed))
 
-    def in_flight(self) -> list[tuple[int, tuple[int, int], Rollout]]:
-        """(step, where its prompts began in the prompt stream, rollout) of every rollout asked ahead,
-        in step order, each finished (waits for it) and left in place. A checkpoint saves them."""
-        return [(step, ahead.position, ahead.request.result()) for step, ahead in sorted(self.ahead.items())]
+    def in_flight(self) -> list[tuple[int, tuple[int, int], Rollout | PartialRollout, int]]:
+        """(step, where its prompts began in the prompt stream, rollout, chunks asked) of every rollout
+        asked ahead, in step order, each finished (waits for it) and left in place; under
+        --partial_rollouts a rollout not on its last chunk yet is a PartialRollout. A checkpoint saves them."""
+        return [(step, ahead.position, ahead.request.result(), ahead.chunks) for step, ahead in sorted(self.ahead.items())]
 
-    def restore(self, saved: list[tuple[int, list, tuple[int, int], Rollout]], version: int) -> None:
-        """Put back the rollouts a checkpoint saved in flight, (step, prompts, position, rollout)
-        each, with the policy's weights at `version`."""
+    def restore(self, saved: list[tuple[int, list, tuple[int, int], Rollout | PartialRollout, int]], version: int) -> None:
+        """Put back the rollouts a checkpoint saved in flight, (step, prompts, position, rollout, chunks
+        asked) each, with the policy's weights at `version`; a paused one continues at the next step."""
         self.version = version
-        for step, prompts, position, rollout in saved:
-            self.ahead[step] = Ahead(prompts, position, RolloutRequest.finished(rollout))
+        for step, prompts, position, rollout, chunks in saved:
+            request = RolloutRequest.finished(rollout)
+            if isinstance(rollout, PartialRollout):  # paused at that decode step: the next step continues it
+                request.until = rollout.steps
+            self.ahead[step] = Ahead(prompts, position, request, chunks)
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
 
-    def _ask(self, step: int, timers: Callable, again: Ahead | None = None) -> None:
-        """Ask for step `step`'s rollout: new prompts from the stream, or those of `again`."""
+    def _ask(self, step: int, timers: Callable, again: Ahead | None = None, chunked: bool = False) -> None:
+        """Ask for step `step`'s rollout: new prompts from the stream, or those of `again`.
+        chunked: only its first chunk (--partial_rollouts), C tokens per completion."""
         if again is None:
             with timers("data"):
                 prompts = next(self.batches)
@@ -164,15 +205,29 @@ class RolloutPipeline:
         else:
             prompts, position = again.prompts, again.position
         sampling = self.setup.sampling(prompts, self.setup.step_seed(step))
-        request = self._submit([enc for _, enc in prompts], sampling, timers)
+        until = self.chunk_tokens if chunked else None
+        request = self._submit([enc for _, enc in prompts], sampling, timers, until=until)
         self.ahead[step] = Ahead(prompts, position, request)
 
-    def _submit(self, encoded: list, sampling: SamplingParams, timers: Callable) -> RolloutRequest:
-        """A rollout on the newest weights: generated here (synchronous) or asked of the worker."""
+    def _continue(self, step: int, last: bool, timers: Callable) -> None:
+        """The next chunk of step `step`'s rollout in flight, on the newest weights: C more tokens per
+        completion, or to the end where `last` (--partial_rollouts)."""
+        ahead = self.ahead[step]
+        if ahead.request.until is None:  # its last chunk asked already (or asked whole)
+            return
+        ahead.chunks += 1
+        until = None if last else ahead.chunks * self.chunk_tokens
+        sampling = self.setup.sampling(ahead.prompts, self.setup.step_seed(step))  # the seed of its first chunk
+        ahead.request = self._submit([enc for _, enc in ahead.prompts], sampling, timers, resume=ahead.request, until=until)
+
+    def _submit(self, encoded: list, sampling: SamplingParams, timers: Callable, resume: RolloutRequest | None = None,
+                until: int | None = None) -> RolloutRequest:
+        """A rollout on the newest weights: generated here (synchronous) or asked of the worker;
+        resume / until: a chunk of one (--partial_rollouts, the worker's `RolloutRequest`)."""
         with timers("weight_sync"):
             weights = self._newest_weights()
         if self.worker is not None:
-            return self.worker.submit(encoded, sampling, self.version, weights)
+            return self.worker.submit(encoded, sampling, self.version, weights, resume=resume, until=until)
         request = RolloutRequest(encoded, sampling, self.version)
         started = time.perf_counter()
         with timers("rollout"):
@@ -196,3 +251,23 @@ class RolloutPipeline:
         rollout = request.result()
         self._generate_seconds += request.seconds
         return rollout
+
+
+def partial_rollout_metrics(rollout: Rollout, step: int) -> dict[str, float]:
+    """--partial_rollouts: the share of completions whose tokens came from more than one weight
+    version (continued after a weight update), and the mean staleness of their tokens, each token
+    (step - 1) minus the version that sampled it (the rows' own, `rollout/staleness`, is their oldest).
+
+    >>> ids = torch.tensor([[5, 6, 2], [7, 2, 0]])
+    >>> rollout = Rollout(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), torch.tensor([False, False]), weight_version=1,
+    ...                   token_versions=torch.tensor([[1, 2, 2], [1, 1, 0]]))
+    >>> partial_rollout_metrics(rollout, step=4)   # policy version 3: tokens 2, 1, 1 and 2, 2 steps behind
+    {'partial/continued_frac': 0.5, 'partial/token_staleness_mean': 1.6}
+    """
+    mask = rollout.model_mask.bool()  # [N, T]
+    versions = rollout.tokens_versions()  # [N, T]
+    newest = versions.masked_fill(~mask, torch.iinfo(versions.dtype).min).amax(1)  # [N]
+    continued = newest > rollout.versions()
+    staleness = ((step - 1) - versions)[mask].double()
+    return {"partial/continued_frac": float(continued.double().mean()),
+            "partial/token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0}

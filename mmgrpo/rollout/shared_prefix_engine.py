@@ -55,6 +55,7 @@ from mmgrpo.forward.shared_prefix import model_parts, recording_cache
 from mmgrpo.fusion.attach import keep_prompts
 from mmgrpo.grpo.logprobs import cap_logits
 from mmgrpo.rollout.base import (
+    PartialRollout,
     Rollout,
     RolloutEngine,
     SamplingParams,
@@ -135,6 +136,8 @@ class SharedPrefixRollout(RolloutEngine):
     (off: every row decodes until all have finished; the completions are the same).
     """
 
+    can_pause = True  # a rollout pauses between decode steps and continues on other weights (`continue_`)
+
     def __init__(
         self,
         model,
@@ -171,38 +174,86 @@ class SharedPrefixRollout(RolloutEngine):
             self.lean = LeanDecoder(self.decoder, zero_centered_norm=template.zero_centered_norm)
         self.separate_weights = separate_weights
 
-    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
-        """B encoded prompts -> B x G completions, with the sampler's log-probs."""
+    def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
+        """B encoded prompts -> B x G completions, with the sampler's log-probs. resume: a rollout of
+        these prompts paused by `continue_`, finished here (its tokens kept, with their log-probs and versions)."""
+        return self.completed(self.continue_(prompts, sampling, resume), sampling)
+
+    def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None,
+                  until: int | None = None) -> PartialRollout:
+        """One chunk of a rollout (--partial_rollouts): decode steps up to `until` (None: to the end)
+        on the weights held now, from where `resume` stopped.
+
+        A continued chunk prefills the prompts again and feeds each row's tokens so far back one
+        decode step at a time, teacher-forced: the K/V of the earlier chunks are dropped and
+        recomputed on these weights (the tokens and their log-probs stay those sampled). Each
+        forced step draws its uniforms as the first decode did, and a prompt leaves the batch at
+        the same steps, so on unchanged weights the chunks give the uninterrupted rollout, token
+        for token. The cost: the forced steps, one decoder step each (no sampling, no lm_head).
+        """
+        if resume is not None and resume.complete:  # every row ended: nothing left to decode
+            return resume
         batch = collate_on_device(self.template, prompts, self.model, self.prepare)
         with self.scope():
-            rollout, logps = self.call(self.sample, batch, sampling)
-        rollout.logps, rollout.weight_version = logps, self.weight_version
-        return cut_to_budgets(rollout, sampling, self.pad_token_id)
+            return self.call(self.sample_part, batch, sampling, resume, until)
+
+    def completed(self, partial: PartialRollout, sampling: SamplingParams) -> Rollout:
+        """The rollout of a chunked decode that ran to the end, each completion cut to its budget."""
+        return cut_to_budgets(self._rollout_of(partial, sampling.max_new_tokens), sampling, self.pad_token_id)
 
     @torch.no_grad()
     def sample(self, prompt_batch: dict, params: SamplingParams) -> tuple[Rollout, torch.Tensor]:
         """The rollout and logps [B * G, T]: log-probs of the sampled tokens under
         softmax(logits / temperature) (no top-k/top-p/suppression), 0 after EOS."""
+        rollout = self._rollout_of(self.sample_part(prompt_batch, params), params.max_new_tokens)
+        return rollout, rollout.logps
+
+    @torch.no_grad()
+    def sample_part(self, prompt_batch: dict, params: SamplingParams, resume: PartialRollout | None = None,
+                    until: int | None = None) -> PartialRollout:
+        """Decode steps from `resume`'s end (None: the first) to `until` (None: the end); see `continue_`."""
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens, logps = self._decode(prompt_batch, params)
+            tokens, logps, finished = self._decode(prompt_batch, params, resume, until)
         finally:
             self.model.train(was_training)
+        steps = tokens.shape[1]
+        versions = torch.full_like(tokens, self.weight_version)  # [N, S] this chunk's tokens: the weights held now
+        if resume is not None:
+            versions[:, : resume.steps] = resume.token_versions.to(versions.device)
+        return PartialRollout(tokens, logps, versions, finished, chunks=1 + (resume.chunks if resume is not None else 0),
+                              complete=steps >= params.max_new_tokens or bool(finished.all()))
+
+    def _rollout_of(self, partial: PartialRollout, max_new: int) -> Rollout:
+        """The rollout of the decode steps done, as one uninterrupted decode's [N, max_new] buffers give it."""
+        spare = max_new - partial.steps
+        tokens = torch.nn.functional.pad(partial.tokens, (0, spare), value=self.pad_token_id)  # [N, max_new]
+        logps = torch.nn.functional.pad(partial.logps, (0, spare))
         mask, truncated = completion_mask_from_ids(tokens, self.eos_token_ids)  # [N, T]
         used = int(mask.sum(1).max()) if mask.numel() else 0  # rows stopped together: trim the spare steps
         tokens, mask, logps = tokens[:, :used], mask[:, :used], logps[:, :used]
         tokens = tokens.masked_fill(mask == 0, self.pad_token_id)
-        rollout = Rollout(completion_ids=tokens, completion_mask=mask, truncated=truncated)
-        return rollout, logps * mask
+        # every row's first token comes from the first chunk: the rollout's oldest weights
+        first = int(partial.token_versions[:, 0].min()) if partial.steps else self.weight_version
+        rollout = Rollout(completion_ids=tokens, completion_mask=mask, truncated=truncated, logps=logps * mask,
+                          weight_version=first)
+        if partial.chunks > 1:  # its tokens may come from several versions
+            rollout.token_versions = torch.nn.functional.pad(partial.token_versions, (0, spare))[:, :used] * mask
+        return rollout
 
-    def _decode(self, prompt_batch: dict, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, prompt_batch: dict, params: SamplingParams, resume: PartialRollout | None = None,
+                until: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [N, S] and logps [N, S] of the S decode steps done (`resume`'s, fed back, and the new
+        ones), and which rows ended [N]."""
         core, group, max_new = self.core, params.num_generations, params.max_new_tokens
         prompt_mask = prompt_batch["attention_mask"]  # [B, P]
         num_prompts, prompt_len = prompt_mask.shape
         num_rows = num_prompts * group
         device = prompt_mask.device
         temperature = 1.0 if params.greedy else params.temperature
+        forced = 0 if resume is None else resume.steps  # steps fed back teacher-forced (an earlier chunk's)
+        stop = max_new if until is None else min(until, max_new)
 
         # 1. prefill, once per prompt
         # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
@@ -229,23 +280,30 @@ class SharedPrefixRollout(RolloutEngine):
         suppress = torch.tensor(params.suppressed(self.suppress_token_ids, self.eos_token_ids), dtype=torch.long, device=device)
         tokens = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=device)  # [N, T]
         logps = torch.zeros(num_rows, max_new, dtype=torch.float32, device=device)  # [N, T]
+        if forced:
+            tokens[:, :forced], logps[:, :forced] = resume.tokens.to(device), resume.logps.to(device)
         rows = torch.arange(num_rows, device=device)  # [n] the decoding rows' indices in [0, N)
         finished = torch.zeros(num_rows, dtype=torch.bool, device=device)  # [n]
         budgets = params.row_budgets(device)  # [n] a mixture's per-dataset budgets, or None
+        done = 0  # decode steps done
         for step in range(max_new):
+            done = step + 1
             uniform = None
             if not params.greedy:  # one draw per row of the whole batch: the same draws however many rows decode
                 draws = torch.rand(num_rows, 1, dtype=torch.float32, device=device, generator=generator)  # [N, 1]
                 uniform = draws if len(rows) == num_rows else draws[rows]  # [n, 1]
-            token = pick_tokens(logits, suppress, params, uniform)  # [n]
-            token = torch.where(finished, self.pad_token_id, token)
-            tokens[rows, step] = token
-            scaled = logits / temperature if temperature != 1.0 else logits
-            logps[rows, step] = scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
+            if step < forced:  # an earlier chunk's token (the pad id after its row's end), its draw discarded
+                token = tokens[rows, step]
+            else:
+                token = pick_tokens(logits, suppress, params, uniform)  # [n]
+                token = torch.where(finished, self.pad_token_id, token)
+                tokens[rows, step] = token
+                scaled = logits / temperature if temperature != 1.0 else logits
+                logps[rows, step] = scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1)
             finished |= torch.isin(token, eos)
             if budgets is not None:  # a row at its budget stops (cut_to_budgets marks it truncated)
                 finished |= budgets <= step + 1
-            if step == max_new - 1:
+            if step == stop - 1:
                 break
             if (step + 1) % self.check_every == 0:
                 if bool(finished.all()):
@@ -256,8 +314,12 @@ class SharedPrefixRollout(RolloutEngine):
                     budgets = None if budgets is None else budgets[kept]
                     advance.keep(kept)
                     keep_prompts(self.model, kept[::group] // group)  # fusion modules' memory: whole groups
-            logits = self._logits(advance(token, step))  # [n, V]
-        return tokens, logps
+            hidden = advance(token, step)  # [n, H]
+            if step + 1 >= forced:  # the next step samples: its logits (a forced step needs none)
+                logits = self._logits(hidden)  # [n, V]
+        ended = torch.ones(num_rows, dtype=torch.bool, device=device)  # the rows that left the batch had all ended
+        ended[rows] = finished
+        return tokens[:, :done], logps[:, :done], ended
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 next-token logits [n, V] of final hidden states [n, H], soft-capped where the model caps them."""

@@ -12,6 +12,10 @@ the policy's, since the policy's own tensors change under an optimizer step) and
 loads them first. Requests run first come, first served; the pipeline (mmgrpo/rollout/pipeline.py)
 asks for versions that never go down, so each version is loaded once and the engine's weights
 never change while it generates.
+
+Under --partial_rollouts a request may be one chunk of a rollout (`resume`: the request of the
+chunk before it, which ran first; `until`: the decode step it stops at), on newer weights than the
+chunk before: the weights change between chunks, never during one.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmgrpo.rollout.base import Rollout, RolloutSampler, SamplingParams
+from mmgrpo.rollout.base import PartialRollout, Rollout, RolloutSampler, SamplingParams
 
 
 def snapshot(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -40,12 +44,16 @@ class RolloutRequest:
     sampling: SamplingParams
     version: int  # the weights it samples from
     weights: list[tuple[str, torch.Tensor]] | None = None  # those weights, where the engine may hold others
-    rollout: Rollout | None = None
+    # --partial_rollouts: a chunk of a rollout, continuing the chunk `resume` asked before it (None: the first),
+    # up to decode step `until` (None: to the end, its result a Rollout; else a PartialRollout)
+    resume: RolloutRequest | None = None
+    until: int | None = None
+    rollout: Rollout | PartialRollout | None = None
     error: BaseException | None = None
-    seconds: float = 0.0  # the engine's time on it: loading its weights, then generating
+    seconds: float = 0.0  # the engine's time on it: loading its weights, then generating (with its earlier chunks')
     done: threading.Event = field(default_factory=threading.Event)
 
-    def result(self) -> Rollout:
+    def result(self) -> Rollout | PartialRollout:
         """The rollout, once generated (waits); its error raised here, in the caller's thread."""
         self.done.wait()
         if self.error is not None:
@@ -53,9 +61,10 @@ class RolloutRequest:
         return self.rollout
 
     @classmethod
-    def finished(cls, rollout: Rollout) -> RolloutRequest:
-        """A request whose rollout is already known (restored from a checkpoint)."""
-        request = cls(encoded=[], sampling=None, version=rollout.weight_version, rollout=rollout)
+    def finished(cls, rollout: Rollout | PartialRollout) -> RolloutRequest:
+        """A request whose rollout (or paused rollout) is already known (restored from a checkpoint)."""
+        version = int(rollout.token_versions.max()) if isinstance(rollout, PartialRollout) else rollout.weight_version
+        request = cls(encoded=[], sampling=None, version=version, rollout=rollout)
         request.done.set()
         return request
 
@@ -77,8 +86,11 @@ class RolloutWorker:
             return not self._queue and not self._running
 
     def submit(self, encoded: list, sampling: SamplingParams, version: int,
-               weights: list[tuple[str, torch.Tensor]] | None = None) -> RolloutRequest:
-        request = RolloutRequest(encoded, sampling, version, weights)
+               weights: list[tuple[str, torch.Tensor]] | None = None, *, resume: RolloutRequest | None = None,
+               until: int | None = None) -> RolloutRequest:
+        """A rollout of `encoded` on weights `version` (`weights`: their copy, where the engine may hold
+        others); with `resume` / `until`, a chunk of one (`RolloutRequest`, --partial_rollouts)."""
+        request = RolloutRequest(encoded, sampling, version, weights, resume=resume, until=until)
         with self._changed:
             if self._closed:
                 raise RuntimeError("the rollout worker is closed")
@@ -107,12 +119,13 @@ class RolloutWorker:
                 request = self._queue.popleft()
                 self._running = True
             started = time.perf_counter()
+            earlier = 0.0 if request.resume is None else request.resume.seconds  # the chunks before it ran first
             try:
                 request.rollout = self._run(request)
             except BaseException as error:  # raised in the caller's thread by `wait`
                 request.error = error
             request.weights = None  # the copies go as soon as they are loaded
-            request.seconds = time.perf_counter() - started
+            request.seconds = earlier + time.perf_counter() - started
             with self._changed:
                 self._running = False
                 request.done.set()
@@ -124,4 +137,11 @@ class RolloutWorker:
                 raise RuntimeError(f"a rollout of weights version {request.version} came with no weights, and the engine "
                                    f"holds version {self.engine.weight_version}")
             self.engine.update_weights(request.weights, request.version)
-        return self.sampler.generate(request.encoded, request.sampling)
+        if request.resume is None and request.until is None:  # a whole rollout
+            return self.sampler.generate(request.encoded, request.sampling)
+        # a chunk: the one before it ran first (requests run in order); its paused rollout goes on here
+        resume = None if request.resume is None else request.resume.result()
+        request.resume = None  # the chunks before are not held longer than needed
+        if request.until is None:  # the last chunk: finished
+            return self.sampler.generate(request.encoded, request.sampling, resume=resume)
+        return self.sampler.continue_(request.encoded, request.sampling, resume, request.until)

@@ -29,6 +29,10 @@ own completions and log-probs (`rollouts_in_flight_<rank>.pt`, kilobytes: token 
 with the prompt stream's position where each one's prompts began; the resumed run reads those
 prompts again, puts the rollouts back in flight and trains on them as the uninterrupted run does.
 Resumed with a smaller K, a rollout that would be too stale is dropped and generated again.
+Under --partial_rollouts a rollout in flight may be paused part way: the file keeps its decode so far
+(tokens, their log-probs and weight versions, which rows ended, the chunks asked) and the resumed
+run continues it with the next chunk, as the uninterrupted run does; resuming it needs the same
+--partial_rollouts and K (mmgrpo/training/resume_flags.py).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import torch
 
 from mmgrpo.errors import CheckpointError
 from mmgrpo.models.saving import save_model_folder
-from mmgrpo.rollout.base import Rollout
+from mmgrpo.rollout.base import PartialRollout, Rollout
 from mmgrpo.runstate.checkpoint import (
     STAGING_SUFFIX,
     PendingSave,
@@ -98,9 +102,7 @@ def save_run(run, path: Path, state: TrainState, batches, pipeline, *, backgroun
         extra_files[STEP_LOG_FILE] = json.dumps(step_log) + "\n"
     rank_files = {}
     if in_flight:  # each rank's own completions; their prompts are read again on resume
-        rank_files[rollouts_file(strategy.rank)] = [
-            {"step": step, "position": list(position), "rollout": rollout.to_file()} for step, position, rollout in in_flight
-        ]
+        rank_files[rollouts_file(strategy.rank)] = [in_flight_record(*entry) for entry in in_flight]
     contents = CheckpointContents(
         model=run.model, processor=run.processor, peft_model=run.peft_model, template=run.template,
         state_dict=strategy.full_state_dict(run.model, trainable_only=run.peft_model is not None),
@@ -137,8 +139,22 @@ def resume_run(run, path: Path, batches, pipeline) -> TrainState:
         if not run.cfg.rollout.staleness_bound:
             raise CheckpointError(f"checkpoint {path} was saved by asynchronous training with {int(state.rollout_in_flight)} "
                                   f"rollout(s) in flight: resume with --max_staleness {int(state.rollout_in_flight)} too.")
-        pipeline.restore(restore_in_flight(Path(path), strategy.rank, state, batches, position), state.step)
+        restored = restore_in_flight(Path(path), strategy.rank, state, batches, position)
+        paused = [step for step, _, _, rollout, _ in restored if isinstance(rollout, PartialRollout)]
+        if paused and not run.cfg.rollout.partial_rollouts:
+            raise CheckpointError(f"checkpoint {path} holds the rollouts of steps {', '.join(map(str, paused))} paused part "
+                                  "way (saved with --partial_rollouts): resume with --partial_rollouts too.")
+        pipeline.restore(restored, state.step)
     return state
+
+
+def in_flight_record(step: int, position: tuple[int, int], rollout: Rollout | PartialRollout, chunks: int) -> dict:
+    """One rollout in flight as rollouts_in_flight_<rank>.pt keeps it: its step, where its prompts began,
+    and its completions, or under --partial_rollouts its paused decode ("partial": tokens so far, their
+    log-probs and versions, which rows ended) with the chunks asked so far."""
+    record = {"step": step, "position": list(position), "chunks": chunks}
+    record["partial" if isinstance(rollout, PartialRollout) else "rollout"] = rollout.to_file()
+    return record
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,8 +188,9 @@ def refuse_nonfinite_state(path: Path, model: torch.nn.Module, optimizer, strate
 
 
 def restore_in_flight(path: Path, rank: int, state: TrainState, batches, position: dict) -> list:
-    """(step, prompts, position, rollout) of each rollout a checkpoint saved in flight: its prompts
-    read again from where they began in the stream, which is then back at `position`."""
+    """(step, prompts, position, rollout, chunks asked) of each rollout a checkpoint saved in flight
+    (a PartialRollout where it was paused, --partial_rollouts): its prompts read again from where
+    they began in the stream, which is then back at `position`."""
     file = path / rollouts_file(rank)
     if file.is_file():
         saved = torch.load(file, map_location="cpu", weights_only=True)
@@ -186,7 +203,8 @@ def restore_in_flight(path: Path, rank: int, state: TrainState, batches, positio
         epoch, batch = record["position"]
         if (batches.epoch, batches.batch) != (epoch, batch):
             batches.load_state_dict({**state.data, "epoch": epoch, "batch": batch, "rank": rank})
-        restored.append((record["step"], next(batches), (epoch, batch), Rollout.from_file(record["rollout"])))
+        rollout = PartialRollout.from_file(record["partial"]) if "partial" in record else Rollout.from_file(record["rollout"])
+        restored.append((record["step"], next(batches), (epoch, batch), rollout, record.get("chunks", 1)))
     if position is not None and (batches.epoch, batches.batch) != (position["epoch"], position["batch"]):
         batches.load_state_dict(position)
     return restored

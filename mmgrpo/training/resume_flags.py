@@ -130,12 +130,26 @@ def check_resume_flags(cfg) -> None:
         return
     if state.get("flags"):
         check_changes(flag_changes(state["flags"], cfg.to_dict()), path, state.get("step", 0),
-                      in_flight=int(state.get("rollout_in_flight") or 0), staleness=cfg.rollout.staleness_bound)
+                      in_flight=int(state.get("rollout_in_flight") or 0), staleness=cfg.rollout.staleness_bound,
+                      partial=cfg.rollout.partial_rollouts)
 
 
-def check_changes(changes: dict[str, tuple], checkpoint, step: int, in_flight: int = 0, staleness: int = 0) -> None:
+def check_changes(changes: dict[str, tuple], checkpoint, step: int, in_flight: int = 0, staleness: int = 0,
+                  partial: bool = False) -> None:
     """ConfigError for refused changes, a --max_steps the checkpoint is already past, a per-component
-    rate given or dropped, and a synchronous run (`staleness` 0) from a checkpoint with `in_flight` rollouts."""
+    rate given or dropped, a synchronous run (`staleness` 0) from a checkpoint with `in_flight` rollouts,
+    and --partial_rollouts (`partial`: this run's) given or dropped, or K changed under it."""
+    if "partial_rollouts" in changes:
+        old, new = changes["partial_rollouts"]
+        raise ConfigError(f"--resume_from_checkpoint {checkpoint}: --partial_rollouts {'given' if new else 'dropped'}: the "
+                          f"checkpoint's rollouts in flight were generated {'whole' if new else 'in chunks'}; resume "
+                          f"{'without' if new else 'with'} --partial_rollouts, or start a new run in another --output_dir")
+    moved = [name for name in ("max_staleness", "async_generate") if name in changes]
+    if partial and in_flight and moved:
+        old, new = changes[moved[0]]
+        raise ConfigError(f"--resume_from_checkpoint {checkpoint}: --{moved[0]} {old} -> {new} with --partial_rollouts: the "
+                          "rollouts saved in flight are paused part way through the chunks of the checkpoint's K; resume "
+                          f"with --{moved[0]} {old}")
     message = refused_message(changes, checkpoint)
     if message:
         raise ConfigError(message)
