@@ -73,9 +73,9 @@ def trained_parameters(checkpoint: Path) -> int:
     return 0
 
 
-def evaluate(model: Path, out: Path, limit: int) -> None:
-    """`mmgrpo eval --fusion_probe` on every task's test split (skipped where eval.json exists)."""
-    for task in TASKS:
+def evaluate(model: Path, out: Path, limit: int, tasks: list[str]) -> None:
+    """`mmgrpo eval --fusion_probe` on each task's test split (skipped where eval.json exists)."""
+    for task in tasks:
         folder = out / task
         if not (folder / "eval.json").is_file():
             run(mmgrpo("eval", "--model", str(model), "--dataset", f"{task}:test", "--limit", str(limit),
@@ -98,16 +98,17 @@ def probes(metrics: Path) -> list[list[float]]:
 def summarize(args, work: Path, out: Path) -> dict:
     from mmgrpo.eval.compare import compare
 
-    summary = {"start": {task: read_eval(work / "eval_sft", task) for task in TASKS}, "arms": {}, "compare": {}}
+    summary = {"start": {task: read_eval(work / "eval_sft", task) for task in args.tasks}, "arms": {}, "compare": {}}
     for arm in ARMS:
         runs = [work / f"{arm}-seed{seed}" for seed in args.seeds]
         summary["arms"][arm] = {
             "parameters": trained_parameters(runs[0] / f"checkpoint-{args.steps}"),
-            "tasks": {task: [read_eval(r / "eval", task) for r in runs] for task in TASKS},
+            "tasks": {task: [read_eval(r / "eval", task) for r in runs] for task in args.tasks},
             "probes": [probes(r / "metrics.jsonl") for r in runs],  # per seed: [[step, reliance], ...]
         }
     for seed in args.seeds:
-        for task, metric in TASKS.items():
+        for task in args.tasks:
+            metric = TASKS[task]
             result = compare(work / f"fusion-seed{seed}" / "eval" / task, work / f"lora-seed{seed}" / "eval" / task, seed=seed)
             row = next(r for r in result["metrics"] if r["metric"] == metric)
             summary["compare"].setdefault(task, []).append(
@@ -116,7 +117,7 @@ def summarize(args, work: Path, out: Path) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = ["| task | SFT start | fusion (per seed) | LoRA (per seed) | reliance: start / fusion / LoRA | LoRA - fusion (p) per seed |",
              "|---|---|---|---|---|---|"]
-    for task in TASKS:
+    for task in args.tasks:
         start = summary["start"][task]
         arms = {arm: summary["arms"][arm]["tasks"][task] for arm in ARMS}
         accuracy = {arm: " / ".join(f"{r['accuracy']:.3f}" for r in arms[arm]) for arm in ARMS}
@@ -139,7 +140,7 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.6))
-    tasks = list(TASKS)
+    tasks = list(summary["start"])
     for k, (key, title) in enumerate((("accuracy", "held-out accuracy (test)"), ("reliance", "image reliance on test answers (nats/token)"))):
         ax = axes[k]
         for i, name in enumerate(("start", *ARMS)):
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sft_model", required=True, help="the SFT checkpoint every run starts from")
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="held-out tasks evaluated (default: all three)")
     p.add_argument("--steps", type=int, default=150, help="GRPO steps of every run")
     p.add_argument("--prompts_per_step", type=int, default=64, help="prompts of every step, each with G = 4 (the demo's 64)")
     p.add_argument("--learning_rate", type=float, default=1e-3, help="constant rate of both arms")
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     work, out = Path(args.work_dir), Path(args.output_dir)
     work.mkdir(parents=True, exist_ok=True)
     if not args.summarize:
-        evaluate(Path(args.sft_model), work / "eval_sft", args.eval_limit)
+        evaluate(Path(args.sft_model), work / "eval_sft", args.eval_limit, args.tasks)
         for seed in args.seeds:
             for arm in ARMS:
                 run_dir = work / f"{arm}-seed{seed}"
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
                     if not (model / "config.json").is_file():
                         run(mmgrpo("export", "--merge_lora", "--model", str(final), "--output_dir", str(model)),
                             work / f"{arm}-seed{seed}-export.log")
-                evaluate(model, run_dir / "eval", args.eval_limit)
+                evaluate(model, run_dir / "eval", args.eval_limit, args.tasks)
     summarize(args, work, out)
 
 

@@ -56,7 +56,7 @@ SMOKE = {
                             "--max_completion_length", "8", "--sft_model", "tiny:qwen2-vl",
                             "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
     "fusion_probe_cost.py": (["--steps", "2", "--rows", "2"], ""),
-    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--seeds", "0", "--steps", "1", "--probe_steps", "1", "--prompts_per_step", "4",
+    "fusion_vs_lora.py": (["--sft_model", "tiny:qwen2-vl", "--tasks", "shapes-color", "--seeds", "0", "--steps", "1", "--probe_steps", "1", "--prompts_per_step", "4",
                            "--eval_limit", "2", "--work_dir", "{tmp}/work", "--output_dir", "{tmp}/out"], ""),
 }
 ELSEWHERE = {"rollout_engines.py": "tests/test_vllm_benchmarks.py", "weight_sync.py": "tests/test_vllm_weight_sync_benchmark.py",

@@ -64,18 +64,27 @@ def steps_logged(out):
     return sum(1 for line in path.read_text().splitlines() if line.endswith("}")) if path.exists() else 0
 
 
-def kill_when(process, ready, rng, max_delay):
-    """SIGKILL `process` a random 0..max_delay s after ready() first holds; False if it ended first."""
-    while not ready():
+def kill_when(process, ready, rng, max_delay, still=lambda: True):
+    """SIGKILL `process` a random 0..max_delay s after ready() holds; False if it ended first.
+
+    The process is frozen (SIGSTOP) before the kill and `still()` asked again: where the moment has
+    passed in between (a save renamed its staging folder), it runs on and the next moment is taken."""
+    while True:
+        while not ready():
+            if process.poll() is not None:
+                return False
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0, max_delay))
         if process.poll() is not None:
             return False
-        time.sleep(0.002)
-    time.sleep(rng.uniform(0, max_delay))
-    if process.poll() is not None:
-        return False
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    return True
+        process.send_signal(signal.SIGSTOP)
+        if still():
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return True
+        process.send_signal(signal.SIGCONT)
+        while ready() and process.poll() is None:  # let the moment that passed end before waiting for the next
+            time.sleep(0.002)
 
 
 def metrics(out):
@@ -123,10 +132,10 @@ def test_killed_and_resumed_runs_log_the_uninterrupted_run(inputs, uninterrupted
     # 2. resumed, then killed while it writes a checkpoint (a staging folder exists)
     process = start(inputs, out, "--resume_from_checkpoint", "latest", *MODES[mode])
     first = steps_logged(out) if (out / "metrics.jsonl").exists() else 0
-    staging = lambda: steps_logged(out) > first and any(p.name.endswith(".tmp") for p in out.iterdir())  # noqa: E731
-    killed_in_save = kill_when(process, staging, rng, max_delay=0.0)
+    saving = lambda: any(p.name.endswith(".tmp") for p in out.iterdir())  # noqa: E731
+    killed_in_save = kill_when(process, lambda: steps_logged(out) > first and saving(), rng, max_delay=0.0, still=saving)
     if killed_in_save:
-        assert any(p.name.endswith(".tmp") for p in out.iterdir())  # the kill did land inside a save
+        assert saving()  # the kill did land inside a save
     # 3. resumed to the end
     finish(start(inputs, out, "--resume_from_checkpoint", "latest", *MODES[mode]))
 
