@@ -3,6 +3,7 @@ where the overlap comes from.
 
     python benchmarks/async_rollout.py                           # sync, K = 1, K = 2; in-process engine on a copy
     python benchmarks/async_rollout.py --workload mixed          # rollouts of varying length (K = 2's case)
+    python benchmarks/async_rollout.py --partial                 # and K = 2 with --partial_rollouts
     python benchmarks/async_rollout.py --smoke                   # seconds: what tests/test_async.py runs
     .venv-vllm/bin/python benchmarks/async_rollout.py --engine vllm-colocate
     .venv-vllm/bin/python benchmarks/async_rollout.py --engine vllm-server --servers 2 \\
@@ -29,6 +30,8 @@ over its runs:
   generate       rollout/generate_s: the engine's seconds on the step's rollouts (async: in the background)
   train          time/reward + plan + old + ref + adv + update
   weight sync    time/weight_sync: the trainer's side of loading the newest weights (or copying them)
+  token staleness  the steps each completion token lags the policy, mean (--partial_rollouts: its
+                 later chunks' tokens are fresher than the row's first; else every token lags as its row)
   CPU s          CPU seconds of each run's processes (trainers and the servers' share is not counted)
 then each mode's samples/s against sync's in the same repeat. The overlap needs a core (or a device)
 for each side: on 2 shared CPU cores both slow down when they run together.
@@ -53,8 +56,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PHASES = ("time/reward", "time/plan", "time/old", "time/ref", "time/adv", "time/update")
 
 
-def modes(max_staleness: list[int]) -> dict[str, list[str]]:
-    return {"sync": [], **{f"K={k}": ["--max_staleness", str(k)] for k in max_staleness}}
+def modes(max_staleness: list[int], partial: bool = False) -> dict[str, list[str]]:
+    """sync, each K, and with `partial` each K >= 2 again with --partial_rollouts (it needs K >= 2)."""
+    found = {"sync": [], **{f"K={k}": ["--max_staleness", str(k)] for k in max_staleness}}
+    if partial:
+        found.update({f"K={k} partial": ["--max_staleness", str(k), "--partial_rollouts"] for k in max_staleness if k >= 2})
+    return found
+
+
+def token_staleness(metrics: dict) -> float:
+    """The mean steps a completion token lags the policy: --partial_rollouts logs it; otherwise a
+    token lags as its row, so the mean over the rows' staleness shares (staleness/share_k).
+
+    >>> token_staleness({"staleness/share_0": 0.25, "staleness/share_2": 0.75}), token_staleness({})
+    (1.5, 0.0)
+    """
+    if "partial/token_staleness_mean" in metrics:
+        return metrics["partial/token_staleness_mean"]
+    return sum((int(key.rsplit("_", 1)[1]) * share for key, share in metrics.items() if key.startswith("staleness/share_")), 0.0)
 
 
 def workload_flags(args, work: Path) -> list[str]:
@@ -117,6 +136,7 @@ def summary(steps: list[dict], cpu: float) -> dict[str, float]:
         "train": mean(lambda m: sum(m.get(k, 0.0) for k in TRAIN_PHASES)),
         "sync": mean(lambda m: m.get("time/weight_sync", 0.0)),
         "staleness": max(m["rollout/staleness"] for m in steps),
+        "token_staleness": mean(token_staleness),
         "cpu": cpu,
     }
 
@@ -124,15 +144,15 @@ def summary(steps: list[dict], cpu: float) -> dict[str, float]:
 def report(results: dict[str, list[dict]]) -> list[str]:
     """The markdown table of docs/benchmarks.md: per mode the medians of its runs, and the samples/s
     ratio to sync in the same repeat (median, min, max)."""
-    lines = ["| mode | samples/s | vs sync | s/step | rollout wait | generate | train | weight sync | staleness | CPU s / run |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | samples/s | vs sync | s/step | rollout wait | generate | train | weight sync | staleness | token staleness | CPU s / run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, runs in results.items():
         med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         ratios = [r["samples_per_s"] / s["samples_per_s"] for r, s in zip(runs, results["sync"])]
         spread = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if mode != "sync" else "1"
         lines.append(f"| {mode} | {med['samples_per_s']:.1f} | {spread} | {med['s_per_step']:.3f} | {med['wait']:.3f} | "
                      f"{med['generate']:.3f} | {med['train']:.3f} | {med['sync']:.4f} | {max(r['staleness'] for r in runs)} | "
-                     f"{med['cpu']:.0f} |")
+                     f"{med['token_staleness']:.2f} | {med['cpu']:.0f} |")
     return lines
 
 
@@ -155,8 +175,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--nproc_per_node", type=int, default=1, help="trainer ranks (torchrun) (default 1)")
     parser.add_argument("--parallel", default="fsdp2", help="--nproc_per_node > 1: the trainers' --parallel (default fsdp2)")
     parser.add_argument("--trainer_flags", default="", help="more flags for every trainer, one string")
+    parser.add_argument("--partial", action="store_true", help="each K >= 2 also with --partial_rollouts (the in-process engine)")
     parser.add_argument("--smoke", action="store_true", help="one short run per mode on the smallest model: seconds")
     args = parser.parse_args(argv)
+    if args.partial and args.engine != "in-process":
+        parser.error(f"--partial: --partial_rollouts runs on the in-process engine, not --engine {args.engine}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
         args.repeats, args.steps, args.warmup, args.num_generations, args.prompts = 1, 2, 1, 2, 1
@@ -177,13 +200,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     print(f"{args.engine}, {args.nproc_per_node} trainer rank(s); {args.workload} workload: G={args.num_generations} x "
           f"{args.prompts} prompts per rank, {args.max_completion_length} completion tokens, {args.image_size}px images; "
           f"{args.warmup} warm-up + {args.steps} timed steps, {args.repeats} runs per mode, alternating", flush=True)
-    results: dict[str, list[dict]] = {mode: [] for mode in modes(args.max_staleness)}
+    results: dict[str, list[dict]] = {mode: [] for mode in modes(args.max_staleness, args.partial)}
     try:
         for index in range(args.repeats):
-            for mode, flags in modes(args.max_staleness).items():
+            for mode, flags in modes(args.max_staleness, args.partial).items():
                 result = summary(*run_once(args, flags, work / f"{mode}-{index}"))
                 results[mode].append(result)
-                print(f"  run {index + 1} {mode:<4} {result['samples_per_s']:6.1f} samples/s  {result['s_per_step']:.3f} s/step "
+                print(f"  run {index + 1} {mode:<11} {result['samples_per_s']:6.1f} samples/s  {result['s_per_step']:.3f} s/step "
                       f"(wait {result['wait']:.3f}, generate {result['generate']:.3f}, train {result['train']:.3f})  "
                       f"{result['cpu']:.0f} CPU s", flush=True)
     finally:

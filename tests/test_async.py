@@ -325,7 +325,10 @@ def test_the_async_benchmark_runs_and_reports_each_modes_staleness():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import async_rollout
 
-    lines = async_rollout.main(["--smoke"])
+    lines = async_rollout.main(["--smoke", "--partial"])
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
-    assert [(row[0], row[8]) for row in rows] == [("sync", "0"), ("K=1", "1"), ("K=2", "2")]  # mode, staleness
+    assert [(row[0], row[8]) for row in rows] == [("sync", "0"), ("K=1", "1"), ("K=2", "2"), ("K=2 partial", "2")]  # mode, staleness
     assert all(float(row[1]) > 0 for row in rows)  # samples/s
+    token_staleness = {row[0]: float(row[9]) for row in rows}
+    assert token_staleness["sync"] == 0 and 0 < token_staleness["K=1"] <= 1
+    assert 0 < token_staleness["K=2 partial"] < 2  # its later chunks' tokens are fresher than its first
