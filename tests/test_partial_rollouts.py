@@ -187,15 +187,23 @@ def strip(rows, keep_partial=False):
 def test_on_weights_that_do_not_move_partial_rollouts_are_the_same_run(tmp_path, monkeypatch):
     """--learning_rate 0 (refused on the command line, where a GRPO run must move; allowed here): every
     version holds the same weights, so the chunks continued on each give the whole rollouts of the run
-    without --partial_rollouts, and the same losses and rewards, step for step."""
+    without --partial_rollouts, and the same losses and rewards, step for step; and the synchronous
+    run's (K = 0): the same completions and rewards, the loss equal but for the importance weights'
+    rounding (the sampler's log-probs against the training forward's, both of the same weights)."""
     from mmgrpo.config import checks
     from mmgrpo.config.domains import at_least
 
     monkeypatch.setattr(checks, "GRPO_LEARNING_RATE", at_least(0))
     runs = {}
-    for name, extra in (("whole", ()), ("partial", ("--partial_rollouts",))):
-        runs[name] = metrics_of(train(config(tmp_path / name, "--max_staleness", "2", "--learning_rate", "0", *extra)))
+    for name, extra in (("whole", ("--max_staleness", "2")), ("partial", ("--max_staleness", "2", "--partial_rollouts")),
+                        ("sync", ())):
+        runs[name] = metrics_of(train(config(tmp_path / name, "--learning_rate", "0", *extra)))
     assert strip(runs["partial"]) == strip(runs["whole"])
+    for partial, sync in zip(runs["partial"], runs["sync"], strict=True):
+        for key in ("reward", "reward_std", "completion_length"):  # the same completions
+            assert partial[key] == sync[key], key
+        for key in ("loss", "grad_norm", "entropy"):
+            assert partial[key] == pytest.approx(sync[key], rel=1e-4, abs=1e-6), key
     assert [m["partial/continued_frac"] for m in runs["partial"]] == [0.0, 0.0, 1.0, 1.0]  # steps 3, 4: two chunks
     assert "partial/continued_frac" not in runs["whole"][0]
 
