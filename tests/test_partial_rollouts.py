@@ -227,8 +227,6 @@ def test_with_a_learning_rate_completions_span_two_versions_and_stay_within_k(tm
     (("--max_staleness", "1"), "--partial_rollouts with --max_staleness 1 .*use --max_staleness 2 or more"),
     (("--async_generate",), "--partial_rollouts with --max_staleness 1 \\(or --async_generate\\)"),
     ((), "--partial_rollouts needs asynchronous training: add --max_staleness 2"),
-    (("--max_staleness", "2", "--use_vllm"), "--partial_rollouts with --use_vllm --vllm_mode colocate: the vLLM engines cannot pause"),
-    (("--max_staleness", "2", "--use_vllm", "--vllm_mode", "server"), "--use_vllm --vllm_mode server: the vLLM engines"),
 ])
 def test_partial_rollouts_that_cannot_work_are_one_line(tmp_path, flags, match):
     from mmgrpo.training.startup_checks import check_train_flags
@@ -246,8 +244,8 @@ def test_partial_rollout_tokens_without_the_flag_is_one_line(tmp_path):
 
 
 def test_an_engine_that_cannot_pause_is_named(tmp_path):
-    """Transformers' generate (HFRollout, where a model's prefix cannot be shared), vLLM and multi-turn
-    episodes generate a rollout in one call: the pipeline refuses them before the first step."""
+    """Transformers' generate (HFRollout, where a model's prefix cannot be shared) generates a rollout
+    in one call: the pipeline refuses it before the first step."""
     from types import SimpleNamespace
 
     from mmgrpo.rollout.hf import HFRollout

@@ -101,6 +101,20 @@ def test_async_against_a_server_is_one_step_stale(server, tmp_path):
     assert health(server)["weight_version"] == 1  # the rollout of step 3 sampled version 1
 
 
+def test_partial_rollouts_against_a_server_continue_on_the_next_weights(server, tmp_path):
+    """--max_staleness 2 --partial_rollouts (C = 4 of 8 tokens): from step 3 on, each rollout's first
+    4 tokens came from version t - 3 and the rest, continued from its tokens on the server after the
+    next sync, from t - 2; a row's staleness (its oldest token's) stays K."""
+    done = subprocess.run(train_args(tmp_path, server, "--max_steps", "4", "--max_staleness", "2", "--partial_rollouts"),
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/staleness"] for m in metrics] == [0, 1, 2, 2]
+    for m in metrics[2:]:
+        assert m["partial/continued_frac"] > 0.5 and 1 < m["partial/token_staleness_mean"] < 2
+    assert metrics[0]["sampling/logp_diff_max"] < 0.05  # step 1 sampled the policy's own weights
+
+
 def test_a_server_of_another_model_is_refused_at_start_up(server, tmp_path):
     args = train_args(tmp_path, server, "--max_steps", "1")
     args[args.index("tiny:qwen2-vl")] = "tiny:qwen2.5-vl"

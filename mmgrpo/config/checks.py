@@ -162,9 +162,6 @@ def validate_partial_rollouts(rollout) -> None:
         raise ConfigError("--partial_rollouts with --max_staleness 1 (or --async_generate): each rollout is generated while "
                           "one step trains, on one weight version, so there is nothing to continue; use --max_staleness 2 "
                           "or more, or drop --partial_rollouts.")
-    if rollout.use_vllm:
-        raise ConfigError(f"--partial_rollouts with --use_vllm --vllm_mode {rollout.vllm_mode}: the vLLM engines cannot pause "
-                          "a rollout (yet); drop --use_vllm (the in-process shared-prefix engine pauses) or --partial_rollouts.")
     if rollout.max_turns > 1:
         raise ConfigError(f"--partial_rollouts with --max_turns {rollout.max_turns}: multi-turn episodes cannot pause (yet); "
                           "drop one of them.")

@@ -8,7 +8,7 @@ or as a server) stand behind the same calls of `RolloutEngine`:
     engine.update_weights(named_tensors, version)     # after every optimizer step
     engine.close()                                    # at the end of the run
 
-An engine that can pause (`can_pause`: the in-process shared-prefix engine) also generates a
+An engine that can pause (`can_pause`: the in-process shared-prefix engine, vLLM) also generates a
 rollout in chunks, for --partial_rollouts (mmgrpo/rollout/pipeline.py): a chunk decodes up to a
 number of decode steps and returns a `PartialRollout`, which a later chunk continues, possibly on
 newer weights, and `generate(..., resume=partial)` finishes:

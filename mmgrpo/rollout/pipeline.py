@@ -122,7 +122,7 @@ class RolloutPipeline:
         if self.partial and not self.engine.can_pause:
             raise ConfigError(f"--partial_rollouts: the rollout engine {type(self.engine).__name__} cannot pause a rollout; "
                               "partial rollouts need the in-process shared-prefix engine (a model whose template declares "
-                              "shared_prefix, without --use_vllm or --max_turns > 1), or drop --partial_rollouts.")
+                              "shared_prefix) or vLLM (--use_vllm), or drop --partial_rollouts.")
         # the version the engine holds once everything asked of it has run
         self._asked_version = self.engine.weight_version
         self._generate_seconds = 0.0  # the engine's, on the rollouts the current batch is made of

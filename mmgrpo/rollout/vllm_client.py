@@ -41,7 +41,8 @@ import torch
 import mmgrpo
 from mmgrpo import errors
 from mmgrpo.errors import ConfigError, MMGRPOError
-from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
+from mmgrpo.rollout.base import PartialRollout, Rollout, RolloutEngine, SamplingParams
+from mmgrpo.rollout.vllm_partial import chunk_options, chunk_requests, chunk_result, rollout_of_partial
 from mmgrpo.rollout.vllm_requests import (
     check_media_tokens,
     check_prompt_lengths,
@@ -199,6 +200,7 @@ class RankAgreement:
 
 class VLLMServerRollout(RolloutEngine):
     separate_weights = True
+    can_pause = True  # --partial_rollouts: a completion continues from its tokens (mmgrpo/rollout/vllm_partial.py)
 
     def __init__(self, servers: list[tuple[str, int]], model_path: str, template, *, rank: int = 0,
                  world_size: int = 1, device: torch.device | str = "cpu", timeout: float = 240.0,
@@ -230,7 +232,10 @@ class VLLMServerRollout(RolloutEngine):
         self.weight_version = -1
         self.syncs = 0
 
-    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
+    def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
+        """B encoded prompts -> B x G completions; resume: a rollout of them paused by `continue_`, finished here."""
+        if resume is not None:
+            return rollout_of_partial(self.continue_(prompts, sampling, resume), sampling, self.template)
         rollout, error = None, None
         try:
             rollout = self._generate(prompts, sampling)
@@ -238,6 +243,19 @@ class VLLMServerRollout(RolloutEngine):
             error = raised
         self._agree("generate", error)
         return rollout
+
+    def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None,
+                  until: int | None = None) -> PartialRollout:
+        """One chunk of a rollout (--partial_rollouts) on the servers' weights now, up to decode step
+        `until` (None: the end), from where `resume` stopped; every rank calls it (one agreement)."""
+        partial, error = resume, None
+        try:
+            if resume is None or not resume.complete:
+                partial = self._continue(prompts, sampling, resume, until)
+        except MMGRPOError as raised:
+            error = raised
+        self._agree("generate", error)
+        return partial
 
     def update_weights(self, named_tensors, version: int) -> None:
         """Every rank iterates `named_tensors` to the end (a sharded model gathers each tensor on every
@@ -276,6 +294,33 @@ class VLLMServerRollout(RolloutEngine):
         check_media_tokens(prompts, self.last_prompt_token_ids, self.template)
         rows = [row for reply in replies for row in reply["completions"]]
         return rollout_from_completions(rows, self.template, sampling.max_new_tokens, replies[0]["weight_version"])
+
+    def _continue(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None, until: int | None) -> PartialRollout:
+        check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
+        requests = chunk_requests(len(prompts), sampling, resume, until)
+        jobs = [[requests[i] for i in indices] for indices in split_evenly(len(requests), len(self.mine))]
+        jobs = [(server, job) for server, job in zip(self.mine, jobs) if job]
+        if len(jobs) <= 1:
+            replies = [self._request_chunk(*job, prompts, sampling) for job in jobs]
+        else:  # several servers for this rank: at once
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                replies = list(pool.map(lambda job: self._request_chunk(*job, prompts, sampling), jobs))
+        asked = [request for _, job in jobs for request in job]
+        prompt_ids = [ids[: len(ids) - len(request.tokens or [])]  # the prompt's own ids, before a completion's tokens
+                      for reply, (_, job) in zip(replies, jobs) for ids, request in zip(reply["prompt_token_ids"], job)]
+        check_media_tokens([prompts[request.prompt] for request in asked], prompt_ids, self.template)
+        rows = iter([row for reply in replies for row in reply["completions"]])
+        completions = [[next(rows) for _ in request.rows] for request in asked]
+        version = replies[0]["weight_version"] if replies else self.weight_version
+        return chunk_result(asked, completions, sampling, resume, version, self.template.completion_pad_id,
+                            self.template.eos_token_ids)
+
+    def _request_chunk(self, server: RolloutServer, requests: list, prompts: list, sampling: SamplingParams) -> dict:
+        options = [chunk_options(request, sampling, self.template, suppress=self.suppress_placeholders) for request in requests]
+        body = encode_prompts([prompts[request.prompt] for request in requests], options, self.processor_kwargs,
+                              self.template.sampling_rate, self.weight_version)
+        return server.post("/generate", body)
 
     def _request(self, server: RolloutServer, indices: range, prompts: list, sampling: SamplingParams) -> dict:
         options = []

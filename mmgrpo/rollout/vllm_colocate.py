@@ -37,13 +37,15 @@ from collections.abc import Iterable
 import torch
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.base import Rollout, RolloutEngine, SamplingParams
+from mmgrpo.rollout.base import PartialRollout, Rollout, RolloutEngine, SamplingParams
+from mmgrpo.rollout.vllm_partial import chunk_options, chunk_requests, chunk_result, rollout_of_partial
 from mmgrpo.rollout.vllm_requests import (
     check_media_tokens,
     check_prompt_lengths,
     check_supported,
     check_vllm_prompts,
     completions_of,
+    continued_prompt,
     known_mismatch,
     kv_cache_error,
     one_way_media_attention,
@@ -101,6 +103,7 @@ def native_weight_transfer() -> bool:
 
 class VLLMColocateRollout(RolloutEngine):
     separate_weights = True  # samples from its own copy: the step recomputes log-probs and corrects
+    can_pause = True  # --partial_rollouts: a completion continues from its tokens (mmgrpo/rollout/vllm_partial.py)
 
     def __init__(self, model_path: str, template, *, max_model_len: int, dtype: str = "float32", seed: int = 0,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_sleep_mode: bool = False,
@@ -144,8 +147,11 @@ class VLLMColocateRollout(RolloutEngine):
         self.weight_version = 0
         self.syncs = 0  # weight updates loaded (tests check that a sync really happened)
 
-    def generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
-        """B encoded prompts -> B x G completions with vLLM's sampling log-probs."""
+    def generate(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None) -> Rollout:
+        """B encoded prompts -> B x G completions with vLLM's sampling log-probs; resume: a rollout of
+        them paused by `continue_`, finished here."""
+        if resume is not None:
+            return rollout_of_partial(self.continue_(prompts, sampling, resume), sampling, self.template)
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
         check_vllm_prompts(prompts, self.template)
         sampling_rate = self.template.sampling_rate
@@ -164,6 +170,37 @@ class VLLMColocateRollout(RolloutEngine):
         copies = sampling.num_generations if sampling.greedy else 1
         return rollout_from_completions(completions_of(outputs, copies), self.template, sampling.max_new_tokens,
                                         self.weight_version)
+
+    def continue_(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None = None,
+                  until: int | None = None) -> PartialRollout:
+        """One chunk of a rollout (--partial_rollouts): up to decode step `until` (None: the end) on the
+        weights held now, from where `resume` stopped (mmgrpo/rollout/vllm_partial.py)."""
+        if resume is not None and resume.complete:
+            return resume
+        check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
+        check_vllm_prompts(prompts, self.template)
+        requests = chunk_requests(len(prompts), sampling, resume, until)
+        inputs, params, copies = [], [], []
+        for request in requests:
+            p = prompts[request.prompt]
+            options = chunk_options(request, sampling, self.template, suppress=self.suppress_placeholders)
+            copies.append(options.pop("copies"))
+            inputs.append(vllm_prompt(p.prompt_text, prompt_media(p), self.processor_kwargs, self.template.sampling_rate,
+                                      self.template.vllm_video_metadata))
+            if (tokens := options.pop("continue_ids", None)) is not None:
+                inputs[-1] = continued_prompt(inputs[-1], self.llm.get_tokenizer(), tokens)
+            params.append(vllm_sampling(options))
+        self._wake("kv_cache")
+        outputs = self.llm.generate(inputs, params, use_tqdm=False) if inputs else []
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        check_media_tokens([prompts[r.prompt] for r in requests],
+                           [list(o.prompt_token_ids)[: len(o.prompt_token_ids) - len(r.tokens or [])] for o, r in zip(outputs, requests)],
+                           self.template)
+        replies = [completions_of([output], n) for output, n in zip(outputs, copies)]
+        return chunk_result(requests, replies, sampling, resume, self.weight_version, self.template.completion_pad_id,
+                            self.template.eos_token_ids)
 
     def prompt_token_ids(self, prompts: list) -> list[list[int]]:
         """The ids vLLM's processor makes of each prompt (placeholders expanded), for checks."""

@@ -173,6 +173,15 @@ def vllm_prompt(prompt_text: str, media: dict, processor_kwargs: dict, sampling_
     return request
 
 
+def continued_prompt(request: dict, tokenizer, tokens: list[int]) -> dict:
+    """`vllm_prompt`'s request continued from a completion's `tokens` (--partial_rollouts): the prompt
+    as token ids, vLLM's tokenization of its text (one placeholder per medium, which vLLM expands as
+    for the text), then the tokens; the media as they were."""
+    continued = {key: value for key, value in request.items() if key != "prompt"}
+    continued["prompt_token_ids"] = list(tokenizer.encode(request["prompt"], add_special_tokens=False)) + list(tokens)
+    return continued
+
+
 class _Frames:
     """The two attributes `video_metadata` reads, from a plain video dict."""
 

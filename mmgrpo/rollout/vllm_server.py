@@ -42,7 +42,13 @@ from urllib.parse import parse_qs, urlparse
 
 import mmgrpo
 from mmgrpo.errors import ConfigError
-from mmgrpo.rollout.vllm_requests import completions_of, repack_tied_heads, vllm_prompt, vllm_sampling
+from mmgrpo.rollout.vllm_requests import (
+    completions_of,
+    continued_prompt,
+    repack_tied_heads,
+    vllm_prompt,
+    vllm_sampling,
+)
 from mmgrpo.rollout.vllm_wire import decode_prompts, model_fingerprint, model_identity
 from mmgrpo.rollout.weight_group import BucketBuffer, connect_store, group_device, join_group, receive_buckets
 
@@ -94,6 +100,9 @@ class RolloutService:
             requests = [vllm_prompt(p["text"], m, meta["processor_kwargs"], meta["sampling_rate"], self.video_metadata)
                         for p, m in zip(meta["prompts"], media)]
             copies = [int(options.pop("copies", 1)) for options in meta["options"]]  # greedy: 1 sample, G copies
+            for i, options in enumerate(meta["options"]):  # --partial_rollouts: a completion continued from its tokens
+                if (tokens := options.pop("continue_ids", None)) is not None:
+                    requests[i] = continued_prompt(requests[i], self.llm.get_tokenizer(), tokens)
             params = [vllm_sampling(options) for options in meta["options"]]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         rows = [row for output, n in zip(outputs, copies) for row in completions_of([output], n)]
