@@ -3,7 +3,7 @@ where the overlap comes from.
 
     python benchmarks/async_rollout.py                           # sync, K = 1, K = 2; in-process engine on a copy
     python benchmarks/async_rollout.py --workload mixed          # rollouts of varying length (K = 2's case)
-    python benchmarks/async_rollout.py --partial                 # and K = 2 with --partial_rollouts
+    python benchmarks/async_rollout.py --partial                 # and K = 2 with --partial_rollouts (any engine)
     python benchmarks/async_rollout.py --smoke                   # seconds: what tests/test_async.py runs
     .venv-vllm/bin/python benchmarks/async_rollout.py --engine vllm-colocate
     .venv-vllm/bin/python benchmarks/async_rollout.py --engine vllm-server --servers 2 \\
@@ -175,11 +175,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--nproc_per_node", type=int, default=1, help="trainer ranks (torchrun) (default 1)")
     parser.add_argument("--parallel", default="fsdp2", help="--nproc_per_node > 1: the trainers' --parallel (default fsdp2)")
     parser.add_argument("--trainer_flags", default="", help="more flags for every trainer, one string")
-    parser.add_argument("--partial", action="store_true", help="each K >= 2 also with --partial_rollouts (the in-process engine)")
+    parser.add_argument("--partial", action="store_true", help="each K >= 2 also with --partial_rollouts")
     parser.add_argument("--smoke", action="store_true", help="one short run per mode on the smallest model: seconds")
     args = parser.parse_args(argv)
-    if args.partial and args.engine != "in-process":
-        parser.error(f"--partial: --partial_rollouts runs on the in-process engine, not --engine {args.engine}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
         args.repeats, args.steps, args.warmup, args.num_generations, args.prompts = 1, 2, 1, 2, 1
