@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import metrics_of, tiny_config
 
-from mmgrpo.config import TrainConfig
 from mmgrpo.engine import grpo_step, rollout_pipeline, train
 from mmgrpo.errors import ConfigError
 from mmgrpo.rollout import SharedPrefixRollout
@@ -30,26 +30,9 @@ from mmgrpo.runstate.checkpoint import MARKER
 from mmgrpo.runstate.state import seed_everything
 from mmgrpo.training.build import build_run
 
-REWARD = '''
-def digits(completions, **columns):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-'''
-
 
 def config(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    plugin = tmp_path / "digits.py"
-    plugin.write_text(REWARD)
-    return TrainConfig.from_args([
-        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--dataloader_num_workers", "0", "--learning_rate", "2e-2", "--beta", "0", "--max_steps", "3",
-        "--report_to", "none", "--output_dir", str(tmp_path / "run"), *extra,
-    ])
-
-
-def metrics_of(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return tiny_config(tmp_path, *extra)
 
 
 def scheduled_run(cfg, max_staleness: int) -> list[dict]:

@@ -3,37 +3,19 @@ completions as the reward, log p_teacher - log p_student per token (docs/algorit
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import metrics_of, tiny_config
 
-from mmgrpo.config import TrainConfig
 from mmgrpo.engine import train
 from mmgrpo.errors import ConfigError
 
-FLAT = '''
-def flat(completions, **columns):
-    return [0.0 for _ in completions]
-'''
-
 
 def config(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    plugin = tmp_path / "flat.py"
-    plugin.write_text(FLAT)
-    return TrainConfig.from_args([
-        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:flat",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--dataloader_num_workers", "0", "--learning_rate", "3e-2", "--beta", "0", "--report_to", "none",
-        "--save_strategy", "no", "--output_dir", str(tmp_path / "run"), *extra,
-    ])
-
-
-def metrics_of(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return tiny_config(tmp_path, "--save_strategy", "no", *extra, reward="flat", learning_rate="3e-2", max_steps=None)
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ rate a completion's later tokens come from newer weights, each tagged with its v
 """
 
 import copy
-import json
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tiny_runs import REWARDS, metrics_of, tiny_config
 
 from mmgrpo.config import TrainConfig
 from mmgrpo.data.sample import LoadedSample, Video
@@ -155,27 +155,11 @@ def test_a_row_of_a_round_without_token_versions_gets_its_rows_version_in_concat
 
 # ---- the run: `mmgrpo train --max_staleness 2 --partial_rollouts` -------------------------------------
 
-REWARD = '''
-def digits(completions, **columns):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-'''
 VARYING = ("time/", "cpu/", "samples_per_s", "memory/", "rollout/generate_s", "partial/")
 
 
 def config(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    plugin = tmp_path / "digits.py"
-    plugin.write_text(REWARD)
-    return TrainConfig.from_args([
-        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--dataloader_num_workers", "0", "--learning_rate", "2e-2", "--beta", "0", "--max_steps", "4",
-        "--report_to", "none", "--output_dir", str(tmp_path / "run"), *extra,
-    ])
-
-
-def metrics_of(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return tiny_config(tmp_path, *extra, max_steps=4)
 
 
 def strip(rows, keep_partial=False):
@@ -278,7 +262,7 @@ def test_a_resume_that_changes_partial_rollouts_is_refused_naming_the_flag(chang
 
 def _command_flags(tmp_path, out):
     plugin = tmp_path / "digits.py"
-    plugin.write_text(REWARD)
+    plugin.write_text(REWARDS["digits"])
     return ["--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
             "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
             "--dataloader_num_workers", "0", "--learning_rate", "2e-2", "--beta", "0", "--max_steps", "6",

