@@ -152,7 +152,8 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
     correct = (run.rollout.separate_weights and batch.logps is not None
                and (cfg.algo.vllm_importance_sampling_correction or cfg.algo.opsm_delta is not None))
     sampling_metrics, routings = {}, []  # routings: each forward's replayed or compared routes (MoE)
-    distill = run.policy.teacher_model is not None  # on-policy distillation: the student's own log-probs are the baseline
+    # on-policy distillation (its teacher in the trainer or on a server): the student's own log-probs are the baseline
+    distill = run.policy.teacher_model is not None or run.policy.teacher_server is not None
     if cfg.algo.num_iterations > 1 or correct or distill:
         with timers("old"):
             batch.old_logps = completion_logprobs_of(run, batch, plan, routings=routings)
@@ -163,7 +164,7 @@ def grpo_step(run: Run, prompts: list, step: int, rollout: Rollout | None = None
             batch.ref_logps = completion_logprobs_of(run, batch, plan, reference=True, routings=routings)
     if distill:
         with timers("teacher"):
-            batch.teacher_logps = completion_logprobs_of(run, batch, plan, teacher=True)
+            batch.teacher_logps = teacher_logprobs(run, encoded, batch, plan)
             sampling_metrics["distill/reverse_kl"] = reverse_kl(batch)
 
     with timers("adv"):
@@ -373,6 +374,16 @@ def completion_logprobs_of(run: Run, batch: Rollout, plan: ForwardPlan, referenc
             if routing is not None and routings is not None:
                 routings.append(routing)
     return scatter_rows(per_batch, plan.micro_batches, batch.completion_ids.shape)
+
+
+def teacher_logprobs(run: Run, encoded: list, batch: Rollout, plan: ForwardPlan) -> torch.Tensor:
+    """--teacher_model's log-probs [N, T] of the batch's completions: its forward in the trainer, or
+    scored by its rollout server (--teacher_server_port) from the prompts `encoded` (row i's: i // G)."""
+    server = run.policy.teacher_server
+    if server is None:
+        return completion_logprobs_of(run, batch, plan, teacher=True)
+    logps = server.score(encoded, batch.completion_ids, batch.completion_mask, run.cfg.rollout.num_generations)
+    return logps.to(batch.old_logps.device)
 
 
 def reverse_kl(batch: Rollout) -> float:

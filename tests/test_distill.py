@@ -86,3 +86,16 @@ def test_a_teacher_must_share_the_family_and_the_tokenizer(tmp_path, tiny_qwen2_
         (other / name).write_bytes((Path(tiny_qwen2_vl_path) / name).read_bytes())
     with pytest.raises(ConfigError, match=r"has another tokenizer than --model tiny:qwen2-vl \(.* 1 differing\)"):
         build_run(config(tmp_path / "b", "--teacher_model", str(other)))
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--teacher_server_port", "8001"), "--teacher_server_port 8001 needs --teacher_model"),
+    (("--teacher_model", "tiny:qwen2-vl", "--teacher_server_port", "8001", "--temperature", "0.7"),
+     "--teacher_server_port with --temperature 0.7: .*use --temperature 1"),
+])
+def test_a_teacher_server_that_cannot_work_is_one_line(tmp_path, flags, match):
+    from mmgrpo.training.startup_checks import check_train_flags
+
+    with pytest.raises(ConfigError, match=match) as error:
+        check_train_flags(config(tmp_path, *flags))
+    assert "\n" not in str(error.value)

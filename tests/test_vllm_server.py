@@ -115,6 +115,31 @@ def test_partial_rollouts_against_a_server_continue_on_the_next_weights(server, 
     assert metrics[0]["sampling/logp_diff_max"] < 0.05  # step 1 sampled the policy's own weights
 
 
+def test_a_teacher_on_a_rollout_server_scores_as_the_teacher_in_the_trainer(tmp_path):
+    """--teacher_model X --teacher_server_port P: the student's completions (rolled out in the trainer)
+    are scored by `mmgrpo rollout-server --model X` (vLLM's prompt log-probs), and the run logs what
+    the same run with X loaded in the trainer logs: the same reverse KL and loss, step for step."""
+    teacher, port = "tiny:qwen2-vl?seed=1", free_port()
+    process = start_server(port, teacher)
+    try:
+        logged = {}
+        for name, extra in (("server", ["--teacher_server_port", str(port)]), ("trainer", [])):
+            (tmp_path / name).mkdir()
+            args = train_args(tmp_path / name, port, "--max_steps", "2", "--teacher_model", teacher, *extra)
+            args = args[: args.index("--use_vllm")] + args[args.index("--vllm_max_model_len") + 2:]  # rollouts in the trainer
+            done = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+            logged[name] = [json.loads(line) for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        process.terminate()
+        process.wait(30)
+    for remote, local in zip(logged["server"], logged["trainer"], strict=True):
+        assert abs(local["distill/reverse_kl"]) > 1e-3  # another model: a real gap
+        assert remote["distill/reverse_kl"] == pytest.approx(local["distill/reverse_kl"], rel=1e-3, abs=1e-5)
+        assert remote["loss"] == pytest.approx(local["loss"], rel=1e-3, abs=1e-5)
+        assert remote["time/teacher"] > 0
+
+
 def test_a_server_of_another_model_is_refused_at_start_up(server, tmp_path):
     args = train_args(tmp_path, server, "--max_steps", "1")
     args[args.index("tiny:qwen2-vl")] = "tiny:qwen2.5-vl"

@@ -120,6 +120,14 @@ def validate_train(cfg) -> None:
                           "the band [floor, cap] would be empty; give a floor below the cap.")
     parse_modality_weights(cfg.algo.modality_weights)  # a typo is an error now, not a silent weight of 1
     validate_partial_rollouts(rollout)
+    if cfg.algo.teacher_server_port is not None and not cfg.algo.teacher_model:
+        raise ConfigError(f"--teacher_server_port {cfg.algo.teacher_server_port} needs --teacher_model: the model that "
+                          "server serves (the trainer checks the server serves it); add it or drop --teacher_server_port.")
+    if cfg.algo.teacher_server_port is not None and rollout.temperature != 1.0:
+        raise ConfigError(f"--teacher_server_port with --temperature {rollout.temperature}: the server scores with vLLM's "
+                          "prompt log-probs, which are of the raw logits (temperature 1), where the trainer divides "
+                          "the teacher's logits by --temperature; use --temperature 1, or drop --teacher_server_port "
+                          "(the teacher in the trainer).")
     one_process = cfg.dist.strategy == "none"
     if cfg.algo.max_tokens_per_microbatch and not one_process:
         raise ConfigError(

@@ -267,6 +267,12 @@ class AlgoConfig:
     --teacher_kl_coef and added to the rewards' advantages (docs/algorithm.md). Sharded like the reference under FSDP2 / ZeRO-3."""
     teacher_kl_coef: float = flag(1.0, at_least(0))
     """--teacher_model's weight: each completion token's advantage gains teacher_kl_coef x (log p_teacher - log p_student)."""
+    teacher_server_host: str = flag("127.0.0.1", resume="operational")
+    """--teacher_server_port's host."""
+    teacher_server_port: int | None = flag(None, domain=Number(1, 65535, integer=True, what="a port"), resume="operational")
+    """A `mmgrpo rollout-server --model <--teacher_model>` that scores the student's completions (vLLM's prompt
+    log-probs of prompt + completion) instead of a teacher in the trainer's processes; the server checks it serves
+    --teacher_model. Unset: the teacher is loaded in the trainer (sharded like the reference)."""
     epsilon: float = flag(0.2, above(0))
     """Lower clipping range of the importance ratio."""
     epsilon_high: float | None = flag(0.28, at_least(0))

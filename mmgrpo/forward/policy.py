@@ -83,6 +83,7 @@ class Policy:
         per_row_routing: bool = False,
         teacher_model: nn.Module | None = None,
         teacher_call: Callable = plain_call,
+        teacher_server=None,
         sequence_group=None,
     ):
         """
@@ -94,7 +95,8 @@ class Policy:
         load-balancing loss (mmgrpo/forward/routing_replay.py): the naive path, whose rows are
         the sampler's rows, token for token.
         teacher_model, teacher_call: --teacher_model, frozen, of the same family (it reads the policy's
-        batches), and how it runs (sharded as the reference is).
+        batches), and how it runs (sharded as the reference is); teacher_server: instead, the client of its
+        rollout server (--teacher_server_port, `VLLMServerRollout.score`).
         sequence_group: --sequence_parallel_size: the process group whose ranks split each row's tokens
         (mmgrpo/forward/sequence_parallel.py); the naive forward then runs split.
         """
@@ -104,7 +106,7 @@ class Policy:
         self.logprob_chunk_size = logprob_chunk_size
         self.call, self.ref_call = call, ref_call
         self.ref_model, self.disable_adapters = ref_model, disable_adapters
-        self.teacher_model, self.teacher_call = teacher_model, teacher_call
+        self.teacher_model, self.teacher_call, self.teacher_server = teacher_model, teacher_call, teacher_server
         self.shared_prefix, self.naive_reason = False, "off (--shared_prefix false)"
         if shared_prefix:
             self.shared_prefix, self.naive_reason = supports_shared_prefix(model, template)

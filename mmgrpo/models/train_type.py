@@ -238,12 +238,11 @@ def reference_copy(model: torch.nn.Module, *, bf16: bool, share_frozen: bool) ->
     return ref_model.to(torch.bfloat16) if bf16 else ref_model
 
 
-def load_teacher(name: str, model_cfg: ModelConfig, student_template, *, bf16: bool, device: torch.device) -> nn.Module:
-    """--teacher_model, frozen, in the compute dtype on `device`: the model whose log-probs of the
-    student's completions are on-policy distillation's signal. It reads the student's encoded
-    prompts and completion ids, so its family (the prompt tokens, media placeholders, positions) and
-    its tokenizer must be the student's: either differing is a ConfigError naming both. model_cfg: the
-    student's loading options (pixel limits, attention), which the teacher shares."""
+def teacher_checkpoint(name: str, model_cfg: ModelConfig, student_template) -> tuple[str, object]:
+    """(path, template) of --teacher_model, checked against the student: the teacher reads the
+    student's encoded prompts and completion ids, so its family (the prompt tokens, media
+    placeholders, positions) and its tokenizer must be the student's; either differing is a
+    ConfigError naming both. model_cfg: the student's loading options (pixel limits, attention)."""
     path, _, template = load_template(name, None, **template_options(model_cfg))
     if template.name != student_template.name:
         raise ConfigError(f"--teacher_model {name} is a {template.name} model and --model {model_cfg.model} a "
@@ -254,6 +253,13 @@ def load_teacher(name: str, model_cfg: ModelConfig, student_template, *, bf16: b
         raise ConfigError(f"--teacher_model {name} has another tokenizer than --model {model_cfg.model} "
                           f"({len(theirs):,} against {len(ours):,} tokens, {len(set(theirs.items()) ^ set(ours.items())):,} "
                           "differing): a token's log-prob must mean the same token for both.")
+    return path, template
+
+
+def load_teacher(name: str, model_cfg: ModelConfig, student_template, *, bf16: bool, device: torch.device) -> nn.Module:
+    """--teacher_model, frozen, in the compute dtype on `device`: the model whose log-probs of the
+    student's completions are on-policy distillation's signal (`teacher_checkpoint`'s checks first)."""
+    path, template = teacher_checkpoint(name, model_cfg, student_template)
     teacher = load_model(path, template=template, attn_implementation=model_cfg.attn_implementation)
     teacher = teacher.eval().requires_grad_(False).to(device)
     return teacher.to(torch.bfloat16) if bf16 else teacher

@@ -42,7 +42,13 @@ import mmgrpo
 from mmgrpo import errors
 from mmgrpo.errors import ConfigError, MMGRPOError
 from mmgrpo.rollout.base import PartialRollout, Rollout, RolloutEngine, SamplingParams
-from mmgrpo.rollout.vllm_partial import chunk_options, chunk_requests, chunk_result, rollout_of_partial
+from mmgrpo.rollout.vllm_partial import (
+    ChunkRequest,
+    chunk_options,
+    chunk_requests,
+    chunk_result,
+    rollout_of_partial,
+)
 from mmgrpo.rollout.vllm_requests import (
     check_media_tokens,
     check_prompt_lengths,
@@ -294,6 +300,36 @@ class VLLMServerRollout(RolloutEngine):
         check_media_tokens(prompts, self.last_prompt_token_ids, self.template)
         rows = [row for reply in replies for row in reply["completions"]]
         return rollout_from_completions(rows, self.template, sampling.max_new_tokens, replies[0]["weight_version"])
+
+    def score(self, prompts: list, completion_ids: torch.Tensor, completion_mask: torch.Tensor, group: int) -> torch.Tensor:
+        """[N, T] each completion token's log-prob under the servers' model (--teacher_server_port:
+        on-policy distillation's teacher), 0 outside `completion_mask`; completion i is of prompt i // group.
+        Each completion goes as one request, its prompt followed by its tokens (`continued_prompt`), and
+        vLLM's prompt log-probs of those tokens come back: of the raw logits (temperature 1, whatever the
+        request's; so --teacher_server_port needs --temperature 1)."""
+        logps, error = torch.zeros(completion_ids.shape, dtype=torch.float32), None
+        try:
+            lengths = completion_mask.sum(1).tolist()
+            requests = [ChunkRequest(row // group, [row], 1, completion_ids[row, :n].tolist())
+                        for row, n in enumerate(lengths) if n]
+            jobs = [[requests[i] for i in indices] for indices in split_evenly(len(requests), len(self.mine))]
+            jobs = [(server, job) for server, job in zip(self.mine, jobs) if job]
+            with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+                replies = list(pool.map(lambda job: self._request_scores(*job, prompts), jobs))
+            for (_, job), reply in zip(jobs, replies):
+                for request, scores in zip(job, reply["prompt_logprobs"], strict=True):
+                    logps[request.rows[0], : len(scores)] = torch.tensor(scores, dtype=torch.float32)
+        except MMGRPOError as raised:
+            error = raised
+        self._agree("generate", error)
+        return logps * completion_mask.to(logps.device)
+
+    def _request_scores(self, server: RolloutServer, requests: list, prompts: list) -> dict:
+        options = [dict(n=1, max_tokens=1, temperature=1.0, logprobs=0, prompt_logprobs=0, detokenize=False,
+                        continue_ids=request.tokens) for request in requests]
+        body = encode_prompts([prompts[request.prompt] for request in requests], options, self.processor_kwargs,
+                              self.template.sampling_rate, self.weight_version)
+        return server.post("/generate", body)
 
     def _continue(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None, until: int | None) -> PartialRollout:
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)

@@ -96,3 +96,18 @@ def validate_vllm(rollout_cfg: RolloutConfig, max_prompt_length: int) -> None:
             f"--vllm_max_model_len {longest} leaves no room for a prompt before --max_completion_length "
             f"{rollout_cfg.max_completion_length}: raise it."
         )
+
+
+def build_teacher_client(algo_cfg, rollout_cfg: RolloutConfig, teacher_path: str, template, strategy):
+    """The client of --teacher_model's rollout server (--teacher_server_host/port), which scores the
+    student's completions (`VLLMServerRollout.score`); it checks the server serves `teacher_path`.
+    No weights are ever sent: it takes the version the server holds as its own."""
+    from mmgrpo.rollout.vllm_client import VLLMServerRollout
+
+    client = VLLMServerRollout(
+        [(algo_cfg.teacher_server_host, algo_cfg.teacher_server_port)], teacher_path, template,
+        rank=strategy.rank if strategy is not None else 0, world_size=strategy.world_size if strategy is not None else 1,
+        device=strategy.device if strategy is not None else "cpu", timeout=rollout_cfg.vllm_server_timeout, transfer="http",
+    )
+    client.weight_version = client.servers[0].wait_for_health()["weight_version"]
+    return client

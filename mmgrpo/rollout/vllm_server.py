@@ -100,14 +100,19 @@ class RolloutService:
             requests = [vllm_prompt(p["text"], m, meta["processor_kwargs"], meta["sampling_rate"], self.video_metadata)
                         for p, m in zip(meta["prompts"], media)]
             copies = [int(options.pop("copies", 1)) for options in meta["options"]]  # greedy: 1 sample, G copies
-            for i, options in enumerate(meta["options"]):  # --partial_rollouts: a completion continued from its tokens
+            continued = [0] * len(requests)  # tokens appended to each prompt (a completion continued or scored)
+            for i, options in enumerate(meta["options"]):  # --partial_rollouts, --teacher_server_port
                 if (tokens := options.pop("continue_ids", None)) is not None:
                     requests[i] = continued_prompt(requests[i], self.llm.get_tokenizer(), tokens)
+                    continued[i] = len(tokens)
             params = [vllm_sampling(options) for options in meta["options"]]
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         rows = [row for output, n in zip(outputs, copies) for row in completions_of([output], n)]
-        return 200, {"completions": rows, "prompt_token_ids": [list(o.prompt_token_ids) for o in outputs],
-                     "weight_version": self.weight_version}
+        reply = {"completions": rows, "prompt_token_ids": [list(o.prompt_token_ids) for o in outputs],
+                 "weight_version": self.weight_version}
+        if any(options.get("prompt_logprobs") is not None for options in meta["options"]):  # a teacher scoring
+            reply["prompt_logprobs"] = [appended_logprobs(output, n) for output, n in zip(outputs, continued)]
+        return 200, reply
 
     def load(self, body: bytes, path: str | None) -> tuple[int, dict]:
         from safetensors.torch import load, load_file
@@ -225,6 +230,15 @@ class RolloutService:
         from mmgrpo.rollout.vllm_weights import reload_weights
 
         reload_weights(self.llm, tensors.items())
+
+
+def appended_logprobs(output, count: int) -> list[float]:
+    """The log-probs of the last `count` prompt tokens of a vLLM output requested with prompt_logprobs
+    (the completion a teacher scores, appended to its prompt)."""
+    if not count:
+        return []
+    ids, steps = output.prompt_token_ids[-count:], output.prompt_logprobs[-count:]
+    return [step[token].logprob for token, step in zip(ids, steps)]
 
 
 def handler_for(service: RolloutService):

@@ -31,7 +31,7 @@ from mmgrpo.fusion.attach import bypassed, fusion_of
 from mmgrpo.grpo.losses import LossConfig
 from mmgrpo.models.loading import load_template, template_options
 from mmgrpo.models.saving import save_model_folder
-from mmgrpo.models.train_type import load_teacher, load_trainable_model, reference_copy
+from mmgrpo.models.train_type import load_teacher, load_trainable_model, reference_copy, teacher_checkpoint
 from mmgrpo.parallel import Strategy, build_strategy
 from mmgrpo.rewards.reward_set import RewardSet, build_rewards, judge_vllm_options
 from mmgrpo.rollout import RolloutEngine, build_rollout_engine, prefills_once
@@ -299,14 +299,20 @@ def build_run(cfg: TrainConfig, resume_from: Path | None = None) -> Run:
         console.print(startup_summary(cfg, model, template, dataset, strategy, prompts_per_step, steps), soft_wrap=True,
                       highlight=False, markup=False, emoji=False)  # "shapes-color:train:" is no emoji
     # FSDP2 / ZeRO-3 shard, then the optimizer (parameter groups by component with --vit_lr ...)
-    teacher = (load_teacher(cfg.algo.teacher_model, cfg.model, template, bf16=strategy.bf16, device=strategy.load_device)
-               if cfg.algo.teacher_model else None)
+    teacher = teacher_server = None  # --teacher_model in the trainer, or on its rollout server (--teacher_server_port)
+    if cfg.algo.teacher_server_port is not None:
+        from mmgrpo.rollout.vllm_engine import build_teacher_client
+
+        teacher_path, _ = teacher_checkpoint(cfg.algo.teacher_model, cfg.model, template)
+        teacher_server = build_teacher_client(cfg.algo, cfg.rollout, teacher_path, template, strategy)
+    elif cfg.algo.teacher_model:
+        teacher = load_teacher(cfg.algo.teacher_model, cfg.model, template, bf16=strategy.bf16, device=strategy.load_device)
     prepared = strategy.prepare(model, ref_model, make_optimizer(cfg.optim, model, template.components), teacher)
     policy = Policy(
         model, template, shared_prefix=cfg.model.shared_prefix, call=prepared.call,
         ref_model=ref_model, ref_call=prepared.ref_call, disable_adapters=without_training,
         per_row_routing=cfg.algo.routing_replay == "rollout" or cfg.algo.router_aux_loss_coef > 0, teacher_model=teacher,
-        teacher_call=prepared.teacher_call, sequence_group=strategy.sequence_group,
+        teacher_call=prepared.teacher_call, teacher_server=teacher_server, sequence_group=strategy.sequence_group,
     )
     if strategy.sequence_group is not None:  # heads the group cannot split: named before the first step
         from mmgrpo.forward.sequence_parallel import check_heads
