@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 SMOKE = {
     "answer_distribution.py": (["--model", "tiny:qwen2-vl", "--limit", "4"], ""),
     "checkpoint_stall.py": (["--sizes", "tiny", "--repeats", "1", "--steps", "2"], ""),
-    "data_workers.py": (["--steps", "3", "--skip", "1", "--pairs", "1"], ""),
+    "data_workers.py": (["--steps", "2", "--skip", "1", "--pairs", "1"], ""),
     "entropy_kernel.py": (["cpu"], ""),
     "feature_probe.py": (["--train_rows", "16", "--test_rows", "8"], ""),
     "judge.py": (["--prompts", "1", "--num_generations", "2", "--completion_tokens", "4", "--judge_tokens", "2",
