@@ -289,13 +289,8 @@ class VLLMServerRollout(RolloutEngine):
     def _generate(self, prompts: list, sampling: SamplingParams) -> Rollout:
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
         check_vllm_prompts(prompts, self.template)
-        jobs = [(server, indices) for server, indices in zip(self.mine, split_evenly(len(prompts), len(self.mine)))
-                if indices]
-        if len(jobs) == 1:
-            replies = [self._request(*jobs[0], prompts, sampling)]
-        else:  # several servers for this rank: at once
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                replies = list(pool.map(lambda job: self._request(*job, prompts, sampling), jobs))
+        replies = [reply for _, reply in self._fan_out(list(range(len(prompts))),
+                                                       lambda server, part: self._request(server, part, prompts, sampling))]
         self.last_prompt_token_ids = [ids for reply in replies for ids in reply["prompt_token_ids"]]
         check_media_tokens(prompts, self.last_prompt_token_ids, self.template)
         rows = [row for reply in replies for row in reply["completions"]]
@@ -312,12 +307,8 @@ class VLLMServerRollout(RolloutEngine):
             lengths = completion_mask.sum(1).tolist()
             requests = [ChunkRequest(row // group, [row], 1, completion_ids[row, :n].tolist())
                         for row, n in enumerate(lengths) if n]
-            jobs = [[requests[i] for i in indices] for indices in split_evenly(len(requests), len(self.mine))]
-            jobs = [(server, job) for server, job in zip(self.mine, jobs) if job]
-            with ThreadPoolExecutor(max(1, len(jobs))) as pool:
-                replies = list(pool.map(lambda job: self._request_scores(*job, prompts), jobs))
-            for (_, job), reply in zip(jobs, replies):
-                for request, scores in zip(job, reply["prompt_logprobs"], strict=True):
+            for part, reply in self._fan_out(requests, lambda server, part: self._request_scores(server, part, prompts)):
+                for request, scores in zip(part, reply["prompt_logprobs"], strict=True):
                     logps[request.rows[0], : len(scores)] = torch.tensor(scores, dtype=torch.float32)
         except MMGRPOError as raised:
             error = raised
@@ -335,16 +326,11 @@ class VLLMServerRollout(RolloutEngine):
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
         check_vllm_prompts(prompts, self.template)
         requests = chunk_requests(len(prompts), sampling, resume, until)
-        jobs = [[requests[i] for i in indices] for indices in split_evenly(len(requests), len(self.mine))]
-        jobs = [(server, job) for server, job in zip(self.mine, jobs) if job]
-        if len(jobs) <= 1:
-            replies = [self._request_chunk(*job, prompts, sampling) for job in jobs]
-        else:  # several servers for this rank: at once
-            with ThreadPoolExecutor(len(jobs)) as pool:
-                replies = list(pool.map(lambda job: self._request_chunk(*job, prompts, sampling), jobs))
-        asked = [request for _, job in jobs for request in job]
+        answered = self._fan_out(requests, lambda server, part: self._request_chunk(server, part, prompts, sampling))
+        replies = [reply for _, reply in answered]
+        asked = [request for part, _ in answered for request in part]
         prompt_ids = [ids[: len(ids) - len(request.tokens or [])]  # the prompt's own ids, before a completion's tokens
-                      for reply, (_, job) in zip(replies, jobs) for ids, request in zip(reply["prompt_token_ids"], job)]
+                      for part, reply in answered for ids, request in zip(reply["prompt_token_ids"], part)]
         check_media_tokens([prompts[request.prompt] for request in asked], prompt_ids, self.template)
         rows = iter([row for reply in replies for row in reply["completions"]])
         completions = [[next(rows) for _ in request.rows] for request in asked]
@@ -358,7 +344,18 @@ class VLLMServerRollout(RolloutEngine):
                               self.template.sampling_rate, self.weight_version)
         return server.post("/generate", body)
 
-    def _request(self, server: RolloutServer, indices: range, prompts: list, sampling: SamplingParams) -> dict:
+    def _fan_out(self, items: list, ask) -> list[tuple[list, dict]]:
+        """`items` split evenly over this rank's servers, each part asked of its server by
+        `ask(server, part)` (at once where there are several): (part, reply) in order, empty parts not asked."""
+        jobs = [(server, [items[i] for i in indices])
+                for server, indices in zip(self.mine, split_evenly(len(items), len(self.mine))) if indices]
+        if len(jobs) <= 1:
+            return [(part, ask(server, part)) for server, part in jobs]
+        with ThreadPoolExecutor(len(jobs)) as pool:  # several servers for this rank: at once
+            replies = list(pool.map(lambda job: ask(*job), jobs))
+        return [(part, reply) for (_, part), reply in zip(jobs, replies)]
+
+    def _request(self, server: RolloutServer, indices: list[int], prompts: list, sampling: SamplingParams) -> dict:
         options = []
         for b in indices:  # b: the prompt's index in this rank's batch, which fixes its seeds
             option = sampling_options(sampling, self.template, b, suppress=self.suppress_placeholders)
