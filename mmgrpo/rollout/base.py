@@ -292,6 +292,17 @@ class PartialRollout:
     def steps(self) -> int:
         return self.tokens.shape[1]
 
+    def tag(self, rollout: Rollout, version: int) -> Rollout:
+        """`rollout`, the completions this decode ran to the end, with their versions: the oldest of
+        the rows' first tokens (`version` where no step was decoded) and, where the chunks came from
+        several versions, each token's (0 after a row's end)."""
+        rollout.weight_version = int(self.token_versions[:, 0].min()) if self.steps else version
+        if self.chunks > 1:
+            width = rollout.completion_ids.shape[1]
+            versions = torch.nn.functional.pad(self.token_versions, (0, max(0, width - self.steps)))[:, :width]
+            rollout.token_versions = versions.to(rollout.completion_mask.device) * rollout.completion_mask
+        return rollout
+
     def to_file(self) -> dict:
         """What `torch.save` writes for `from_file` (loads with weights_only=True)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

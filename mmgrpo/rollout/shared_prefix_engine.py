@@ -234,13 +234,8 @@ class SharedPrefixRollout(RolloutEngine):
         used = int(mask.sum(1).max()) if mask.numel() else 0  # rows stopped together: trim the spare steps
         tokens, mask, logps = tokens[:, :used], mask[:, :used], logps[:, :used]
         tokens = tokens.masked_fill(mask == 0, self.pad_token_id)
-        # every row's first token comes from the first chunk: the rollout's oldest weights
-        first = int(partial.token_versions[:, 0].min()) if partial.steps else self.weight_version
-        rollout = Rollout(completion_ids=tokens, completion_mask=mask, truncated=truncated, logps=logps * mask,
-                          weight_version=first)
-        if partial.chunks > 1:  # its tokens may come from several versions
-            rollout.token_versions = torch.nn.functional.pad(partial.token_versions, (0, spare))[:, :used] * mask
-        return rollout
+        rollout = Rollout(completion_ids=tokens, completion_mask=mask, truncated=truncated, logps=logps * mask)
+        return partial.tag(rollout, self.weight_version)
 
     def _decode(self, prompt_batch: dict, params: SamplingParams, resume: PartialRollout | None = None,
                 until: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -137,10 +137,4 @@ def rollout_of_partial(partial: PartialRollout, sampling: SamplingParams, templa
         budget = min(sampling.budget(row // sampling.num_generations), partial.steps)
         length = min(int(is_eos[0]) + 1, budget) if len(is_eos) else budget
         rows.append({"ids": ids[:length].tolist(), "logps": partial.logps[row, :length].tolist()})
-    first = int(partial.token_versions[:, 0].min()) if partial.steps else 0
-    rollout = rollout_from_completions(rows, template, sampling.max_new_tokens, first)
-    if partial.chunks > 1:
-        width = rollout.completion_ids.shape[1]
-        versions = torch.nn.functional.pad(partial.token_versions, (0, max(0, width - partial.steps)))[:, :width]
-        rollout.token_versions = versions * rollout.completion_mask
-    return rollout
+    return partial.tag(rollout_from_completions(rows, template, sampling.max_new_tokens, 0), version=0)
