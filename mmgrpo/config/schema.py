@@ -149,8 +149,9 @@ class RolloutConfig:
     """With --max_staleness K >= 2: a rollout generated ahead pauses at every weight update and continues on the new
     weights (verl's partial rollout, slime's --partial-rollout), so a completion's later tokens are fresher: step s's
     rollout is generated in K chunks on versions s - 1 - K .. s - 2, each token tagged with its version (the oldest
-    bounds the staleness). The in-process shared-prefix engine only; a continued chunk re-decodes the tokens so far
-    teacher-forced on the new weights (docs/vllm.md, Partial rollouts)."""
+    bounds the staleness). The in-process shared-prefix engine (a continued chunk re-decodes the tokens so far
+    teacher-forced on the new weights) and vLLM, colocated or servers (a continued completion is prefilled anew
+    from its tokens); docs/vllm.md, Partial rollouts."""
     partial_rollout_tokens: int | None = flag(None, count(1, what="a number of tokens"))
     """--partial_rollouts: the most tokens a completion gains in each chunk but its last (which finishes it).
     None: ceil(--max_completion_length / K)."""
