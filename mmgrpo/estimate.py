@@ -340,9 +340,9 @@ class StepBatch:
 
 
 def shares_prefix(cfg) -> bool:
-    """The log-prob forwards run each prompt once per group: --shared_prefix, not under sequence
-    parallelism (whose split forwards run naive; its rollout does not: `rollout_prefills_once`)."""
-    return cfg.model.shared_prefix and cfg.dist.sequence_parallel_size == 1
+    """The log-prob forwards run each prompt once per group: --shared_prefix (under sequence parallelism
+    too: the prompts are split, each rank keeps its heads' share of their K/V)."""
+    return cfg.model.shared_prefix
 
 
 def rollout_prefills_once(cfg) -> bool:
@@ -399,7 +399,8 @@ def activation_bytes(cfg, shape: ModelShape, batch: StepBatch, shard: int) -> fl
     coef = DECODER_BYTES[shape.qk_norm][(precision, mode)]
     per_token = coef[0] * h + coef[1] * q + coef[2] * i + coef[3] * kv + coef[4]
     tokens = math.ceil((prompts * L + rows * T) / split)
-    kv_rows = 2 * rows * (L + T) * kv * act_bytes if shared else 0  # each row's K/V: its prompt's, expanded, + its own
+    # each row's K/V: its prompt's, expanded, + its own (under the split, of the rank's 1/N of the heads)
+    kv_rows = 2 * rows * (L + T) * kv * act_bytes / split if shared else 0
     dropout = lora and cfg.model.lora_dropout > 0  # each adapter keeps its dropped-out input and mask
     if dropout:
         per_token += shape.lora_inputs.get("llm", 0) / layers * (act_bytes + 1)

@@ -1,11 +1,12 @@
 """One rank of the sequence-parallel checks (tests/test_sequence_parallel.py), launched by torchrun:
 
-    python -m torch.distributed.run --standalone --nproc_per_node N tests/sp_worker.py FAMILY OUT
+    python -m torch.distributed.run --standalone --nproc_per_node N tests/sp_worker.py FAMILY OUT [checkpointing]
 
 Every rank runs the naive forward of the whole batch in one process (the reference) and then the
-same batch split across the ranks (Ulysses), for a padded batch and an unpadded one; it writes the
-largest differences of the log-probs and of the group-summed gradients to OUT/rank<r>.json, and the
-patches its vision tower encoded in the split forward.
+same batch split across the ranks (Ulysses), each row whole and with each prompt once for its G rows
+(the shared prefix), for a padded batch and an unpadded one; it writes the largest differences of
+the log-probs and of the group-summed gradients to OUT/rank<r>.json, and the patches its vision
+tower encoded in the split forwards. With `checkpointing`, under gradient checkpointing.
 """
 
 import json
@@ -18,9 +19,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_shared_prefix import GROUP, _completions, _prompts  # noqa: E402
 
+from mmgrpo.forward.policy import final_logit_softcap  # noqa: E402
 from mmgrpo.forward.sequence_parallel import (  # noqa: E402
     new_sequence_group,
     sequence_parallel_logprobs,
+    split_shared_prefix_logprobs,
     sum_gradients,
     ulysses,
 )
@@ -30,13 +33,22 @@ from mmgrpo.models.tiny import build_tiny  # noqa: E402
 from mmgrpo.templates import get_template  # noqa: E402
 
 KINDS = {"qwen3.5": ("video", "two_images")}
+WINDOWED = {"gemma4": 16}  # sliding-window layers: the window, in tokens
 
 
-def main(family: str, out: str) -> None:
+def main(family: str, out: str, checkpointing: str = "") -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     path = str(build_tiny(family))
     model = load_model(path, dtype=torch.float32)
+    if checkpointing:  # the backward recomputes each decoder layer, after the split forward has returned
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # the tiny models have no dropout: the same numbers as in eval mode
+    if family in WINDOWED:  # a window shorter than the rows (the tiny config's 512 never binds)
+        model.config.get_text_config().sliding_window = WINDOWED[family]
+        for module in model.modules():
+            if getattr(module, "sliding_window", None):
+                module.sliding_window = WINDOWED[family]
     template = get_template(family, load_processor(path))
     group = new_sequence_group(dist.get_world_size())
     results = {
@@ -66,29 +78,43 @@ def compare(model, template, group, kinds, full: bool) -> dict:
         return found
 
     hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
-    expected, _ = completion_logprobs(hidden, model.lm_head.weight, ids)
+    head = dict(softcap=final_logit_softcap(model, template))  # Gemma caps its final logits
+    expected, _ = completion_logprobs(hidden, model.lm_head.weight, ids, **head)
     ((expected * mask) * weights).sum().backward()
     expected_grads = grads()
 
-    encoded = []  # the patches this rank's tower encodes in the split forward
-    patches = model.get_submodule(template.components["vision"]).patch_embed
-    hook = patches.register_forward_pre_hook(lambda module, args: encoded.append(args[0].shape[0]))
-    with ulysses(model, template, group) as split:
-        local = backbone(**inputs, use_cache=False).last_hidden_state
-        got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids)
-    hook.remove()
-    ((got * mask) * weights).sum().backward()
-    sum_gradients(model, group)
-    got_grads = grads()
-    return {
-        "rows": int(ids.shape[0]), "row_length": split.length, "slice": [split.start, split.end],
-        "masked": split.mask is not None, "logps": float(((got - expected) * mask).abs().max()),
-        "grads": {name: float((got_grads[name] - g).abs().max() / max(1.0, float(g.abs().max())))
-                  for name, g in expected_grads.items()},
-        "missing": sorted(set(expected_grads) - set(got_grads)),
-        "tower_patches": sum(encoded), "all_patches": sum(int(inputs[key].shape[0]) for key in ("pixel_values", "pixel_values_videos")
-                                                          if inputs.get(key) is not None),
-    }  # fmt: skip
+    found = {}
+    for shared in (False, True):  # each row's prompt in it, or each prompt once for its G rows
+        encoded = []  # the patches this rank's tower encodes in the split forward (a tower split by frames)
+        if template.frame_local_tower:
+            patches = model.get_submodule(template.components["vision"]).patch_embed
+            hook = patches.register_forward_pre_hook(lambda module, args, seen=encoded: seen.append(args[0].shape[0]))
+        if shared:
+            got, _ = split_shared_prefix_logprobs(model, template, group, batch, ids, mask, [GROUP] * len(kinds),
+                                                  model.lm_head.weight, **head)
+            split = None
+        else:
+            with ulysses(model, template, group) as split:
+                local = backbone(**inputs, use_cache=False).last_hidden_state
+                got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids, **head)
+        if template.frame_local_tower:
+            hook.remove()
+        ((got * mask) * weights).sum().backward()
+        sum_gradients(model, group)
+        got_grads = grads()
+        media = batch if shared else inputs  # the prompts once, or each row's
+        found["shared" if shared else "naive"] = {
+            "logps": float(((got - expected) * mask).abs().max()),
+            "grads": {name: float((got_grads[name] - g).abs().max() / max(1.0, float(g.abs().max())))
+                      for name, g in expected_grads.items()},
+            "missing": sorted(set(expected_grads) - set(got_grads)),
+            "tower_patches": sum(encoded), "all_patches": sum(int(media[key].shape[0]) for key in ("pixel_values", "pixel_values_videos")
+                                                              if media.get(key) is not None),
+        }  # fmt: skip
+        if split is not None:
+            found.update({"row_length": split.length, "slice": [split.start, split.end],
+                          "masked": split.mask is not None})
+    return found
 
 
 if __name__ == "__main__":

@@ -7,7 +7,13 @@ two-image prompt (mRoPE positions computed on the whole row, then split), G = 3 
 left-padded prompts and right-padded completions; the decoders: Qwen2.5-VL, Qwen3-VL (deepstack
 features follow their tokens to the slice that holds them) and Qwen3.5 (Gated DeltaNet layers
 exchange heads for tokens as attention does). Each rank's vision tower encodes its run of the rows'
-images and frames, about 1/N of them (the tower's gradients are checked like the rest).
+images and frames, about 1/N of them (the tower's gradients are checked like the rest). Each batch runs
+split twice: every row whole (the naive forward), and each prompt once for its G rows (the shared
+prefix: the prompts split, their K/V and linear-attention states kept per rank for its heads); once
+under gradient checkpointing, whose backward recomputes each layer after the split forward returned.
+Gemma 4 (sliding-window layers, with a 16-token window here so that it binds; image blocks that attend
+both ways, taken from the masks the model builds for the whole row; KV-shared layers; per-layer inputs
+split with the tokens) runs the same checks.
 """
 
 import json
@@ -24,32 +30,41 @@ from mmgrpo.forward.sequence_parallel import row_mask
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(family: str, ranks: int, out: Path) -> list[dict]:
+def _launch(family: str, ranks: int, out: Path, checkpointing: bool) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               "tests/sp_worker.py", family, str(out)]  # fmt: skip
+               "tests/sp_worker.py", family, str(out), *(["checkpointing"] if checkpointing else [])]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family, ranks", [("qwen2.5-vl", 2), ("qwen2.5-vl", 4), ("qwen3-vl", 2), ("qwen3.5", 2)])
-def test_split_rows_score_and_train_as_one_process(family, ranks, tmp_path):
-    results = _launch(family, ranks, tmp_path)
+@pytest.mark.parametrize("family, ranks, checkpointing", [("qwen2.5-vl", 2, False), ("qwen2.5-vl", 4, False),
+                                                         ("qwen3-vl", 2, False), ("qwen3.5", 2, False), ("qwen3.5", 2, True),
+                                                         ("gemma4", 2, False)])
+def test_split_rows_score_and_train_as_one_process(family, ranks, checkpointing, tmp_path):
+    results = _launch(family, ranks, tmp_path, checkpointing)
+    # Gemma 4's gradients reach 700 on the tiny model: the same rounding is a larger share of them
+    tolerance = 5e-5 if family == "gemma4" else 1e-5
     for case, masked in (("padded", True), ("unpadded", False)):  # the whole row's mask, or causal attention alone
         slices = [result[case]["slice"] for result in results]
         length = results[0][case]["row_length"]
         assert slices == [[r * length // ranks, (r + 1) * length // ranks] for r in range(ranks)]  # contiguous, whole row
-        patches, total = [r[case]["tower_patches"] for r in results], results[0][case]["all_patches"]
-        # each rank's tower encodes its run of the rows' images and frames (G copies of each), the runs all of them
-        assert sum(patches) == total and max(patches) < total * 0.75, (case, patches, total)
-        for rank, result in enumerate(r[case] for r in results):
-            assert result["masked"] == masked, case
-            assert result["logps"] < 1e-5, (case, rank, result["logps"])
-            assert not result["missing"]  # every parameter the one-process backward reaches, the group's does
-            worst = max(result["grads"], key=result["grads"].get)
-            assert result["grads"][worst] < 1e-5, (case, rank, worst, result["grads"][worst])
+        assert all(result[case]["masked"] == masked for result in results), case
+        for forward in ("naive", "shared"):  # each row's prompt in it, or each prompt once for its G rows
+            patches, total = [r[case][forward]["tower_patches"] for r in results], results[0][case][forward]["all_patches"]
+            # each rank's tower encodes its run of the images and frames (G copies of each when naive), the runs all
+            # of them (cut at frame boundaries: the prompts alone may split unevenly, or with fewer frames than ranks
+            # be encoded whole on every rank); Gemma 4's tower is not split by frames (every rank encodes all; not counted)
+            if family != "gemma4":
+                assert (sum(patches) == total and max(patches) < total) or set(patches) == {total}, (case, forward, patches)
+                assert forward == "shared" or max(patches) < total * 0.75, (case, forward, patches, total)
+            for rank, result in enumerate(r[case][forward] for r in results):
+                assert result["logps"] < 1e-5, (case, forward, rank, result["logps"])
+                assert not result["missing"]  # every parameter the one-process backward reaches, the group's does
+                worst = max(result["grads"], key=result["grads"].get)
+                assert result["grads"][worst] < tolerance, (case, forward, rank, worst, result["grads"][worst])
 
 
 @pytest.mark.distributed
@@ -90,7 +105,7 @@ def test_a_run_split_over_two_ranks_trains_as_one_process(tmp_path):
     plugin = tmp_path / "varied.py"  # the tiny model's completions differ in their text, not their length
     plugin.write_text("def varied(completions, **columns):\n    return [sum(map(ord, c)) % 7 / 6 for c in completions]\n")
     train = [*TRAIN, "--reward_funcs", f"{plugin}:varied", "--max_steps", "2"]
-    # the split run's forwards are the naive ones, its rollout the shared-prefix engine (unsplit), as here
+    # both share each prompt's prefix: the split run's forwards split it (and the completions), its rollout does not
     single = subprocess.run([sys.executable, "-m", "mmgrpo", *train, "--output_dir", str(tmp_path / "one")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
@@ -126,7 +141,7 @@ def test_sequence_groups_inside_fsdp2_train_as_fsdp2_alone(tmp_path):
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         return _metrics(tmp_path / out)
 
-    fsdp = launch(2, "fsdp2")  # its forwards share the prompt prefix, the split ones run naive: equal to 1e-6
+    fsdp = launch(2, "fsdp2")  # its forwards share the prompt prefix whole, the split ones split it
     both = launch(4, "sp_x_fsdp2", "--sequence_parallel_size", "2")
     assert [row["step"] for row in both] == [1, 2]
     assert all(row["grad_norm"] > 0 for row in fsdp) and fsdp[1]["kl"] > 0  # the steps learn: the check can fail

@@ -98,7 +98,7 @@ class Policy:
         batches), and how it runs (sharded as the reference is); teacher_server: instead, the client of its
         rollout server (--teacher_server_port, `VLLMServerRollout.score`).
         sequence_group: --sequence_parallel_size: the process group whose ranks split each row's tokens
-        (mmgrpo/forward/sequence_parallel.py); the naive forward then runs split.
+        (mmgrpo/forward/sequence_parallel.py); the forwards, naive or with the shared prefix, then run split.
         """
         self.model = model
         self.logit_softcap = final_logit_softcap(model, template)  # Gemma 2 / Gemma 4: the chunked head caps as HF's does
@@ -113,11 +113,9 @@ class Policy:
         if self.shared_prefix and per_row_routing and moe_routers(model):
             self.shared_prefix, self.naive_reason = False, "routes replayed per row (--routing_replay, --router_aux_loss_coef)"
         # The rollout does not run split (each rank of a sequence group samples whole rows, the leader's
-        # are kept), so it prefills each prompt once for its G samples wherever the forwards could.
+        # are kept): it prefills each prompt once for its G samples wherever the forwards do.
         self.rollout_shares_prefix = self.shared_prefix
         self.sequence_group = sequence_group
-        if self.shared_prefix and sequence_group is not None:
-            self.shared_prefix, self.naive_reason = False, "rows split across ranks (--sequence_parallel_size)"
 
     # ---- parts ---------------------------------------------------------------------------
 
@@ -212,6 +210,9 @@ class Policy:
         model = model or self.model
         if routing is not None and batch.shared:
             raise ValueError("recorded routes apply to the naive forward: build the Policy with per_row_routing=True")
+        if batch.shared and self.sequence_group is not None:  # the prompts split, each once for its rows
+            return self._split_shared_logprobs(model, batch, completion_ids, completion_mask, temperature=temperature,
+                                               compute_entropy=compute_entropy)
         if batch.shared:
             hidden = shared_prefix_hidden(model, self.template, batch.prompts, completion_ids, completion_mask, batch.counts)
         else:
@@ -258,6 +259,18 @@ class Policy:
             hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, L / n, H]
         logps, entropy = sequence_parallel_logprobs(hidden, lm_head.weight, split, prompt_len, completion_ids,
                                                     **self._head_options(lm_head, temperature, compute_entropy))
+        mask = completion_mask.to(logps.dtype)
+        return logps * mask, (entropy * mask if entropy is not None else None)
+
+
+    def _split_shared_logprobs(self, model, batch, completion_ids, completion_mask, *, temperature, compute_entropy):
+        """The shared-prefix forward with the prompts' and the completions' tokens split across the sequence group."""
+        from mmgrpo.forward.sequence_parallel import split_shared_prefix_logprobs
+
+        lm_head = model.get_submodule(self.template.components["lm_head"])
+        logps, entropy = split_shared_prefix_logprobs(model, self.template, self.sequence_group, batch.prompts,
+                                                      completion_ids, completion_mask, batch.counts, lm_head.weight,
+                                                      **self._head_options(lm_head, temperature, compute_entropy))
         mask = completion_mask.to(logps.dtype)
         return logps * mask, (entropy * mask if entropy is not None else None)
 

@@ -31,10 +31,19 @@ group is a loss scaled by N.
     logps, _ = sequence_parallel_logprobs(hidden, lm_head.weight, split, prompt_len, completion_ids)
     logps.sum().backward(); sum_gradients(model, group)
 
+The group-shared prefix runs split too (`split_shared_prefix_logprobs`): the prompts alone, each once,
+then the G completions of each, split, reading the K/V (and Gated DeltaNet states) each rank kept of
+its heads over the whole prompt.
+
+Masks: causal over the whole row, or the row's [L, L] mask where a row is padded before its end, with a
+layer's sliding window as a band; where the model builds the whole row's masks before its decoder
+(Gemma: image blocks attend both ways), those. Gradient checkpointing: a layer recomputed in the
+backward (after the split forward returned) re-enters the split as it was when the layer ran.
+
 In training (`--sequence_parallel_size N --parallel fsdp2`): groups of N consecutive ranks read the
 same prompts, train on their leader's rollout, run the policy's, reference's and teacher's log-prob
-forwards split (the shared prefix off), and scale the loss by N so that FSDP2's average over the
-world sums each group's shares.
+forwards split (with the shared prefix where the policy shares it), and scale the loss by N so that
+FSDP2's average over the world sums each group's shares.
 
 The vision tower (templates with `frame_local_tower`: Qwen2-VL to Qwen3.5) is sharded across the
 group: its inputs are cut at image and frame boundaries (its attention never crosses a frame:
@@ -47,6 +56,7 @@ images and frames than ranks, every rank encodes all of them.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from functools import partial
 from itertools import accumulate, groupby
@@ -57,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgrpo.errors import ConfigError
-from mmgrpo.forward.shared_prefix import model_parts
+from mmgrpo.forward.shared_prefix import model_parts, prepend_prompt, rows_of_prompts
 
 ATTENTION = "mmgrpo_ulysses"  # the decoder's attention implementation while a split forward runs
 
@@ -179,12 +189,38 @@ class _Split:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.mask = None  # [B, 1, L, L] bool, True = attend; None: causal, nothing padded before a row's end
         self.valid = None  # [B, L]: 1 at the row's tokens
-        self.length = self.start = self.end = 0
+        self.full = self.length = self.start = self.end = 0
+        # the shared prefix (`split_shared_prefix_logprobs`): "prompts" keeps each layer's K/V or linear state of
+        # this rank's heads over the whole prompts, "completions" reads them before the completion tokens
+        self.phase = "rows"
+        self.kept: dict = {}  # decoder module -> (keys, values) [B, h, P, d] or (conv inputs [B, c, kernel], state)
+        self.prompt_valid = None  # [B, P] bool: the prompts' tokens
+        self.typed: dict = {}  # layer type -> [B, 1, L, L]: the whole row's masks where the model built them (Gemma)
+        self.windows: dict = {}  # sliding window -> the mask with its band, built once per forward
+        self.group_size, self.prompt_of_row = None, None  # G (or None: unequal groups), [N]
 
     def cut(self, full_length: int) -> None:
+        self.full = full_length
         self.length = -(-full_length // self.size) * self.size  # padded to a multiple of N
         local = self.length // self.size
         self.start, self.end = self.rank * local, (self.rank + 1) * local
+
+    def mask_of(self, module: nn.Module) -> torch.Tensor | None:
+        """The attention mask of one layer: the model's own where it built the whole row's (Gemma: its
+        image blocks attend both ways, its sliding window), else the split's, with the layer's sliding
+        window (`module.sliding_window`: key j seen by query i only where i - j < window) as a band."""
+        window = getattr(module, "sliding_window", None)
+        typed = self.typed.get("sliding_attention" if window else "full_attention")
+        if typed is not None or not window:
+            return typed if typed is not None else self.mask
+        if window not in self.windows:
+            keys = self.mask.shape[-1] if self.mask is not None else self.length
+            device = self.valid.device
+            query = torch.arange(self.length, device=device)[:, None] + keys - self.length  # the queries' row indices
+            key = torch.arange(keys, device=device)[None]
+            band = (key <= query) & (key > query - window)
+            self.windows[window] = band[None, None] if self.mask is None else self.mask & band
+        return self.windows[window]
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, S/N, D] (this rank's tokens, all heads) -> [B, H/N, S, D] (all tokens, its heads)."""
@@ -213,9 +249,16 @@ def _ulysses_attention(module, query, key, value, attention_mask, scaling=None, 
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
     q, k, v = split.seq_to_heads(query), split.seq_to_heads(key), split.seq_to_heads(value)
+    if split.phase == "prompts":  # the real tokens' K/V (the split's padding comes after them); once (not by a
+        split.kept.setdefault(module, (k[:, :, : split.full], v[:, :, : split.full]))  # checkpointed layer's replay)
+    elif split.phase == "completions":
+        keys, values = split.kept[module]
+        k = prepend_prompt(keys, k, split.group_size, split.prompt_of_row)
+        v = prepend_prompt(values, v, split.group_size, split.prompt_of_row)
+    mask = split.mask_of(module)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=split.mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
-        is_causal=split.mask is None, enable_gqa=k.shape[1] != q.shape[1],
+        q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        is_causal=mask is None, enable_gqa=k.shape[1] != q.shape[1],
     )  # [B, H/N, S, D]
     return split.heads_to_seq(out).transpose(1, 2).contiguous(), None
 
@@ -240,6 +283,8 @@ def _linear_attention(module, hidden_states, cache_params=None, attention_mask=N
              module.in_proj_a(hidden_states).view(batch, local, size, v_heads)]  # fmt: skip
     # [B, S/N, N, c] -> [B, N, S/N, c] -> [B, 1, S, c]: this rank's head group over the whole row
     mine = split.seq_to_heads(torch.cat(parts, dim=-1).transpose(1, 2))[:, 0]  # [B, S, c]
+    # the row's tokens only: the split's padding comes after them, and the delta rule's state must end at the last
+    mine = mine[:, : split.full]
     q, k, v, b, a = torch.split(mine, [k_heads * dk, k_heads * dk, v_heads * dv, v_heads, v_heads], dim=-1)
     rank = split.rank
     channels = torch.cat([  # this rank's channels of the depthwise convolution: its q, k and v heads
@@ -248,35 +293,49 @@ def _linear_attention(module, hidden_states, cache_params=None, attention_mask=N
         2 * module.key_dim + torch.arange(rank * v_heads * dv, (rank + 1) * v_heads * dv),
     ]).to(hidden_states.device)
     bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
-    mixed = kernels.causal_conv1d_fn(torch.cat([q, k, v], dim=-1).transpose(1, 2),
-                                     module.conv1d.weight[channels].squeeze(1), bias, activation=module.activation)
+    inputs = torch.cat([q, k, v], dim=-1).transpose(1, 2)  # [B, c, S]
+    length, kernel, initial = inputs.shape[-1], module.conv_kernel_size, None
+    if split.phase == "completions":  # each row goes on from its prompt's last inputs and state
+        conv, state = (kept.index_select(0, split.prompt_of_row) for kept in split.kept[module])
+        inputs, initial = torch.cat([conv, inputs], dim=-1), state
+    mixed = kernels.causal_conv1d_fn(inputs, module.conv1d.weight[channels].squeeze(1), bias,
+                                     activation=module.activation)[..., -length:]
     q, k, v = torch.split(mixed.transpose(1, 2), [k_heads * dk, k_heads * dk, v_heads * dv], dim=-1)
-    length = q.shape[1]
     heads = slice(rank * v_heads, (rank + 1) * v_heads)
     g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
     group = v_heads // k_heads  # each key head serves `group` consecutive value heads
-    out, _ = kernels.torch_chunk_gated_delta_rule(
+    out, state = kernels.torch_chunk_gated_delta_rule(
         q.reshape(batch, length, k_heads, dk).repeat_interleave(group, dim=2),
         k.reshape(batch, length, k_heads, dk).repeat_interleave(group, dim=2),
-        v.reshape(batch, length, v_heads, dv), g=g, beta=b.sigmoid(), initial_state=None,
-        output_final_state=False, use_qk_l2norm_in_kernel=True,
+        v.reshape(batch, length, v_heads, dv), g=g, beta=b.sigmoid(), initial_state=initial,
+        output_final_state=split.phase == "prompts", use_qk_l2norm_in_kernel=True,
     )  # [B, S, v_heads/N, dv]
-    out = split.heads_to_seq(out.reshape(batch, 1, length, v_heads * dv))  # [B, N, S/N, v_heads/N * dv]
+    if split.phase == "prompts":  # the convolution's last inputs (zeros before a short row) and the final state
+        split.kept.setdefault(module, (F.pad(inputs[..., -kernel:], (max(kernel - length, 0), 0)), state))
+    out = F.pad(out.reshape(batch, 1, length, v_heads * dv), (0, 0, 0, split.length - length))
+    out = split.heads_to_seq(out)  # [B, N, S/N, v_heads/N * dv]
     out = out.transpose(1, 2).reshape(-1, dv)  # each token's heads in order
     z = module.in_proj_z(hidden_states).reshape(-1, dv)
     return module.out_proj(module.norm(out, z).reshape(batch, local, -1))
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 def _register() -> None:
+    """The split's attention under its own name; masks are built as for SDPA: a model that builds the
+    whole row's masks before its decoder (Gemma) gives them to the split, the decoder's own (of its
+    slice) go unused."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, _ulysses_attention)
-    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def _padded_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """A whole row's [B, 1, S, S] bool mask padded to [B, 1, L, L]: padded keys hidden, a padded query
+    (or one that sees nothing) sees itself, so no row of the softmax is empty."""
+    extra = length - mask.shape[-1]
+    keep = F.pad(mask.bool(), (0, extra, 0, extra), value=False)
+    return keep | (torch.eye(length, dtype=torch.bool, device=keep.device) & ~keep.any(-1, keepdim=True))
 
 
 def row_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -289,6 +348,17 @@ def row_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
     keep = causal[None] & valid[:, None, :]  # [B, L, L]
     keep |= torch.eye(length, dtype=torch.bool, device=valid.device)[None] & ~keep.any(-1, keepdim=True)
     return keep[:, None]
+
+
+def prefix_mask(prompt_valid: torch.Tensor, prompt_of_row: torch.Tensor, length: int) -> torch.Tensor:
+    """[N or 1, 1, L, P + L] bool (True = attend) of completion rows padded to L, each after its prompt
+    (prompt_valid [B, P]: the prompts' tokens): a row's tokens see its prompt's tokens and, causally,
+    its own. One mask for all rows where no prompt is padded."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=prompt_valid.device).tril()
+    if bool(prompt_valid.all()):
+        return torch.cat([causal.new_ones(length, prompt_valid.shape[1]), causal], dim=-1)[None, None]
+    rows = prompt_valid.index_select(0, prompt_of_row)  # [N, P]
+    return torch.cat([rows[:, None].expand(-1, length, -1), causal.expand(rows.shape[0], -1, -1)], dim=-1)[:, None]
 
 
 def check_heads(model: nn.Module, template, size: int) -> None:
@@ -308,7 +378,6 @@ def ulysses(model: nn.Module, template, group):
     """Within it, the backbone's text decoder runs on this rank's slice of each row (see the module
     docstring); its output last_hidden_state is that slice, positions `split.start:split.end` of the
     row padded to a multiple of N. Yields the split (its `start`, `end`, `length` are set by each forward)."""
-    global _active
     _register()
     _, decoder = model_parts(model, template)
     check_heads(model, template, dist.get_world_size(group))
@@ -319,11 +388,21 @@ def ulysses(model: nn.Module, template, group):
         full = embeds.shape[1]
         split.cut(full)
         mask = kwargs.get("attention_mask")
-        if mask is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-        # rows without padding (the split's own comes last, after every real token): causal attention, no
-        # [L, L] mask; else the whole row's mask, as transformers builds one for a padded batch
-        split.mask = None if bool(mask.all()) else row_mask(mask, split.length)
+        typed = mask if isinstance(mask, dict) else {}  # Gemma: the whole row's masks by layer type, or None (causal)
+        if typed or mask is None:  # the row's tokens: all, or those the last query (a prompt's last token) sees
+            full_mask = typed.get("full_attention")
+            mask = (full_mask[:, 0, -1].long() if full_mask is not None
+                    else torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device))
+        split.windows = {}
+        split.typed = {kind: _padded_mask(m, split.length) for kind, m in typed.items()
+                       if m is not None and split.phase != "completions"}  # a completion's are the split's: its prompt, then causal
+        if split.phase == "completions":  # each row's prompt (its real tokens), then its own tokens causally
+            split.mask = prefix_mask(split.prompt_valid, split.prompt_of_row, split.length)
+        else:  # rows without padding (the split's own comes last, after every real token): causal attention, no
+            # [L, L] mask; else the whole row's mask, as transformers builds one for a padded batch
+            split.mask = None if bool(mask.all()) else row_mask(mask, split.length)
+        if split.phase == "prompts":
+            split.prompt_valid = mask.bool()
         split.valid = F.pad(mask, (0, split.length - full))  # [B, L]: the row's tokens (linear layers zero the rest)
         kwargs["inputs_embeds"] = F.pad(embeds, (0, 0, 0, split.length - full))[:, split.start : split.end]
         positions = kwargs.get("position_ids")  # [B, S] or [3|4, B, S], computed on the whole row
@@ -332,6 +411,9 @@ def ulysses(model: nn.Module, template, group):
         # the split's padding positions (after the row's end) are never scored
         kwargs["position_ids"] = F.pad(positions, (0, split.length - full))[..., split.start : split.end]
         kwargs["attention_mask"] = None
+        per_layer = kwargs.get("per_layer_inputs")  # Gemma 4: [B, S, layers, d], the tokens' own inputs to each layer
+        if per_layer is not None:
+            kwargs["per_layer_inputs"] = F.pad(per_layer, (0, 0, 0, 0, 0, split.length - full))[:, split.start : split.end]
         visual = kwargs.get("visual_pos_masks")  # Qwen3-VL's deepstack: features added at the visual positions
         if visual is not None:
             mine = F.pad(visual, (0, split.length - full))[:, split.start : split.end]  # [B, S/N]
@@ -342,26 +424,82 @@ def ulysses(model: nn.Module, template, group):
             kwargs["deepstack_visual_embeds"] = [features[keep] for features in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
 
-    config = decoder.config
-    saved = config._attn_implementation
     handle = decoder.register_forward_pre_hook(before, with_kwargs=True)
-    patched = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
-    for module in patched:
-        module.forward = partial(_linear_attention, module)  # an instance attribute, removed below
-    if template.frame_local_tower:
-        tower = model.get_submodule(template.components["vision"])
-        tower.forward = _shard_tower(tower, split)
-        patched.append(tower)
-    config._attn_implementation = ATTENTION
-    _active = split
+    linear = [layer.linear_attn for layer in decoder.layers if hasattr(layer, "linear_attn")]  # Gated DeltaNet
+    checkpointed = [layer for layer in decoder.layers if getattr(layer, "gradient_checkpointing", False)]
+    checkpoints = [layer._gradient_checkpointing_func for layer in checkpointed]
+    for layer, checkpoint in zip(checkpointed, checkpoints):
+        layer._gradient_checkpointing_func = partial(_replayable, checkpoint, split, decoder, linear)
+    tower = model.get_submodule(template.components["vision"]) if template.frame_local_tower else None
+    if tower is not None:
+        tower.forward = _shard_tower(tower, split)  # an instance attribute, removed below
     try:
-        yield split
+        with _installed(split, decoder, linear):
+            yield split
     finally:
-        _active = None
-        config._attn_implementation = saved
         handle.remove()
-        for module in patched:
-            del module.forward
+        for layer, checkpoint in zip(checkpointed, checkpoints):
+            layer._gradient_checkpointing_func = checkpoint
+        if tower is not None:
+            del tower.forward
+
+
+@contextmanager
+def _installed(split: _Split, decoder: nn.Module, linear: list[nn.Module]):
+    """The split's attention and Gated DeltaNet layers on the decoder, and `split` the active state, for
+    one forward; what was there before comes back after (re-entrant)."""
+    global _active
+    config = decoder.config
+    saved = _active, config._attn_implementation, [module.__dict__.get("forward") for module in linear]
+    _active, config._attn_implementation = split, ATTENTION
+    for module in linear:
+        module.forward = partial(_linear_attention, module)  # an instance attribute
+    try:
+        yield
+    finally:
+        _active, config._attn_implementation = saved[:2]
+        for module, forward in zip(linear, saved[2]):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
+def _replayable(checkpoint, split: _Split, decoder: nn.Module, linear: list[nn.Module], function, *args, **kwargs):
+    """A decoder layer's gradient checkpointing under the split: the backward recomputes the layer
+    after `ulysses` has exited, so the recomputation runs inside the split again, as the state was
+    when the layer ran (its phase, slice and mask: a shallow copy, as later forwards replace them)."""
+    state = copy.copy(split)
+
+    def run(*inputs, **options):
+        with _installed(state, decoder, linear):
+            return function(*inputs, **options)
+
+    return checkpoint(run, *args, **kwargs)
+
+
+def _scored(hidden: torch.Tensor, lm_head_weight: torch.Tensor, start: int, offset: int, completion_ids: torch.Tensor,
+            **logprob_kwargs) -> list[torch.Tensor]:
+    """This rank's share of the rows' completion log-probs (and entropies) [N, T], zeros elsewhere: its
+    hidden states [N, S, H] sit at positions start .. start + S - 1, and position offset + t predicts
+    completion token t. Zeros that still hang on the hidden states and the head where it predicts none."""
+    batch, length = completion_ids.shape
+    first, last = max(start, offset), min(start + hidden.shape[1], offset + length)  # its predicting positions
+    count = 2 if logprob_kwargs.get("compute_entropy", False) else 1
+    if last <= first:
+        zero = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device) + (hidden.sum() + lm_head_weight.sum()) * 0.0
+        return [zero] * count
+    from mmgrpo.grpo.logprobs import completion_logprobs
+
+    found = completion_logprobs(hidden[:, first - start : last - start], lm_head_weight,
+                                completion_ids[:, first - offset : last - offset], **logprob_kwargs)
+    widths = (first - offset, offset + length - last)
+    return [F.pad(part.float(), widths) for part in found[:count]]
+
+
+def _summed(parts: list[torch.Tensor], group) -> tuple[torch.Tensor, torch.Tensor | None]:
+    summed = _SumOverGroup.apply(torch.stack(parts), group)  # [1 or 2, N, T]
+    return summed[0], (summed[1] if len(parts) > 1 else None)
 
 
 def sequence_parallel_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tensor, split: _Split,
@@ -370,23 +508,49 @@ def sequence_parallel_logprobs(hidden: torch.Tensor, lm_head_weight: torch.Tenso
     this rank's slice of final hidden states hidden [B, S/N, H]: the rank scores the tokens its
     positions predict (position prompt_len - 1 + t predicts completion token t), the group's sum
     fills in the rest, on every rank. logprob_kwargs: `completion_logprobs`'s."""
-    from mmgrpo.grpo.logprobs import completion_logprobs
+    return _summed(_scored(hidden, lm_head_weight, split.start, prompt_len - 1, completion_ids, **logprob_kwargs),
+                   split.group)
 
-    batch, length = completion_ids.shape
-    offset = prompt_len - 1  # position offset + t predicts completion token t
-    first, last = max(split.start, offset), min(split.end, offset + length)  # the slice's predicting positions
-    with_entropy = logprob_kwargs.get("compute_entropy", False)
-    if last > first:
-        targets = completion_ids[:, first - offset : last - offset]
-        logps, entropy = completion_logprobs(hidden[:, first - split.start : last - split.start], lm_head_weight,
-                                             targets, **logprob_kwargs)
-        widths = (first - offset, offset + length - last)
-        parts = [F.pad(logps.float(), widths)] + ([F.pad(entropy.float(), widths)] if with_entropy else [])
-    else:  # no completion token in this slice: zeros that still hang on its hidden states and the head
-        zero = torch.zeros(batch, length, dtype=torch.float32, device=hidden.device) + (hidden.sum() + lm_head_weight.sum()) * 0.0
-        parts = [zero] + ([zero] if with_entropy else [])
-    summed = _SumOverGroup.apply(torch.stack(parts), split.group)  # [1 or 2, B, T]
-    return summed[0], (summed[1] if with_entropy else None)
+
+def split_shared_prefix_logprobs(model: nn.Module, template, group, prompt_inputs: dict, completion_ids: torch.Tensor,
+                                 completion_mask: torch.Tensor, counts: list[int], lm_head_weight: torch.Tensor,
+                                 **logprob_kwargs) -> tuple:
+    """The shared prefix under the split: each prompt runs once for its G completions, its tokens split.
+
+    prompts:      the prompts alone (B rows, media and whole-row positions as `shared_prefix_hidden`) run
+                  split; each attention layer keeps its K/V of this rank's heads over the whole prompt
+                  (what Ulysses' exchange gives it), each Gated DeltaNet layer its convolution's last
+                  inputs and its delta-rule state for its heads
+    completions:  the N rows' tokens, split too; each layer prepends its prompt's K/V to the row's
+                  (`prepend_prompt`: G rows read one copy) or starts the convolution and the delta
+                  rule from the prompt's; position next_position + t, as in one process
+    scores:       completion token 0 from the prompt's last position (on the rank holding it), token t
+                  from completion position t - 1; one sum over the group
+
+    A rank keeps 1/N of the prompts' K/V heads, so they are split as the rows are. Equal to the
+    naive forward over prompt + completion in one process (tests/test_sequence_parallel.py).
+    Returns (logps [N, T], entropies or None), on every rank of the group.
+    """
+    core, _ = model_parts(model, template)
+    prompt_ids = prompt_inputs["input_ids"]
+    length, device, prompt_len = completion_ids.shape[1], completion_ids.device, prompt_ids.shape[1]
+    group_size, prompt_of_row = rows_of_prompts(prompt_ids.shape[0], completion_ids.shape[0], counts, device)
+    positions, next_position = template.prompt_positions(core, prompt_inputs)
+    inputs = max(length - 1, 1)  # tokens 0 .. T-2 predict 1 .. T-1 (with T = 1, token 0 runs: every rank makes the same calls)
+    completion_positions = next_position.index_select(-1, prompt_of_row)[..., None] + torch.arange(inputs, device=device)
+    with ulysses(model, template, group) as split:
+        split.phase = "prompts"
+        prompt_hidden = core(**{k: v for k, v in prompt_inputs.items() if k != "position_ids"},
+                             position_ids=positions, use_cache=False).last_hidden_state  # [B, P/N, H]
+        at = prompt_len - 1 - split.start  # the prompts' last position in this rank's slice, where it holds it
+        last = prompt_hidden[:, at : at + 1] if 0 <= at < prompt_hidden.shape[1] else prompt_hidden[:, :0]
+        first = _scored(last.index_select(0, prompt_of_row), lm_head_weight, prompt_len - 1, prompt_len - 1,
+                        completion_ids[:, :1], **logprob_kwargs)  # [N, 1]: token 0, or zeros on the other ranks
+        split.phase, split.group_size, split.prompt_of_row = "completions", group_size, prompt_of_row
+        hidden = core(input_ids=completion_ids[:, :inputs], attention_mask=completion_mask[:, :inputs],
+                      position_ids=completion_positions, use_cache=False).last_hidden_state  # [N, T'/N, H]
+        rest = _scored(hidden, lm_head_weight, split.start, -1, completion_ids, **logprob_kwargs)
+    return _summed([F.pad(a, (0, length - 1)) + b for a, b in zip(first, rest)], group)
 
 
 def sum_gradients(model: nn.Module, group) -> None:

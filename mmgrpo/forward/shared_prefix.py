@@ -86,16 +86,22 @@ class _PrefixLayer(DynamicLayer):
         self.keys, self.values = keys, values  # [B, kv_heads, P, head_dim], one per prompt
         self.group, self.prompt_of_row = group, prompt_of_row  # G or None; [N]
 
-    def _prepend(self, prefix: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return torch.cat([prefix.index_select(0, self.prompt_of_row), new], dim=-2)
-        batch, heads, _, head_dim = prefix.shape
-        shared = prefix[:, None].expand(batch, self.group, *prefix.shape[1:])  # [B, G, kv, P, d], a view
-        grouped = new.view(batch, self.group, heads, -1, head_dim)  # [B, G, kv, T, d]
-        return torch.cat([shared, grouped], dim=-2).flatten(0, 1)  # [N, kv, P + T, d]
-
     def update(self, key_states, value_states, *args, **kwargs):
-        return self._prepend(self.keys, key_states), self._prepend(self.values, value_states)
+        return (prepend_prompt(self.keys, key_states, self.group, self.prompt_of_row),
+                prepend_prompt(self.values, value_states, self.group, self.prompt_of_row))
+
+
+def prepend_prompt(prefix: torch.Tensor, new: torch.Tensor, group: int | None, prompt_of_row: torch.Tensor) -> torch.Tensor:
+    """Each row's prompt K/V (prefix [B, heads, P, d], one per prompt) before its own (new [N, heads, T, d]):
+    [N, heads, P + T, d]. Equal groups of G rows read the prompt through `expand` (a view: the
+    concatenation is the only copy, and its backward sums the G rows' gradients into the one prompt);
+    unequal groups (group None) through index_select."""
+    if group is None:
+        return torch.cat([prefix.index_select(0, prompt_of_row), new], dim=-2)
+    batch, heads, _, head_dim = prefix.shape
+    shared = prefix[:, None].expand(batch, group, *prefix.shape[1:])  # [B, G, kv, P, d], a view
+    grouped = new.view(batch, group, heads, -1, head_dim)  # [B, G, kv, T, d]
+    return torch.cat([shared, grouped], dim=-2).flatten(0, 1)  # [N, kv, P + T, d]
 
 
 class _RecordingStateLayer(LinearAttentionLayer):
@@ -255,7 +261,7 @@ def supports_shared_prefix(model: nn.Module, template) -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows_of_prompts(num_prompts: int, num_rows: int, num_generations: int | list[int], device) -> tuple:
+def rows_of_prompts(num_prompts: int, num_rows: int, num_generations: int | list[int], device) -> tuple:
     """(G where every prompt has G rows else None, the prompt of each row [N]) for rows that are
     contiguous per prompt and in prompt order."""
     counts = [num_generations] * num_prompts if isinstance(num_generations, int) else list(num_generations)
@@ -299,7 +305,7 @@ def shared_prefix_hidden(
             "shared_prefix_hidden needs non-reentrant gradient checkpointing (use_reentrant=False)"
         )
     length, device = completion_ids.shape[1], completion_ids.device
-    group, prompt_of_row = _rows_of_prompts(prompt_inputs["input_ids"].shape[0], completion_ids.shape[0], num_generations, device)
+    group, prompt_of_row = rows_of_prompts(prompt_inputs["input_ids"].shape[0], completion_ids.shape[0], num_generations, device)
 
     # [3, B, P] and [3, B] (mRoPE) or [B, P] and [B]
     positions, next_position = template.prompt_positions(core, prompt_inputs)
