@@ -4,6 +4,7 @@ video row on each rank, for N = 1, 2, 4 ranks of one sequence group (Ulysses, `-
     python benchmarks/sequence_parallel.py                      # about 6 minutes on 2 cores
     python benchmarks/sequence_parallel.py --ranks 1,2 --frames 64 --completion 128
     python benchmarks/sequence_parallel.py --smoke              # tiny model, N = 1, 2: seconds
+    python benchmarks/sequence_parallel.py --shared_prefix --rows 8   # the prompt once for its 8 rows
 
 Each N is one torchrun launch (gloo, one thread per rank) of this file in worker mode. Every rank loads
 the model (fp32, its own full copy: the weights are the same on every rank, FSDP2 would shard them),
@@ -12,7 +13,9 @@ G = --rows completions of --completion random tokens, and runs what a training s
 micro-batch: the decoder's forward (N = 1: one process; N > 1: split with `ulysses`, the log-probs
 summed over the group), the backward and the group's gradient sum. The vision tower and merger are
 frozen and the embeddings too, so what grows with the row is the decoder's saved activations; each
-rank's tower encodes its 1/N of the clip's frames (gathered for every rank).
+rank's tower encodes its 1/N of the clip's frames (gathered for every rank). With --shared_prefix the
+prompt runs once for its G rows (N = 1: `shared_prefix_hidden`; N > 1: `split_shared_prefix_logprobs`,
+the prompt and then the completions split), as the training forwards run by default.
 
 Measured on each rank after one warm-up step, the largest over the group is printed:
   live GB      the step's tensors at their peak beyond the weights and gradients, counted storage by
@@ -131,9 +134,11 @@ def worker(args) -> None:
     from mmgrpo.forward.sequence_parallel import (
         new_sequence_group,
         sequence_parallel_logprobs,
+        split_shared_prefix_logprobs,
         sum_gradients,
         ulysses,
     )
+    from mmgrpo.forward.shared_prefix import shared_prefix_hidden
     from mmgrpo.grpo.logprobs import completion_logprobs
     from mmgrpo.models import load_model
     from mmgrpo.models.loading import load_template
@@ -166,7 +171,13 @@ def worker(args) -> None:
     group = new_sequence_group(size) if size > 1 else None
 
     def step() -> int:
-        if group is None:
+        if args.shared_prefix:  # the tokens a rank runs: its share of the prompt, then of each row's completion
+            if group is None:
+                logps, _ = completion_logprobs(shared_prefix_hidden(model, template, batch, ids, mask, args.rows), head, ids)
+            else:
+                logps, _ = split_shared_prefix_logprobs(model, template, group, batch, ids, mask, [args.rows], head)
+            tokens = -(-prompt_len // size) + args.rows * -(-max(args.completion - 1, 1) // size)
+        elif group is None:
             hidden = backbone(**inputs, use_cache=False).last_hidden_state[:, prompt_len - 1 : -1]
             logps, _ = completion_logprobs(hidden, head, ids)
             tokens = prompt_len + args.completion
@@ -213,7 +224,8 @@ def worker(args) -> None:
 def launch(ranks: int, args, out: Path) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), __file__,
                "--worker", "--out", str(out), "--model", args.model, "--frames", str(args.frames), "--size", str(args.size),
-               "--rows", str(args.rows), "--completion", str(args.completion)]  # fmt: skip
+               "--rows", str(args.rows), "--completion", str(args.completion),
+               *(["--shared_prefix"] if args.shared_prefix else [])]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -222,7 +234,7 @@ def launch(ranks: int, args, out: Path) -> list[dict]:
     return json.loads(out.read_text())
 
 
-HEADER = ("| N | tokens per rank (one row) | live GB per rank | live vs first N | peak GB | RSS act GB | step s | cpu s "
+HEADER = ("| N | tokens per rank | live GB per rank | live vs first N | peak GB | RSS act GB | step s | cpu s "
           "| a2a s (share) | sums s |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -244,6 +256,7 @@ def parse(argv=None):
     p.add_argument("--size", type=int, default=448, help="frame width and height in pixels (default 448)")
     p.add_argument("--rows", type=int, default=2, help="completions of the prompt, G (default 2)")
     p.add_argument("--completion", type=int, default=32, help="completion tokens (default 32)")
+    p.add_argument("--shared_prefix", action="store_true", help="the prompt once for its rows (the group-shared prefix)")
     p.add_argument("--smoke", action="store_true", help="tiny:qwen2.5-vl, 4 frames of 56 px, N = 1, 2")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -258,7 +271,8 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     print(f"model {args.model}, a video of {args.frames} frames at {args.size} x {args.size}, {args.rows} rows, "
-          f"N = {args.ranks}, {os.cpu_count()} cores", flush=True)
+          f"N = {args.ranks}, {'the prompt once for its rows (shared prefix)' if args.shared_prefix else 'each row whole'}, "
+          f"{os.cpu_count()} cores", flush=True)
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for n in map(int, args.ranks.split(",")):  # each N's line as soon as it is measured
@@ -267,7 +281,8 @@ def main(argv=None) -> None:
             if base is None:
                 first = ranks[0]
                 print(f"one row: {first['prompt_tokens']} prompt + {first['row_tokens'] - first['prompt_tokens']} "
-                      f"completion tokens, x {args.rows} rows\n{HEADER}", flush=True)
+                      f"completion tokens, x {args.rows} rows; tokens per rank: "
+                      f"{'the group' if args.shared_prefix else 'one row'}\n{HEADER}", flush=True)
                 base = max(max(r["live_gb"] for r in ranks), 1e-6)
             print(row(n, ranks, base) + f"   ({time.perf_counter() - start:.0f} s)", flush=True)
 
