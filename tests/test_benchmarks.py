@@ -46,6 +46,8 @@ SMOKE = {
     "media_prep.py": (["--smoke", "--work_dir", "{tmp}/work"],
                       ("media on the critical path, s/step", "share of the step", "processor calls in the trainer",
                        "workers' peak USS, MB", "mmgrpo 2 workers / TRL", "one 4-frame 112-px clip per prompt")),
+    # one weight, 8 rows: one GEMM against blocks of its rows, and the two results compared
+    "wide_linear.py": (["--shapes", "gate-3b", "--rows", "8", "--repeats", "1"], "| gate-3b | 11,008 x 2,048 | 8 |"),
     "token_budget.py": (["--prompts", "2", "--num_generations", "2", "--repeats", "1"], ""),
     # N = 1 and 2 ranks (torchrun, gloo) on the tiny Qwen2.5-VL: the split run's row is half the tokens
     "sequence_parallel.py": (["--smoke"], ("| 1 | 52 |", "| 2 | 26 |")),

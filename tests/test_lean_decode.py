@@ -132,3 +132,27 @@ def test_lean_step_in_bfloat16(precision, tiny_qwen2_vl_path):
     # one SDPA call per prompt instead of one per row, so bf16 rounds at other places:
     # log-probs of about -7 agree to 4e-3 (a bf16 step there is 3e-2)
     torch.testing.assert_close(lean_logps, ref_logps, atol=1e-2, rtol=0)
+
+
+def test_wide_linear_runs_in_blocks_with_the_same_numbers():
+    """A few rows through a weight far wider than deep (an LM head) run in blocks of its rows on the CPU:
+    the same outputs, bias included, in the input's shape; one row, many rows and narrow weights run whole."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    from mmgrpo.rollout.lean_decode import WIDE_BLOCK_BYTES, wide_linear
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(8200, 1024, generator=generator), torch.randn(8200, generator=generator)  # 33.6 MB
+    x = torch.randn(8, 1, 1024, generator=generator)
+    with mock.patch("mmgrpo.rollout.lean_decode.F.linear", wraps=F.linear) as linear:
+        got = wide_linear(x, weight, bias)
+    assert linear.call_count == -(-8200 * 1024 * 4 // WIDE_BLOCK_BYTES) == 5  # equal blocks of 1,640 rows
+    assert got.shape == (8, 1, 8200)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-6, atol=1e-5)  # (bit for bit on this CPU)
+    for whole in (x[:1], torch.randn(65, 1024), torch.randn(8, 8200)):  # one row, many rows, a narrowing weight
+        narrowing = whole.shape[-1] == 8200
+        with mock.patch("mmgrpo.rollout.lean_decode.F.linear", wraps=F.linear) as linear:
+            wide_linear(whole, weight.T.contiguous() if narrowing else weight)
+        assert linear.call_count == 1

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
 from mmgrpo.forward.policy import final_logit_softcap, plain_call
@@ -63,7 +64,7 @@ from mmgrpo.rollout.base import (
     completion_mask_from_ids,
     cut_to_budgets,
 )
-from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder, RowStates
+from mmgrpo.rollout.lean_decode import GroupedPrefixKV, LeanDecoder, RowStates, wide_linear
 from mmgrpo.rollout.token_sampler import pick_tokens
 
 
@@ -317,8 +318,15 @@ class SharedPrefixRollout(RolloutEngine):
         return tokens[:, :done], logps[:, :done], ended
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 next-token logits [n, V] of final hidden states [n, H], soft-capped where the model caps them."""
-        return cap_logits(self.lm_head(hidden).float(), self.logit_softcap)
+        """fp32 next-token logits [n, V] of final hidden states [n, H], soft-capped where the model caps them.
+        A plain head runs in blocks of its rows where that is faster (`wide_linear`); a wrapped one (FSDP2, a
+        LoRA head) through its forward."""
+        head = self.lm_head
+        if type(head) is nn.Linear and type(head.weight) is nn.Parameter and head.weight.shape[-1] == hidden.shape[-1]:
+            logits = wide_linear(hidden, head.weight, head.bias)
+        else:
+            logits = head(hidden)
+        return cap_logits(logits.float(), self.logit_softcap)
 
     @staticmethod
     def _drop_finished(finished: torch.Tensor, group: int) -> torch.Tensor | None:
