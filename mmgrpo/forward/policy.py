@@ -208,40 +208,43 @@ class Policy:
         Returns logps [N, T] (and entropy [N, T] if asked), zero where completion_mask is 0.
         """
         model = model or self.model
-        if routing is not None and batch.shared:
-            raise ValueError("recorded routes apply to the naive forward: build the Policy with per_row_routing=True")
-        if batch.shared and self.sequence_group is not None:  # the prompts split, each once for its rows
-            return self._split_shared_logprobs(model, batch, completion_ids, completion_mask, temperature=temperature,
-                                               compute_entropy=compute_entropy)
-        if batch.shared:
-            hidden = shared_prefix_hidden(model, self.template, batch.prompts, completion_ids, completion_mask, batch.counts)
-        else:
-            backbone = model.get_submodule(self.template.components["backbone"])
-            inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
-            prompt_len = batch.prompts["input_ids"].shape[1]
-            if routing is not None:
-                routing.attach(model, inputs["attention_mask"][:, :prompt_len], completion_mask)
-            if self.sequence_group is not None:  # this rank's slice of every row; the group's sum is the rows' log-probs
-                return self._split_logprobs(model, backbone, inputs, prompt_len, completion_ids, completion_mask,
-                                            temperature=temperature, compute_entropy=compute_entropy)
-            try:
-                with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
-                    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
-            except BaseException:
-                if routing is not None:
-                    routing.detach()
-                raise
-            if routing is not None:
-                routing.forward_done()
-                if not torch.is_grad_enabled():  # no backward will recompute a layer
-                    routing.detach()
-            # Position P - 1 + t predicts completion token t.
-            hidden = hidden[:, prompt_len - 1 : -1]  # [N, T, H]
+        if routing is not None and (batch.shared or self.sequence_group is not None):
+            raise ValueError("recorded routes apply to the naive forward of whole rows: build the Policy with "
+                             "per_row_routing=True, without a sequence group")
         lm_head = model.get_submodule(self.template.components["lm_head"])
-        logps, entropy = completion_logprobs(hidden, lm_head.weight, completion_ids,
-                                             **self._head_options(lm_head, temperature, compute_entropy))
+        options = self._head_options(lm_head, temperature, compute_entropy)
+        if self.sequence_group is not None:  # this rank's slice; the group's sum is the rows' log-probs
+            logps, entropy = self._split_logprobs(model, batch, completion_ids, completion_mask, lm_head, options)
+        else:
+            if batch.shared:
+                hidden = shared_prefix_hidden(model, self.template, batch.prompts, completion_ids, completion_mask,
+                                              batch.counts)
+            else:
+                hidden = self._naive_hidden(model, batch, completion_ids, completion_mask, routing)
+            logps, entropy = completion_logprobs(hidden, lm_head.weight, completion_ids, **options)
         mask = completion_mask.to(logps.dtype)
         return logps * mask, (entropy * mask if entropy is not None else None)
+
+    def _naive_hidden(self, model, batch, completion_ids, completion_mask, routing) -> torch.Tensor:
+        """Final hidden states [N, T, H] of each row's prompt and completion in one forward; hidden[:, t]
+        predicts completion token t."""
+        backbone = model.get_submodule(self.template.components["backbone"])
+        inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
+        prompt_len = batch.prompts["input_ids"].shape[1]
+        if routing is not None:
+            routing.attach(model, inputs["attention_mask"][:, :prompt_len], completion_mask)
+        try:
+            with prompt_length(model, prompt_len):  # fusion modules' features read the prompt only
+                hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, P + T, H]
+        except BaseException:
+            if routing is not None:
+                routing.detach()
+            raise
+        if routing is not None:
+            routing.forward_done()
+            if not torch.is_grad_enabled():  # no backward will recompute a layer
+                routing.detach()
+        return hidden[:, prompt_len - 1 : -1]  # position P - 1 + t predicts completion token t
 
     def _head_options(self, lm_head: nn.Module, temperature: float, compute_entropy: bool) -> dict:
         # rows per LM-head chunk: by default as many as fit 128 MB of fp32 logits (220 at a 152K vocabulary)
@@ -249,30 +252,24 @@ class Policy:
                     temperature=temperature, lm_head_bias=getattr(lm_head, "bias", None), softcap=self.logit_softcap,
                     compute_entropy=compute_entropy)
 
-    def _split_logprobs(self, model, backbone, inputs, prompt_len, completion_ids, completion_mask, *, temperature,
-                        compute_entropy):
-        """The naive forward with each row's tokens split across the sequence group (Ulysses)."""
-        from mmgrpo.forward.sequence_parallel import sequence_parallel_logprobs, ulysses
+    def _split_logprobs(self, model, batch, completion_ids, completion_mask, lm_head, options) -> tuple:
+        """The forward with the tokens split across the sequence group (Ulysses): each prompt once for its
+        rows (the shared prefix: prompts, then completions, both split), or each row whole, split."""
+        from mmgrpo.forward.sequence_parallel import (
+            sequence_parallel_logprobs,
+            split_shared_prefix_logprobs,
+            ulysses,
+        )
 
-        lm_head = model.get_submodule(self.template.components["lm_head"])
+        if batch.shared:
+            return split_shared_prefix_logprobs(model, self.template, self.sequence_group, batch.prompts, completion_ids,
+                                                completion_mask, batch.counts, lm_head.weight, **options)
+        backbone = model.get_submodule(self.template.components["backbone"])
+        inputs = self.template.forward_inputs(batch.prompts, completion_ids, completion_mask)
         with ulysses(model, self.template, self.sequence_group) as split:
             hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [N, L / n, H]
-        logps, entropy = sequence_parallel_logprobs(hidden, lm_head.weight, split, prompt_len, completion_ids,
-                                                    **self._head_options(lm_head, temperature, compute_entropy))
-        mask = completion_mask.to(logps.dtype)
-        return logps * mask, (entropy * mask if entropy is not None else None)
-
-
-    def _split_shared_logprobs(self, model, batch, completion_ids, completion_mask, *, temperature, compute_entropy):
-        """The shared-prefix forward with the prompts' and the completions' tokens split across the sequence group."""
-        from mmgrpo.forward.sequence_parallel import split_shared_prefix_logprobs
-
-        lm_head = model.get_submodule(self.template.components["lm_head"])
-        logps, entropy = split_shared_prefix_logprobs(model, self.template, self.sequence_group, batch.prompts,
-                                                      completion_ids, completion_mask, batch.counts, lm_head.weight,
-                                                      **self._head_options(lm_head, temperature, compute_entropy))
-        mask = completion_mask.to(logps.dtype)
-        return logps * mask, (entropy * mask if entropy is not None else None)
+        return sequence_parallel_logprobs(hidden, lm_head.weight, split, batch.prompts["input_ids"].shape[1],
+                                          completion_ids, **options)
 
 
 def autocast(dtype: torch.dtype | None, device: torch.device):
