@@ -92,11 +92,11 @@ def compare(model, template, group, kinds, full: bool) -> dict:
         if shared:
             got, _ = split_shared_prefix_logprobs(model, template, group, batch, ids, mask, [GROUP] * len(kinds),
                                                   model.lm_head.weight, **head)
-            split = None
         else:
             with ulysses(model, template, group) as split:
                 local = backbone(**inputs, use_cache=False).last_hidden_state
                 got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids, **head)
+            found.update({"row_length": split.length, "slice": [split.start, split.end], "masked": split.mask is not None})
         if template.frame_local_tower:
             hook.remove()
         ((got * mask) * weights).sum().backward()
@@ -111,9 +111,6 @@ def compare(model, template, group, kinds, full: bool) -> dict:
             "tower_patches": sum(encoded), "all_patches": sum(int(media[key].shape[0]) for key in ("pixel_values", "pixel_values_videos")
                                                               if media.get(key) is not None),
         }  # fmt: skip
-        if split is not None:
-            found.update({"row_length": split.length, "slice": [split.start, split.end],
-                          "masked": split.mask is not None})
     return found
 
 

@@ -318,9 +318,7 @@ class VLLMServerRollout(RolloutEngine):
     def _request_scores(self, server: RolloutServer, requests: list, prompts: list) -> dict:
         options = [dict(n=1, max_tokens=1, temperature=1.0, logprobs=0, prompt_logprobs=0, detokenize=False,
                         continue_ids=request.tokens) for request in requests]
-        body = encode_prompts([prompts[request.prompt] for request in requests], options, self.processor_kwargs,
-                              self.template.sampling_rate, self.weight_version)
-        return server.post("/generate", body)
+        return self._post(server, [prompts[request.prompt] for request in requests], options)
 
     def _continue(self, prompts: list, sampling: SamplingParams, resume: PartialRollout | None, until: int | None) -> PartialRollout:
         check_prompt_lengths(prompts, self.max_model_len, sampling.max_new_tokens)
@@ -340,9 +338,7 @@ class VLLMServerRollout(RolloutEngine):
 
     def _request_chunk(self, server: RolloutServer, requests: list, prompts: list, sampling: SamplingParams) -> dict:
         options = [chunk_options(request, sampling, self.template, suppress=self.suppress_placeholders) for request in requests]
-        body = encode_prompts([prompts[request.prompt] for request in requests], options, self.processor_kwargs,
-                              self.template.sampling_rate, self.weight_version)
-        return server.post("/generate", body)
+        return self._post(server, [prompts[request.prompt] for request in requests], options)
 
     def _fan_out(self, items: list, ask) -> list[tuple[list, dict]]:
         """`items` split evenly over this rank's servers, each part asked of its server by
@@ -361,8 +357,11 @@ class VLLMServerRollout(RolloutEngine):
             option = sampling_options(sampling, self.template, b, suppress=self.suppress_placeholders)
             option["copies"] = sampling.num_generations if sampling.greedy else 1
             options.append(option)
-        body = encode_prompts([prompts[b] for b in indices], options, self.processor_kwargs,
-                              self.template.sampling_rate, self.weight_version)
+        return self._post(server, [prompts[b] for b in indices], options)
+
+    def _post(self, server: RolloutServer, prompts: list, options: list[dict]) -> dict:
+        """One /generate request of `server`: each prompt with its sampling options, at this client's version."""
+        body = encode_prompts(prompts, options, self.processor_kwargs, self.template.sampling_rate, self.weight_version)
         return server.post("/generate", body)
 
     # ---- weights --------------------------------------------------------------------------------
