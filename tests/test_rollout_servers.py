@@ -162,3 +162,33 @@ def test_servers_of_different_checkpoints_or_versions_are_refused_naming_both(tm
         check_servers([a, b], [_health(fine_tune), _health(fine_tune)], str(ours))
     with pytest.raises(ConfigError, match=r"10\.0\.0\.2:8000 runs mmgrpo 0\.0\.1, this trainer mmgrpo"):
         check_servers([a, b], [_health(ours), _health(ours, mmgrpo="0.0.1")], str(ours))
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 21\r\n\r\n",  # killed after the headers: IncompleteRead
+    b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{\"ok\": tr",  # a whole body that is not JSON
+    b"",  # killed before answering: RemoteDisconnected
+])
+def test_a_server_that_dies_mid_answer_is_a_rollout_server_error(answer):
+    import socket
+    import threading
+
+    from mmgrpo.rollout.vllm_client import RolloutServerError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_once():
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        connection.sendall(answer)
+        connection.close()
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+    server = RolloutServer("127.0.0.1", listener.getsockname()[1], 5)
+    try:
+        with pytest.raises(RolloutServerError, match=r"stopped answering during /weights/finish"):
+            server.post("/weights/finish", query="version=3")
+    finally:
+        thread.join(5)
+        listener.close()

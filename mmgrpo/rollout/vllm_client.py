@@ -26,6 +26,7 @@ newest complete checkpoint to resume from; no rank is left waiting in a collecti
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
 import os
 import tempfile
@@ -121,6 +122,10 @@ def weight_chunks(named_tensors, chunk_bytes: int, device: torch.device | str = 
         yield chunk
 
 
+# a server that is down, slow, or killed mid-answer (IncompleteRead, RemoteDisconnected: http.client)
+_DROPPED = (urllib.error.URLError, OSError, http.client.HTTPException)
+
+
 class RolloutServer:
     """One `mmgrpo rollout-server` over HTTP: every request has a timeout, every failure is a
     RolloutServerError that names the server."""
@@ -136,7 +141,7 @@ class RolloutServer:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
                     return json.loads(response.read())
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+            except _DROPPED as error:
                 if time.monotonic() > deadline:
                     raise RolloutServerError(
                         f"no rollout server answers at {self.url} after {self.timeout:.0f} s ({_reason(error)}): start "
@@ -150,7 +155,7 @@ class RolloutServer:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=timeout) as response:
                 return json.loads(response.read())
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        except (*_DROPPED, ValueError):
             return None
 
     def post(self, route: str, body: bytes = b"", query: str = "", timeout: float | None = None) -> dict:
@@ -161,7 +166,7 @@ class RolloutServer:
         except urllib.error.HTTPError as error:
             detail = json.loads(error.read() or b"{}").get("error", error.reason)
             raise RolloutServerError(f"the rollout server at {self.url} refused {route}: {detail}.") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+        except (*_DROPPED, json.JSONDecodeError) as error:
             raise RolloutServerError(
                 f"the rollout server at {self.url} stopped answering during {route} ({_reason(error)})."
             ) from None
