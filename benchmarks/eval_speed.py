@@ -3,6 +3,7 @@
     .venv-vllm/bin/python benchmarks/eval_speed.py [--family qwen2-vl] [--limit 48] [--num_samples 1,4] \
         [--max_new_tokens 32] [--threads 1]
     python benchmarks/eval_speed.py --model "random:qwen2.5-vl-3b?num_hidden_layers=2&vision_depth=2" --limit 8
+    python benchmarks/eval_speed.py --model random:qwen2.5-vl-3b --device cuda --torch_dtype bfloat16   # a GPU
 
 The same split (shapes-color:test), the same metrics, one process:
   - hf loop:  one sample per `generate` call (HFRollout, batch 1): what an eval script that loops
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import tempfile
 import time
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_samples", default="1,4", help="completions per sample, comma-separated (1 = greedy)")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="as `mmgrpo eval --device` (cpu, cuda, cuda:N, auto)")
+    parser.add_argument("--torch_dtype", default="auto", help="as `mmgrpo eval --torch_dtype` (auto: float32 on the CPU, bfloat16 on a GPU)")
+    parser.add_argument("--json", default=None, help="also write the table's rows to this file")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -49,10 +54,10 @@ def main(argv: list[str] | None = None) -> None:
 
         args.family = random_family(args.model)
     dataset = resolve_dataset("shapes-color:test", split="test")
-    engine, template = load_for_eval(path, args.family, device="cpu", torch_dtype="float32")
+    engine, template = load_for_eval(path, args.family, device=args.device, torch_dtype=args.torch_dtype)
     engines = {"hf loop": (HFRollout(engine.model, template), 1), "eval": (engine, 32)}
     if importlib.util.find_spec("vllm") is not None:
-        vllm, _ = load_for_eval(path, args.family, device="cpu", torch_dtype="float32",
+        vllm, _ = load_for_eval(path, args.family, device=args.device, torch_dtype=args.torch_dtype,
                                 vllm={"max_model_len": 2048, "seed": 0, "gpu_memory_utilization": 0.9,
                                       "kv_cache_memory_bytes": 256 << 20})  # fmt: skip
         engines["vllm"] = (vllm, 32)
@@ -78,12 +83,16 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
     names = list(engines)
     print(f"\n{args.model or 'tiny:' + args.family}, {args.limit} samples of shapes-color:test, {args.max_new_tokens} new tokens, "
-          f"{args.threads} thread(s)")
+          f"{args.threads} thread(s), {args.device} in {args.torch_dtype}")
     print("| k | " + " | ".join(f"{n} samples/s" for n in names) + " | eval / hf loop | greedy answers equal |")
     print("|---|" + "---|" * (len(names) + 2))
     for row in rows:
         cells = " | ".join(f"{row[n]:.1f}" for n in names)
         print(f"| {row['k']} | {cells} | {row['eval'] / row['hf loop']:.2f}x | {row.get('equal', '')} |")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"model": path, "device": args.device, "torch_dtype": args.torch_dtype, "limit": args.limit,
+                       "max_new_tokens": args.max_new_tokens, "rows": rows}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
 """Real size on one GPU in one short visit: Qwen2.5-VL-3B at its published configuration (random
-weights, `random:qwen2.5-vl-3b`), mmgrpo against HF generate inside mmgrpo and TRL 1.16's GRPOTrainer.
+weights, `random:qwen2.5-vl-3b`), issue 48's three items in turn, each against its peer.
 
-    python benchmarks/gpu_suite.py --out runs/gpu_suite                  # one H100: about 7 minutes
+    python benchmarks/gpu_suite.py --out runs/gpu_suite                  # one H100/H200: under 10 minutes
+    python benchmarks/gpu_suite.py --parts media,eval --out runs/gpu_b    # the later parts alone (a rerun)
     python benchmarks/gpu_suite.py --dry_run_on_cpu --out /tmp/gpu_dry   # the same code at reduced depth, CPU (a test)
 
-The run (docs/benchmarks.md, "Real size"): full training in bf16 autocast with fp32 master weights
+The parts share --budget_s (default 560 s, setting-up included): step 60%, media 25%, eval 15%; a
+part starts no run that would end after its share, so the visit ends within the device's 10-minute
+command limit with what it measured (docs/benchmarks.md, "Real size").
+
+step (item 1: the rollout and the step). Full training in bf16 autocast with fp32 master weights
 and AdamW, the vision tower frozen (--freeze_vit: its merger trains), gradient checkpointing, no
 KL term (beta 0, TRL's default: a reference would add TRL's fp32 copy of the model), 448 x 448
 images (256 image tokens), one prompt and G=8 completions of exactly 512 tokens a step (EOS never
 sampled), loss dapo, lr 1e-6. `mmgrpo estimate` put this at 57 GB of an 80 GB H100. Three systems,
 each in its own process, in the order mmgrpo, TRL, mmgrpo --shared_prefix false, then again while
-the time budget lasts (alternating):
+the part's time lasts (alternating):
 
   mmgrpo      the shared prefix (each prompt and image once per group) and the lean decode step
   mmgrpo-hf   mmgrpo with --shared_prefix false: HF generate for the rollout, prompts repeated G
@@ -23,10 +28,21 @@ the log-prob and update seconds), tokens/s of the whole step (EasyR1's per-GPU t
 MFU (benchmarks/vs_trl.py's analytic model FLOPs over the step, against the bf16 matmul peak measured
 here on an 8192^3 product) and the peak GPU memory (max allocated), with `mmgrpo estimate`'s
 prediction beside mmgrpo's. --with_7b adds Qwen2.5-VL-7B with LoRA (mmgrpo only) if time is left.
-Everything goes to OUT/gpu_suite.json and the table to stdout.
+
+media (item 2: media preparation off the critical path). benchmarks/media_prep.py's runs on the same
+model and training settings: 4 images of 1280 x 720 a prompt (about 4,800 prompt tokens) with
+Qwen2.5-VL's published pixel budget, G=8, 16 completion tokens (a short step: the share of media is
+largest), one warm-up and one timed step each: mmgrpo with 2 DataLoader workers, TRL, mmgrpo
+preparing in-process. The 8-frame clips too where PyAV is installed (carry its wheel, below).
+
+eval (item 3: evaluation at generation speed). benchmarks/eval_speed.py in bf16 on the GPU: 16
+shapes-color samples, 32 new tokens, greedy and pass@4, a batch-1 HF generate loop against
+`mmgrpo eval` (vLLM's column needs vLLM, which the GPU machine has not).
+
+Everything goes to OUT/gpu_suite.json (eval's rows also to OUT/eval_speed.json), the tables to stdout.
 
 The GPU machine (Python 3.12, torch 2.11, transformers 5.17, peft, accelerate, pandas, pyarrow; no
-trl, datasets or network) needs these wheels (15 MB; at most 64 MiB travel with the tree), fetched
+trl, datasets, av or network) needs these wheels (15 MB; at most 64 MiB travel with the tree), fetched
 here once into .whl/ (ignored by git, carried by the device tool):
 
     echo /.whl/ >> .git/info/exclude
@@ -35,7 +51,8 @@ here once into .whl/ (ignored by git, carried by the device tool):
         transformers==5.23.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
 (datasets 5.2 wants pyarrow >= 24: if the first line below prints an older one, add pyarrow==24.0.0,
-42 MB). The command, run with carry [".whl"] and timeout_s 600:
+42 MB; otherwise av==19.0.2, 35 MB, adds the clips to the media part). The command, run with carry
+[".whl"] and timeout_s 600:
 
     python3 -c "import pyarrow, torch; print(pyarrow.__version__, torch.__version__)"; \\
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
@@ -43,9 +60,7 @@ here once into .whl/ (ignored by git, carried by the device tool):
     python3 benchmarks/gpu_suite.py --out $OUT 2>&1 | tee $OUT/log.txt
 
 Set-up (wheels, building the 7.5 GB random checkpoint on the GPU, the matmul peak) takes about a
-minute; each system's process loads the model (about 20 s) and runs 1 warm-up + 1 timed step; the
-suite stops starting runs when --budget_s (default 420 s) would be passed, so the visit ends within 8
-minutes with what it measured.
+minute; each process loads the model (about 20 s) and runs its steps.
 """
 
 from __future__ import annotations
@@ -56,6 +71,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +92,17 @@ DRY_RUN = dict(
     max_completion_length=8, warmup=0, device="cpu", bf16=False, lora=True, rounds=1,
 )
 SEVEN_B = dict(model="random:qwen2.5-vl-7b", lora=True, freeze_vit=False)
+# Issue 48's other two items at the same size. Media: benchmarks/media_prep.py's real-size media (4 images
+# of 1280 x 720 a prompt, Qwen2.5-VL's published pixel budget, G=8, 16 completion tokens: the short
+# step that makes the share of media the largest), the training settings of the step part; the clips
+# only where PyAV is installed (not on the GPU machine unless its wheel is carried). Eval:
+# benchmarks/eval_speed.py (a batch-1 HF generate loop against `mmgrpo eval`, greedy and pass@4).
+MEDIA_TRAINING = ("device", "bf16", "gradient_checkpointing", "freeze_vit", "beta", "lora")
+MEDIA_RUNS = {"gpu": ("mmgrpo, 2 workers", "TRL 1.16", "mmgrpo, in-process"), "dry": ("mmgrpo, 2 workers", "TRL 1.16")}
+EVAL = {"gpu": ["--limit", "16", "--num_samples", "1,4", "--max_new_tokens", "32", "--torch_dtype", "bfloat16"],
+        "dry": ["--limit", "2", "--num_samples", "1", "--max_new_tokens", "4", "--torch_dtype", "float32"]}
+# The parts in order, each with its share of --budget_s (the step comparison first: it matters most).
+PARTS = {"step": 0.6, "media": 0.25, "eval": 0.15}
 SYSTEMS = (("mmgrpo", "mmgrpo", {}), ("trl", "trl", {}), ("mmgrpo-hf", "mmgrpo", {"shared_prefix": False}))
 
 
@@ -128,15 +155,15 @@ def predicted_gb(spec: dict, device_gb: float) -> float:
     return estimate(cfg, options).peak_bytes / 1e9
 
 
-def run_suite(settings: dict, work: Path, budget_s: float, with_7b: bool, started: float) -> dict:
+def step_part(settings: dict, work: Path, end_s: float, with_7b: bool, started: float) -> dict:
+    """Item 1: the three systems in turn (module docstring) until `end_s` seconds after `started`."""
     import torch
 
     device = settings["device"]
     peak = matmul_peak(device)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
     device_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 24.0
-    print(f"{device_name}: matmul peak {peak / 1e9:.0f} GFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32, 1 thread'})",
-          flush=True)  # fmt: skip
+    print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32, 1 thread'})", flush=True)
+    budget_s = end_s
     spec = base_spec(settings, work)
     print(f"set-up done at {time.perf_counter() - started:.0f} s: prompt {spec['prompt_tokens']:.0f} tokens, "
           f"{spec['shape']['n_total'] / 1e9:.2f}B parameters", flush=True)
@@ -165,8 +192,7 @@ def run_suite(settings: dict, work: Path, budget_s: float, with_7b: bool, starte
         index += 1
         if not ran or index >= settings["rounds"]:
             break
-    report = {"device": device_name, "matmul_peak_flops": peak, "settings": settings, "spec": spec,
-              "results": results, "failures": failures}  # fmt: skip
+    report = {"matmul_peak_flops": peak, "spec": spec, "results": results, "failures": failures}
     if results["mmgrpo"]:
         report["estimate_gb"] = predicted_gb(spec, device_gb)
     if with_7b:
@@ -179,6 +205,53 @@ def run_suite(settings: dict, work: Path, budget_s: float, with_7b: bool, starte
         else:
             report["qwen2.5-vl-7b-lora"] = "skipped: not enough of the budget left"
     return report
+
+
+def media_part(settings: dict, work: Path, end_s: float, started: float, kind: str) -> dict:
+    """Item 2: benchmarks/media_prep.py's runs on this model and device until `end_s` seconds after `started`."""
+    import importlib.util
+
+    import media_prep
+
+    wanted = MEDIA_RUNS[kind]
+    runs = sorted((run for run in media_prep.RUNS if run[0] in wanted and run[3] == "images"), key=lambda run: wanted.index(run[0]))
+    if kind == "gpu" and importlib.util.find_spec("av") is not None:  # PyAV writes and reads the clips
+        runs += [run for run in media_prep.RUNS if run[3] == "video"]
+    media = dict(media_prep.SETTINGS["smoke" if kind == "dry" else "full"], steps=1)  # after one warm-up step on the GPU
+    flags = media_prep.media_flags(argparse.Namespace(video_nframes=None, max_pixels=None, min_pixels=None), media)
+    try:
+        results, prep, spec = media_prep.measure(work / "media", media, flags, runs, model=settings["model"],
+                                                 training={key: settings[key] for key in MEDIA_TRAINING},
+                                                 deadline=started + end_s)  # fmt: skip
+    except SystemExit as exc:  # a run that failed: its log's tail
+        print(f"  media: failed ({str(exc).splitlines()[0]})", flush=True)
+        return {"error": str(exc)}
+    media_prep.report(results, prep, media, spec)
+    return {"settings": media, "prep": prep,
+            "runs": [{"label": label, "system": system, "workers": workers, "rows": rows, **result}
+                     for (label, system, workers, rows), result in results.items()]}  # fmt: skip
+
+
+def eval_part(settings: dict, out: Path, end_s: float, started: float, kind: str) -> dict:
+    """Item 3: benchmarks/eval_speed.py on this model and device, in its own process, stopped at `end_s`."""
+    left = end_s - (time.perf_counter() - started)
+    if left < (20 if kind == "dry" else 60):
+        print("  eval: not started, the time budget would be passed", flush=True)
+        return {"skipped": "not enough of the budget left"}
+    result = out / "eval_speed.json"
+    command = [sys.executable, str(Path(__file__).parent / "eval_speed.py"), "--model", settings["model"],
+               "--device", settings["device"], "--json", str(result), *EVAL[kind]]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired:
+        print(f"  eval: stopped at the budget ({left:.0f} s)", flush=True)
+        return {"error": f"stopped at the budget ({left:.0f} s)"}
+    print("\n" + "\n".join(line for line in done.stdout.splitlines() if "samples/s" in line or line.startswith(("|", "random:"))),
+          flush=True)  # fmt: skip
+    if done.returncode or not result.exists():
+        print(f"  eval: failed (exit {done.returncode})", flush=True)
+        return {"error": (done.stdout + done.stderr)[-3000:]}
+    return json.loads(result.read_text())
 
 
 def base_spec(settings: dict, work: Path) -> dict:
@@ -207,7 +280,7 @@ def run_one(kind: str, spec: dict, work: Path, index: str) -> dict:
 def print_table(report: dict) -> None:
     names = [name for name, runs in report["results"].items() if runs]
     if not names:
-        print("no system ran")
+        print("step: no system ran")
         return
 
     def median(name, key, phase=None):
@@ -236,10 +309,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for gpu_suite.json")
     parser.add_argument("--dry_run_on_cpu", action="store_true", help="the same code on the CPU at reduced depth (a test)")
-    parser.add_argument("--budget_s", type=float, default=420.0, help="start no run that would end after this (default 420)")
+    parser.add_argument("--budget_s", type=float, default=560.0,
+                        help="start no run that would end after this many seconds (default 560), shared by the parts")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which, comma-separated (default {','.join(PARTS)})")
     parser.add_argument("--with_7b", action="store_true", help="then Qwen2.5-VL-7B with LoRA (mmgrpo), if time is left")
     parser.add_argument("--work_dir", default=None, help="model copies, data, logs (default: a temporary folder)")
     args = parser.parse_args(argv)
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts {args.parts!r}: give some of {', '.join(PARTS)}, comma-separated")
     started = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -251,12 +329,40 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-gpu-suite-"))
     if not args.work_dir:
         atexit.register(shutil.rmtree, work, ignore_errors=True)  # model copies: GBs on a GPU machine
+    kind = "dry" if args.dry_run_on_cpu else "gpu"
     settings = DRY_RUN if args.dry_run_on_cpu else GPU
-    report = run_suite(settings, work, args.budget_s, args.with_7b, started)
+    device = torch.cuda.get_device_name() if kind == "gpu" else "CPU (dry run)"
+    print(f"{device}: {', '.join(parts)} in {args.budget_s:.0f} s", flush=True)
+    report = {"device": device, "settings": settings, "parts": parts}
+    ends = part_ends(parts, args.budget_s)
+    if "step" in parts:
+        report.update(step_part(settings, work, ends["step"], args.with_7b, started))
+        print_table(report)
+    if "media" in parts:
+        print(f"\nmedia preparation at real sizes, from {time.perf_counter() - started:.0f} s", flush=True)
+        report["media"] = media_part(settings, work, ends["media"], started, kind)
+    if "eval" in parts:
+        print(f"\nevaluation speed, from {time.perf_counter() - started:.0f} s", flush=True)
+        report["eval"] = eval_part(settings, out, ends["eval"], started, kind)
     report["total_s"] = time.perf_counter() - started
     (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str))
-    print_table(report)
     print(f"\ntotal {report['total_s']:.0f} s; {out / 'gpu_suite.json'}")
+
+
+def part_ends(parts: list[str], budget_s: float) -> dict[str, float]:
+    """Seconds from the start by which each part is to end: the budget cut in the parts' shares.
+
+    >>> part_ends(["step", "media", "eval"], 100)
+    {'step': 60.0, 'media': 85.0, 'eval': 100.0}
+    >>> part_ends(["media", "eval"], 100)
+    {'media': 62.5, 'eval': 100.0}
+    """
+    total, ends, so_far = sum(PARTS[part] for part in parts), {}, 0.0
+    for part in PARTS:
+        if part in parts:
+            so_far += PARTS[part]
+            ends[part] = round(budget_s * so_far / total, 6)
+    return ends
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ Measured per run after a warm-up step (each run in its own process; the workers,
   share of the step   that over seconds per step
   media prep per prompt, off the critical path   decoding + the processor + prompt encoding of one
         prompt as a worker does it (`_EncodedDataset[i]`), timed in the driver, one thread
+  trainer peak memory   its peak RSS on the CPU; on a GPU the device's max allocated
   workers' peak memory   the largest sum of the workers' unique memory (USS: pages not shared with
         the trainer), sampled by the driver every second; the prefetch holds at most
         workers x prefetch_factor batches
@@ -78,12 +79,13 @@ RUNS = (("mmgrpo, 2 workers", "mmgrpo", 2, "images"), ("mmgrpo, in-process", "mm
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare_model(work: Path) -> Path:
-    """The tiny Qwen2.5-VL (weights linked) with Qwen2.5-VL's published pixel budget for images and video."""
-    from mmgrpo.models.tiny import build_tiny
+def prepare_model(work: Path, name: str = "tiny:qwen2.5-vl") -> Path:
+    """The model `name` (a `tiny:` or `random:` Qwen2.5-VL, weights linked) with Qwen2.5-VL's published
+    pixel budget for images and video."""
+    from mmgrpo.models.tiny import resolve_model_path
 
-    built = build_tiny("qwen2.5-vl", cache_dir=work / "cache")
-    model = work / "model"
+    built = Path(resolve_model_path(name))
+    model = work / f"model-{built.name}-qwen-pixels"
     if not (model / "config.json").exists():
         shutil.copytree(
             built,
@@ -368,6 +370,8 @@ def report(results: dict, prep: dict, settings: dict, spec: dict) -> None:
     }
     for rows in ("images", "video"):
         runs = [(label, r) for (label, _, _, kind), r in results.items() if kind == rows]
+        if not runs:
+            continue
         print(
             f"\n{names[rows]}: {prep[rows]['prompt_tokens']:.0f} prompt tokens, {prep[rows]['pixel_mb']:.1f} MB of pixel "
             f"values; G={spec['num_generations']}, {spec['max_completion_length']} completion tokens"
@@ -377,7 +381,7 @@ def report(results: dict, prep: dict, settings: dict, spec: dict) -> None:
                  ("s/step", lambda r: f"{r['s_per_step']:.3f}"),
                  ("share of the step", lambda r: f"{100 * r['media_s'] / r['s_per_step']:.1f}%"),
                  ("processor calls in the trainer, /step", lambda r: f"{r['processor_calls']:.0f}"),
-                 ("trainer peak RSS, MB", lambda r: f"{r['peak_rss_mb']:.0f}"),
+                 ("trainer peak memory, MB", lambda r: f"{r['peak_rss_mb']:.0f}"),
                  ("workers' peak USS, MB", lambda r: f"{r['workers_peak_mb']:.0f}" if r["workers_peak_mb"] else "-")]  # fmt: skip
         for label, cell in lines:
             print(f"{label:<38}" + "".join(f"{cell(r):>20}" for _, r in runs))
@@ -386,20 +390,15 @@ def report(results: dict, prep: dict, settings: dict, spec: dict) -> None:
             f"{prep[rows]['s_per_prompt']:.3f} s"
         )
         by_label = dict(runs)
-        workers, inline, trl = (
-            by_label.get(k) for k in ("mmgrpo, 2 workers", "mmgrpo, in-process", "TRL 1.16")
-        )
-        if inline:
-            print(
-                f"critical-path media s/step, 2 workers / in-process: {workers['media_s'] / inline['media_s']:.3f}"
-            )
-        if inline and trl:
-            print(
-                f"critical-path media s/step, mmgrpo 2 workers / TRL: {workers['media_s'] / trl['media_s']:.4f}; "
-                f"in-process / TRL: {inline['media_s'] / trl['media_s']:.3f}"
-            )
-        share = 100 * workers["media_s"] / workers["s_per_step"]
-        print(f"goal: under 5% of a step with workers: {'met' if share < 5 else 'NOT met'} ({share:.1f}%)")
+        workers, inline, trl = (by_label.get(k) for k in ("mmgrpo, 2 workers", "mmgrpo, in-process", "TRL 1.16"))
+        if workers and inline:
+            print(f"critical-path media s/step, 2 workers / in-process: {workers['media_s'] / inline['media_s']:.3f}")
+        if workers and trl:
+            print(f"critical-path media s/step, mmgrpo 2 workers / TRL: {workers['media_s'] / trl['media_s']:.4f}"
+                  + (f"; in-process / TRL: {inline['media_s'] / trl['media_s']:.3f}" if inline else ""))
+        if workers:
+            share = 100 * workers["media_s"] / workers["s_per_step"]
+            print(f"goal: under 5% of a step with workers: {'met' if share < 5 else 'NOT met'} ({share:.1f}%)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -433,46 +432,58 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    settings = SETTINGS["smoke" if args.smoke else "full"]
-    warmup = settings["warmup"] if args.warmup is None else args.warmup
-    steps = settings["steps"] if args.steps is None else args.steps
+    settings = dict(SETTINGS["smoke" if args.smoke else "full"])
+    settings.update({key: getattr(args, key) for key in ("warmup", "steps") if getattr(args, key) is not None})
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mmgrpo-media-prep-"))
     if not args.work_dir:
         atexit.register(shutil.rmtree, work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    model = prepare_model(work)
-    data = {"images": prepare_images(work, settings), "video": prepare_videos(work, settings)}
-    flags = media_flags(args, settings)
+    runs = RUNS[:4] if args.smoke else RUNS  # the smoke run leaves out the in-process clips (its time limit)
+    results, prep, spec = measure(work, settings, media_flags(args, settings), runs)
+    report(results, prep, settings, spec)
+    print(
+        f"\ntotal {time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+        "1 torch thread per run and per worker"
+    )
+
+
+def measure(work: Path, settings: dict, flags: list[str], runs=RUNS, model: str = "tiny:qwen2.5-vl",
+            training: dict | None = None, deadline: float = float("inf")) -> tuple[dict, dict, dict]:
+    """(results by run, prep cost by row set, the runs' spec): each of `runs` in its own process on
+    `model` with Qwen2.5-VL's pixel budget, `training` the vs_trl.RUN_DEFAULTS it changes (device,
+    bf16, ...: benchmarks/gpu_suite.py); a run that would end after `deadline` (perf_counter) is not started."""
+    model = prepare_model(work, model)
+    data = {rows: (prepare_images if rows == "images" else prepare_videos)(work, settings)
+            for rows in dict.fromkeys(kind for *_, kind in runs)}  # fmt: skip
     prep = {rows: prep_cost(model, path, flags, settings["prep_prompts"]) for rows, path in data.items()}
     spec = {"model": str(model), "model_type": "qwen2.5-vl", "num_generations": settings["num_generations"],
-            "prompts_per_step": 1, "max_completion_length": settings["max_completion_length"], "warmup": warmup,
-            "steps": steps, "suppress_ids": vs_trl.suppressed_ids(model, "qwen2.5-vl"), "use_vllm": False,
-            "count_flops": False, "media_flags": flags}  # fmt: skip
+            "prompts_per_step": 1, "max_completion_length": settings["max_completion_length"],
+            "warmup": settings["warmup"], "steps": settings["steps"], "suppress_ids": vs_trl.suppressed_ids(model, "qwen2.5-vl"),
+            "use_vllm": False, "count_flops": False, "media_flags": flags, **(training or {})}  # fmt: skip
     print(
         f"media prep at real sizes: G={spec['num_generations']}, 1 prompt/step, {spec['max_completion_length']} completion "
-        f"tokens, {warmup} warm-up + {steps} timed steps per run; work dir {work}",
+        f"tokens, {spec['warmup']} warm-up + {spec['steps']} timed steps per run; work dir {work}",
         flush=True,
     )
-    results = {}
-    runs = RUNS[:4] if args.smoke else RUNS  # the smoke run leaves out the in-process clips (its time limit)
+    results, expected = {}, 60.0
     for index, (label, system, workers, rows) in enumerate(runs):
+        if time.perf_counter() + expected > deadline:
+            print(f"  {rows:<6} {label:<20} not started: the time budget would be passed", flush=True)
+            continue
         with WorkerMemory() as memory:
             result = vs_trl.run_worker(
                 system, {**spec, "data": str(data[rows]), "workers": workers}, work, index, script=__file__
             )
         result["workers_peak_mb"] = memory.peak_mb
         results[(label, system, workers, rows)] = result
+        expected = max(expected, result["run_s"])
         print(
             f"  {rows:<6} {label:<20} {result['s_per_step']:.3f} s/step, media {result['media_s']:.3f} s/step "
             f"({result['run_s']:.0f} s with start-up)",
             flush=True,
         )
-    report(results, prep, settings, spec)
-    print(
-        f"\ntotal {time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
-        "1 torch thread per run and per worker"
-    )
+    return results, prep, spec
 
 
 if __name__ == "__main__":

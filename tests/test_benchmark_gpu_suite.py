@@ -1,6 +1,6 @@
 """benchmarks/gpu_suite.py --dry_run_on_cpu: the GPU suite's code (building the real 3B configuration,
 the three systems' worker processes, the figures, `mmgrpo estimate` beside the measured peak, the
-report) at reduced depth on the CPU, so the suite cannot rot between GPU visits.
+media and eval parts, the report) at reduced depth on the CPU, so the suite cannot rot between GPU visits.
 
     .venv/bin/python -m pytest -q -p no:xdist tests/test_benchmark_gpu_suite.py
 """
@@ -34,3 +34,19 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path):
     assert report["spec"]["shape"]["n_lm_head"] == 151936 * 2048  # the 3B width and vocabulary
     assert report["estimate_gb"] > 0
     assert "step tokens/s" in done.stdout and "mmgrpo estimate:" in done.stdout
+    # item 2: media_prep's runs on the same model (its 3B-wide dry-run copy), mmgrpo's workers and TRL
+    media = report["media"]
+    assert [(run["label"], run["rows"]) for run in media["runs"]] == [("mmgrpo, 2 workers", "images"), ("TRL 1.16", "images")]
+    workers, trl = media["runs"]
+    assert workers["processor_calls"] == 0 and trl["processor_calls"] > 0  # prepared off the trainer's path, or not
+    assert media["prep"]["images"]["prompt_tokens"] > 100 and "share of the step" in done.stdout
+    # item 3: eval_speed on that model, greedy answers of the HF loop and mmgrpo eval compared
+    (row,) = report["eval"]["rows"]
+    assert row["k"] == 1 and row["hf loop"] > 0 and row["eval"] > 0 and row["equal"] is True
+    assert report["eval"]["model"].startswith("random:qwen2.5-vl-3b") and "| 1 | " in done.stdout
+
+
+def test_gpu_suite_names_a_part_it_does_not_have(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--dry_run_on_cpu", "--out",
+                           str(tmp_path), "--parts", "step,rollouts"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--parts 'step,rollouts': give some of step, media, eval" in done.stderr
