@@ -86,23 +86,66 @@ def test_unsupported_layers_decode_through_transformers():
     assert not ok and reason
 
 
-def test_lora_projections_decode_through_transformers(tiny_qwen2_vl_path):
-    """A LoRA layer adds its adapters in its forward: the lean step, which reads .weight, must not
-    run; the rollout then equals HF generate on the adapted model."""
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3.5"])
+def test_lora_projections_decode_lean_as_peft_runs_them(family):
+    """A LoRA layer adds its adapters in its forward; the lean step adds them the same way (every
+    projection wrapped, Qwen3.5's Gated DeltaNet ones too, two adapters active at once): tokens and
+    log-probs equal to transformers' step. Merged adapters (in the base weights) are not added twice."""
+    from peft import LoraConfig, get_peft_model
+
+    path = str(build_tiny(family))
+    model = load_model(path, dtype=torch.float32)
+    template = get_template(family, load_processor(path))
+    config = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=r".*language_model.*_proj.*")  # dropout: eval mode
+    peft_model = get_peft_model(model, LoraConfig(**config))
+    peft_model.add_adapter("second", LoraConfig(**{**config, "r": 2}))
+    peft_model.base_model.set_adapter(["default", "second"])
+    generator = torch.Generator().manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: make the adapters change the outputs
+            param.data = torch.randn(param.shape, generator=generator) * 0.2
+    eos = [template.tokenizer.eos_token_id, *template.stop_token_ids]
+    kwargs = dict(eos_token_ids=eos, suppress_token_ids=[*template.suppress_token_ids, *eos])
+    backends = {lean: SharedPrefixRollout(model, template, **kwargs, lean=lean) for lean in (False, True)}
+    assert backends[True].lean is not None, LeanDecoder.supports(backends[True].decoder)
+    wrapped = [m for m in model.modules() if hasattr(m, "lora_A") and "second" in m.lora_A]
+    assert len(wrapped) >= 7 * len(backends[True].decoder.layers)  # every projection of every layer
+    batch = template.collate([template.encode_prompt(_media_sample(template))] * 2)
+    params = SamplingParams(num_generations=2, max_new_tokens=12, greedy=False)
+    for merged in (False, True):
+        if merged:
+            peft_model.base_model.merge_adapter()
+        results = {}
+        for lean, backend in backends.items():
+            torch.manual_seed(0)
+            results[lean] = backend.sample(batch, params)
+        (reference, ref_logps), (lean, lean_logps) = results[False], results[True]
+        assert torch.equal(reference.completion_ids, lean.completion_ids)
+        torch.testing.assert_close(lean_logps, ref_logps, atol=1e-5, rtol=0)
+        if not merged:
+            unadapted = _adapters_off(peft_model, backends[True], batch, params)
+            assert not torch.equal(unadapted, lean.completion_ids)  # the adapters changed the rollout
+
+
+def _adapters_off(peft_model, backend, batch, params):
+    with peft_model.disable_adapter():
+        torch.manual_seed(0)
+        return backend.sample(batch, params)[0].completion_ids
+
+
+def test_dora_projections_decode_through_transformers(tiny_qwen2_vl_path):
+    """DoRA rescales the adapted weight by a learned magnitude: not the step's B(A(x)) sum, so the
+    rollout decodes through transformers and equals HF generate on the adapted model."""
     from peft import LoraConfig, get_peft_model
 
     from mmgrpo.rollout.hf import HFRollout
 
     model = load_model(tiny_qwen2_vl_path, dtype=torch.float32)
     template = get_template("qwen2-vl", load_processor(tiny_qwen2_vl_path))
-    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0))
-    generator = torch.Generator().manual_seed(0)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero: make the adapters change the outputs
-            param.data = torch.randn(param.shape, generator=generator)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0, use_dora=True))
     kwargs = dict(eos_token_ids=[template.tokenizer.eos_token_id])
     shared = SharedPrefixRollout(model, template, **kwargs)
-    assert shared.lean is None and "LoRA" in LeanDecoder.supports(shared.decoder)[1]
+    assert shared.lean is None and "DoRA" in LeanDecoder.supports(shared.decoder)[1]
     prompts = [template.encode_prompt(_media_sample(template))]
     params = SamplingParams(num_generations=2, max_new_tokens=12, greedy=True)
     hf = HFRollout(model, template, **kwargs)

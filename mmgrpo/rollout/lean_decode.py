@@ -19,9 +19,9 @@ The rotary cos/sin of every step are computed once per rollout by the model's ow
 module (mRoPE included: a generated token has equal temporal/height/width positions), so
 positions follow the model exactly. The template vouches that its family's decoder layers run
 exactly this sequence (`Template.lean_decode`); `supports` then checks what the loaded layers
-could still change: plain nn.Linear projections (a LoRA-wrapped projection adds its adapters in
-its forward, which the step does not call), SiLU, no sliding window, no attention soft-capping.
-Anything else decodes through transformers.
+could still change: nn.Linear projections or peft's LoRA layers over them (the step adds each
+active adapter's B(A(x)) x scaling as peft's forward does; DoRA and other variants are refused),
+SiLU, no sliding window, no attention soft-capping. Anything else decodes through transformers.
 
 Hybrid decoders (Qwen3.5: three Gated DeltaNet layers to one gated attention layer) run here too:
 a linear-attention layer's step updates its row's short-convolution window and delta-rule state
@@ -64,6 +64,40 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block = -(-outputs // blocks)  # blocks of equal rows: no small last one, which a kernel may sum otherwise
     biases = bias.split(block) if bias is not None else [None] * blocks
     return torch.cat([F.linear(x, part, b) for part, b in zip(weight.split(block), biases)], dim=-1)
+
+
+def _linear(x: torch.Tensor, module: nn.Module, wide: bool = False) -> torch.Tensor:
+    """`module(x)` for an nn.Linear or a peft LoRA layer over one (`LeanDecoder.supports` admits no
+    other), op for op: the base projection, then each active adapter's B(A(x)) x scaling added in
+    the adapters' dtype and the sum cast back (peft's `lora.Linear.forward` in eval mode, where its
+    dropout is the identity). wide: the base by `wide_linear`."""
+    base = getattr(module, "base_layer", module)
+    out = (wide_linear if wide else F.linear)(x, base.weight, base.bias)
+    if base is module or module.merged or module.disable_adapters:
+        return out
+    dtype = out.dtype
+    for name in module.active_adapters:
+        if name in module.lora_A:
+            a, b = module.lora_A[name], module.lora_B[name]
+            low = F.linear(x if x.dtype == a.weight.dtype else x.to(a.weight.dtype), a.weight, a.bias)
+            out = out + F.linear(low, b.weight, b.bias) * module.scaling[name]
+    return out.to(dtype)
+
+
+def _lora_refusal(name: str, module: nn.Module) -> str:
+    """Why the step cannot run projection `module` ("" if it can): nn.Linear, or peft's LoRA layer
+    over one without a variant (DoRA's magnitude and others change the forward)."""
+    if type(module) is nn.Linear:
+        return ""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        LoraLinear = None
+    if LoraLinear is None or type(module) is not LoraLinear or type(module.base_layer) is not nn.Linear:
+        return f"{name} is a {type(module).__name__}, not nn.Linear or a LoRA layer over one"
+    if getattr(module, "lora_variant", None):
+        return f"{name} has LoRA variants ({', '.join(sorted(module.lora_variant))}: DoRA or another), which change its forward"
+    return ""
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -154,14 +188,13 @@ class LeanDecoder:
             return False, "sliding-window layers"
         if type(language_model.embed_tokens) is not nn.Embedding:
             return False, f"embedding {type(language_model.embed_tokens).__name__} (the lean step implements nn.Embedding)"
-        # The step reads `.weight` / `.bias` of each projection: a wrapped one (a LoRA layer adds
-        # its adapters in forward) would be skipped silently, so anything but nn.Linear decodes
-        # through transformers.
+        # The step reads each projection's weights (`_linear`): another wrapper's forward would be
+        # skipped silently, so anything but nn.Linear or plain LoRA over it decodes through transformers.
         for layer in layers:
             mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
             for name, module in (*mixer.named_children(), *layer.mlp.named_children()):
-                if "_proj" in name and type(module) is not nn.Linear:  # q_proj ... in_proj_qkv, out_proj
-                    return False, f"{name} is a {type(module).__name__}, not nn.Linear (LoRA adapters run in its forward)"
+                if "_proj" in name and (why := _lora_refusal(name, module)):  # q_proj ... in_proj_qkv, out_proj
+                    return False, why
         return True, ""
 
     def rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,8 +223,8 @@ class LeanDecoder:
             else:
                 hidden = hidden + self._attention(x, layer, store, cos, sin, step)
             x = norm(hidden, layer.post_norm)
-            x = F.silu(wide_linear(x, layer.gate.weight, layer.gate.bias)) * wide_linear(x, layer.up.weight, layer.up.bias)
-            hidden = hidden + F.linear(x, layer.down.weight, layer.down.bias)
+            x = F.silu(_linear(x, layer.gate, wide=True)) * _linear(x, layer.up, wide=True)
+            hidden = hidden + _linear(x, layer.down)
             if fusion is not None:
                 hidden = fusion.after_layer(index, hidden)
         return norm(hidden, self.norm)[:, 0]  # [N, H]
@@ -199,13 +232,13 @@ class LeanDecoder:
     def _attention(self, x, layer: _Layer, store, cos, sin, step: int) -> torch.Tensor:
         """An attention layer's output [N, 1, H] for normed input x [N, 1, H]."""
         rows = x.shape[0]
-        q = F.linear(x, layer.q.weight, layer.q.bias).view(rows, 1, -1, layer.head_dim * (2 if layer.gated else 1))
+        q = _linear(x, layer.q).view(rows, 1, -1, layer.head_dim * (2 if layer.gated else 1))
         gate = None
         if layer.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(rows, 1, -1)
-        k = F.linear(x, layer.k.weight, layer.k.bias).view(rows, 1, -1, layer.head_dim)
-        v = F.linear(x, layer.v.weight, layer.v.bias).view(rows, 1, -1, layer.head_dim)
+        k = _linear(x, layer.k).view(rows, 1, -1, layer.head_dim)
+        v = _linear(x, layer.v).view(rows, 1, -1, layer.head_dim)
         if layer.q_norm is not None:
             q, k = self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [N, heads, 1, D]
@@ -219,7 +252,7 @@ class LeanDecoder:
         attended = store.attend(q, k, v, step, layer.scaling, layer.gqa)[:, None]  # [N, 1, heads * D]
         if gate is not None:
             attended = attended * torch.sigmoid(gate)
-        return F.linear(attended, layer.o.weight, layer.o.bias)
+        return _linear(attended, layer.o)
 
 
 class RowStates:
@@ -242,9 +275,9 @@ class RowStates:
     def step(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """The layer's output [N, 1, H] for normed input x [N, 1, H]."""
         rows = x.shape[0]
-        mixed = F.linear(x, layer.in_proj_qkv.weight)[:, 0, :, None]  # [N, channels, 1]
-        z = F.linear(x, layer.in_proj_z.weight).reshape(rows, -1, layer.head_v_dim)  # [N, v_heads, dv]
-        b, a = F.linear(x, layer.in_proj_b.weight)[:, 0], F.linear(x, layer.in_proj_a.weight)[:, 0]  # [N, v_heads]
+        mixed = _linear(x, layer.in_proj_qkv)[:, 0, :, None]  # [N, channels, 1]
+        z = _linear(x, layer.in_proj_z).reshape(rows, -1, layer.head_v_dim)  # [N, v_heads, dv]
+        b, a = _linear(x, layer.in_proj_b)[:, 0], _linear(x, layer.in_proj_a)[:, 0]  # [N, v_heads]
         window = torch.cat([self.conv[..., 1:], mixed.to(self.conv.dtype)], dim=-1)  # the last `kernel` inputs
         self.conv = window
         mixed = F.conv1d(window.to(layer.conv1d.weight.dtype), layer.conv1d.weight, layer.conv1d.bias, groups=window.shape[1])
@@ -264,7 +297,7 @@ class RowStates:
         self.recurrent = state
         out = (state * q[..., None]).sum(dim=-2).to(x.dtype)  # [N, v_heads, dv]
         out = _rms_norm_gated(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim), layer.norm)
-        return F.linear(out.reshape(rows, 1, -1), layer.out_proj.weight)
+        return _linear(out.reshape(rows, 1, -1), layer.out_proj)
 
 
 class GroupedPrefixKV:
