@@ -85,9 +85,11 @@ def compare(model, template, group, kinds, full: bool) -> dict:
 
     found = {}
     for shared in (False, True):  # each row's prompt in it, or each prompt once for its G rows
-        encoded = []  # the patches this rank's tower encodes in the split forward (a tower split by frames)
-        if template.frame_local_tower:
-            patches = model.get_submodule(template.components["vision"]).patch_embed
+        encoded = []  # the patches (tiles) this rank's tower encodes in the split forward (a tower split by frames or tiles)
+        split_tower = template.frame_local_tower or template.tile_local_tower
+        if split_tower:
+            tower = model.get_submodule(template.components["vision"])
+            patches = tower.patch_embed if template.frame_local_tower else tower.embeddings
             hook = patches.register_forward_pre_hook(lambda module, args, seen=encoded: seen.append(args[0].shape[0]))
         if shared:
             got, _ = split_shared_prefix_logprobs(model, template, group, batch, ids, mask, [GROUP] * len(kinds),
@@ -97,7 +99,7 @@ def compare(model, template, group, kinds, full: bool) -> dict:
                 local = backbone(**inputs, use_cache=False).last_hidden_state
                 got, _ = sequence_parallel_logprobs(local, model.lm_head.weight, split, prompt_len, ids, **head)
             found.update({"row_length": split.length, "slice": [split.start, split.end], "masked": split.mask is not None})
-        if template.frame_local_tower:
+        if split_tower:
             hook.remove()
         ((got * mask) * weights).sum().backward()
         sum_gradients(model, group)

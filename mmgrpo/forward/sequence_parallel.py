@@ -51,7 +51,9 @@ windows and full-attention blocks both stop at one, and positions are per frame)
 runs of about equal patches, each rank encodes its run, and one all-gather of the merged features
 (and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
 gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer
-images and frames than ranks, every rank encodes all of them.
+images and frames than ranks, every rank encodes all of them. A tower that encodes each tile alone
+(`tile_local_tower`: InternVL's 448-px tiles) is sharded the same way by tiles, its last hidden states
+gathered.
 """
 
 from __future__ import annotations
@@ -175,6 +177,34 @@ def _shard_tower(tower: nn.Module, split: _Split):
         if len(parts) > 1:
             out.deepstack_features = parts[1:]
         out.last_hidden_state = None  # this rank's patches only: nothing downstream reads it
+        return out
+
+    return forward
+
+
+def _shard_tiles(tower: nn.Module, split: _Split):
+    """`tower.forward` for a tower that encodes each tile of pixel_values [tiles, C, H, W] alone
+    (`tile_local_tower`): this rank's contiguous share of the tiles, the group's last hidden states
+    (and per-layer hidden states, where the call returns them) gathered. With fewer tiles than ranks,
+    every rank encodes all. An instance attribute, removed by the caller."""
+    original = tower.forward
+
+    def forward(pixel_values, *args, **kwargs):
+        tiles = pixel_values.shape[0]
+        if tiles < split.size or args:
+            return original(pixel_values, *args, **kwargs)
+        sizes = [tiles // split.size + (r < tiles % split.size) for r in range(split.size)]  # about equal
+        start = sum(sizes[: split.rank])
+        out = original(pixel_values[start : start + sizes[split.rank]], **kwargs)
+
+        def gathered(states: torch.Tensor) -> torch.Tensor:  # [n_r, ...] -> [tiles, ...]
+            return _GatherRows.apply(states.flatten(1), sizes, split.group).view(tiles, *states.shape[1:])
+
+        out.last_hidden_state = gathered(out.last_hidden_state)
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(states if states is None else gathered(states) for states in out.hidden_states)
+        if getattr(out, "pooler_output", None) is not None:
+            out.pooler_output = gathered(out.pooler_output)
         return out
 
     return forward
@@ -430,9 +460,10 @@ def ulysses(model: nn.Module, template, group):
     checkpoints = [layer._gradient_checkpointing_func for layer in checkpointed]
     for layer, checkpoint in zip(checkpointed, checkpoints):
         layer._gradient_checkpointing_func = partial(_replayable, checkpoint, split, decoder, linear)
-    tower = model.get_submodule(template.components["vision"]) if template.frame_local_tower else None
-    if tower is not None:
-        tower.forward = _shard_tower(tower, split)  # an instance attribute, removed below
+    sharded = template.frame_local_tower or template.tile_local_tower
+    tower = model.get_submodule(template.components["vision"]) if sharded else None
+    if tower is not None:  # an instance attribute, removed below
+        tower.forward = (_shard_tower if template.frame_local_tower else _shard_tiles)(tower, split)
     try:
         with _installed(split, decoder, linear):
             yield split

@@ -129,6 +129,9 @@ class Template:
     # frame_local_tower: the vision tower takes (pixel rows, grid_thw) and its attention and positions
     # never cross a frame, so --sequence_parallel_size shards it by frames (forward/sequence_parallel.py).
     frame_local_tower: bool = False
+    # tile_local_tower: the vision tower takes pixel_values [tiles, C, H, W] and encodes each tile alone
+    # (no attention across tiles), so --sequence_parallel_size shards it by tiles.
+    tile_local_tower: bool = False
     # vLLM loads a family's weights by the names of its original Hugging Face checkpoints. Where
     # transformers names them otherwise (in memory, or in a folder it saved) and vLLM's model class
     # does not map them itself, these (regex, replacement) rules rename them, applied in order, for

@@ -71,6 +71,7 @@ class InternVLTemplate(Template):
     never_sample_tokens = ("<IMG_CONTEXT>", "<img>", "</img>", "<video>")
     shared_prefix = True  # the prompt's tiles run once per group; completions are text
     lean_decode = True  # the LLM is Qwen2 (InternVL3) or Qwen3 (3.5): Qwen-style decoder layers
+    tile_local_tower = True  # InternViT encodes each 448-px tile (or frame) alone
 
     def build_media(self) -> dict:
         return {
