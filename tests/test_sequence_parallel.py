@@ -13,8 +13,8 @@ prefix: the prompts split, their K/V and linear-attention states kept per rank f
 under gradient checkpointing, whose backward recomputes each layer after the split forward returned.
 Gemma 4 (sliding-window layers, with a 16-token window here so that it binds; image blocks that attend
 both ways, taken from the masks the model builds for the whole row; KV-shared layers; per-layer inputs
-split with the tokens) runs the same checks, and so does InternVL, whose tower is split by tiles
-(InternViT encodes each tile alone).
+split with the tokens) runs the same checks, and so do InternVL and Gemma 3, whose towers are split
+by tiles or images (InternViT and SigLIP encode each alone).
 """
 
 import json
@@ -43,7 +43,8 @@ def _launch(family: str, ranks: int, out: Path, checkpointing: bool) -> list[dic
 @pytest.mark.distributed
 @pytest.mark.parametrize("family, ranks, checkpointing", [("qwen2.5-vl", 2, False), ("qwen2.5-vl", 4, False),
                                                          ("qwen3-vl", 2, False), ("qwen3.5", 2, False), ("qwen3.5", 2, True),
-                                                         ("gemma4", 2, False), ("internvl", 2, False)])
+                                                         ("gemma4", 2, False), ("internvl", 2, False),
+                                                         ("gemma3", 2, False)])
 def test_split_rows_score_and_train_as_one_process(family, ranks, checkpointing, tmp_path):
     results = _launch(family, ranks, tmp_path, checkpointing)
     # Gemma 4's gradients reach 700 on the tiny model: the same rounding is a larger share of them
@@ -57,8 +58,8 @@ def test_split_rows_score_and_train_as_one_process(family, ranks, checkpointing,
             patches, total = [r[case][forward]["tower_patches"] for r in results], results[0][case][forward]["all_patches"]
             # each rank's tower encodes its run of the images and frames (G copies of each when naive), the runs all
             # of them (cut at frame boundaries: the prompts alone may split unevenly, or with fewer frames than ranks
-            # be encoded whole on every rank; InternVL's: tiles); Gemma 4's tower is not split (every rank encodes all;
-            # not counted)
+            # be encoded whole on every rank; InternVL's and Gemma 3's: tiles and images); Gemma 4's tower is not
+            # split (every rank encodes all; not counted)
             if family != "gemma4":
                 assert (sum(patches) == total and max(patches) < total) or set(patches) == {total}, (case, forward, patches)
                 assert forward == "shared" or max(patches) < total * 0.75, (case, forward, patches, total)

@@ -52,8 +52,8 @@ runs of about equal patches, each rank encodes its run, and one all-gather of th
 (and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
 gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer
 images and frames than ranks, every rank encodes all of them. A tower that encodes each tile alone
-(`tile_local_tower`: InternVL's 448-px tiles) is sharded the same way by tiles, its last hidden states
-gathered.
+(`tile_local_tower`: InternVL's 448-px tiles, Gemma 3's images) is sharded the same way by tiles, its
+last hidden states gathered.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ class Gemma3Template(Template):
     )
     shared_prefix = True  # token_type_ids on the prompt forward only; completions are text
     sliding_window_layers = True  # Gemma3 interleaves sliding-window and full layers
+    tile_local_tower = True  # SigLIP encodes each 896-px image (pan-and-scan crop) alone
 
     def build_media(self) -> dict:
         return {
