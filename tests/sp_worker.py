@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_shared_prefix import GROUP, _completions, _prompts  # noqa: E402
+from test_shared_prefix import GROUP, _completions, _prompts, _video  # noqa: E402
 
+from mmgrpo.data.sample import LoadedSample  # noqa: E402
 from mmgrpo.forward.policy import final_logit_softcap  # noqa: E402
 from mmgrpo.forward.sequence_parallel import (  # noqa: E402
     new_sequence_group,
@@ -32,7 +33,9 @@ from mmgrpo.models import load_model, load_processor  # noqa: E402
 from mmgrpo.models.tiny import build_tiny  # noqa: E402
 from mmgrpo.templates import get_template  # noqa: E402
 
-KINDS = {"qwen3.5": ("video", "two_images")}
+KINDS = {"qwen3.5": ("video", "two_images"), "glm4v": ("clip", "video")}
+# GLM's batches hold images or videos, not both (its `video` kind is an image): two clips of other lengths and sizes
+CLIPS = {"clip": dict(num_frames=6, width=84)}
 WINDOWED = {"gemma4": 16}  # sliding-window layers: the window, in tokens
 
 
@@ -64,7 +67,12 @@ def main(family: str, out: str, checkpointing: str = "") -> None:
 def compare(model, template, group, kinds, full: bool) -> dict:
     """One process's log-probs and gradients against the split forward's, on prompts of `kinds`."""
     backbone = model.get_submodule(template.components["backbone"])
-    batch = template.collate(_prompts(template, kinds))
+    if any(kind in CLIPS for kind in kinds):
+        batch = template.collate([template.encode_prompt(LoadedSample(
+            id=f"c/{i}", messages=[{"role": "user", "content": "What happens? <video>"}], videos=[_video(**CLIPS.get(kind, {}))]))
+            for i, kind in enumerate(kinds)])  # fmt: skip
+    else:
+        batch = template.collate(_prompts(template, kinds))
     ids, mask = _completions(len(kinds))
     if full:
         mask = torch.ones_like(mask)

@@ -14,7 +14,8 @@ under gradient checkpointing, whose backward recomputes each layer after the spl
 Gemma 4 (sliding-window layers, with a 16-token window here so that it binds; image blocks that attend
 both ways, taken from the masks the model builds for the whole row; KV-shared layers; per-layer inputs
 split with the tokens) runs the same checks, and so do InternVL and Gemma 3, whose towers are split
-by tiles or images (InternViT and SigLIP encode each alone).
+by tiles or images (InternViT and SigLIP encode each alone), and GLM-4.1V on two clips (its tower,
+like Qwen's, split by frames).
 """
 
 import json
@@ -44,7 +45,7 @@ def _launch(family: str, ranks: int, out: Path, checkpointing: bool) -> list[dic
 @pytest.mark.parametrize("family, ranks, checkpointing", [("qwen2.5-vl", 2, False), ("qwen2.5-vl", 4, False),
                                                          ("qwen3-vl", 2, False), ("qwen3.5", 2, False), ("qwen3.5", 2, True),
                                                          ("gemma4", 2, False), ("internvl", 2, False),
-                                                         ("gemma3", 2, False)])
+                                                         ("gemma3", 2, False), ("glm4v", 2, False)])
 def test_split_rows_score_and_train_as_one_process(family, ranks, checkpointing, tmp_path):
     results = _launch(family, ranks, tmp_path, checkpointing)
     # Gemma 4's gradients reach 700 on the tiny model: the same rounding is a larger share of them

@@ -135,6 +135,7 @@ class Glm4vTemplate(Template):
     token_types = {"image": 1, "video": 2}
     shared_prefix = True  # full attention; positions from get_rope_index (tests/test_shared_prefix.py)
     separate_media_batches = True  # images or videos in a batch, not both (see `collate`)
+    frame_local_tower = True  # attention (cu_seqlens), positions and embeddings stop at a frame
     # Not lean_decode: GLM's decoder layers norm the attention and MLP outputs again
     # (post_self_attn_layernorm, post_mlp_layernorm) and fuse gate and up projections.
     # vLLM 0.32's GLM-4V processor reads do_sample_frames from each video's metadata (a KeyError without
