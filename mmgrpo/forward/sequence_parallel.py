@@ -45,9 +45,10 @@ same prompts, train on their leader's rollout, run the policy's, reference's and
 forwards split (with the shared prefix where the policy shares it), and scale the loss by N so that
 FSDP2's average over the world sums each group's shares.
 
-The vision tower (templates with `frame_local_tower`: Qwen2-VL to Qwen3.5, GLM-4.1V) is sharded across the
-group: its inputs are cut at image and frame boundaries (its attention never crosses a frame:
-windows and full-attention blocks both stop at one, and positions are per frame) into N contiguous
+The vision tower (templates with `frame_local_tower`: Qwen2-VL to Qwen3.5, the Omni thinkers,
+GLM-4.1V) is sharded across the group: its inputs are cut at image and frame boundaries (its
+attention never crosses a frame: windows and full-attention blocks both stop at one, and positions
+are per frame) into N contiguous
 runs of about equal patches, each rank encodes its run, and one all-gather of the merged features
 (and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
 gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer

@@ -82,6 +82,7 @@ class Qwen2_5OmniTemplate(Template):
     thinker_model = ("qwen2_5_omni", "Qwen2_5OmniThinkerModel")
     shared_prefix = True  # audio, video with sound: the prompt forward takes them as the naive one does
     lean_decode = True  # the thinker's decoder layers are Qwen2-style
+    frame_local_tower = True  # the thinker's vision tower is Qwen-VL's: windows, blocks and positions stop at a frame
     never_sample_tokens = (
         "<|IMAGE|>",
         "<|VIDEO|>",
