@@ -97,7 +97,8 @@ def compare(model, template, group, kinds, full: bool) -> dict:
         split_tower = template.frame_local_tower or template.tile_local_tower
         if split_tower:
             tower = model.get_submodule(template.components["vision"])
-            patches = tower.patch_embed if template.frame_local_tower else getattr(tower, "vision_model", tower).embeddings
+            tower = getattr(tower, "vision_model", tower)  # SigLIP's transformer
+            patches = tower.patch_embed if template.frame_local_tower else getattr(tower, "embeddings", None) or tower.patch_embedder
             hook = patches.register_forward_pre_hook(lambda module, args, seen=encoded: seen.append(args[0].shape[0]))
         if shared:
             got, _ = split_shared_prefix_logprobs(model, template, group, batch, ids, mask, [GROUP] * len(kinds),

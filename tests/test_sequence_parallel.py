@@ -13,8 +13,8 @@ prefix: the prompts split, their K/V and linear-attention states kept per rank f
 under gradient checkpointing, whose backward recomputes each layer after the split forward returned.
 Gemma 4 (sliding-window layers, with a 16-token window here so that it binds; image blocks that attend
 both ways, taken from the masks the model builds for the whole row; KV-shared layers; per-layer inputs
-split with the tokens) runs the same checks, and so do InternVL and Gemma 3, whose towers are split
-by tiles or images (InternViT and SigLIP encode each alone), and GLM-4.1V on two clips (its tower,
+split with the tokens) runs the same checks, and so do InternVL and Gemma 3; their towers and Gemma 4's
+are split by tiles, images or frames (each encoded alone); and GLM-4.1V on two clips (its tower,
 like Qwen's, split by frames).
 """
 
@@ -59,11 +59,9 @@ def test_split_rows_score_and_train_as_one_process(family, ranks, checkpointing,
             patches, total = [r[case][forward]["tower_patches"] for r in results], results[0][case][forward]["all_patches"]
             # each rank's tower encodes its run of the images and frames (G copies of each when naive), the runs all
             # of them (cut at frame boundaries: the prompts alone may split unevenly, or with fewer frames than ranks
-            # be encoded whole on every rank; InternVL's and Gemma 3's: tiles and images); Gemma 4's tower is not
-            # split (every rank encodes all; not counted)
-            if family != "gemma4":
-                assert (sum(patches) == total and max(patches) < total) or set(patches) == {total}, (case, forward, patches)
-                assert forward == "shared" or max(patches) < total * 0.75, (case, forward, patches, total)
+            # be encoded whole on every rank; InternVL's and the Gemmas': tiles, images and frames)
+            assert (sum(patches) == total and max(patches) < total) or set(patches) == {total}, (case, forward, patches)
+            assert forward == "shared" or max(patches) < total * 0.75, (case, forward, patches, total)
             for rank, result in enumerate(r[case][forward] for r in results):
                 assert result["logps"] < 1e-5, (case, forward, rank, result["logps"])
                 assert not result["missing"]  # every parameter the one-process backward reaches, the group's does

@@ -53,8 +53,8 @@ runs of about equal patches, each rank encodes its run, and one all-gather of th
 (and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
 gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer
 images and frames than ranks, every rank encodes all of them. A tower that encodes each tile alone
-(`tile_local_tower`: InternVL's 448-px tiles, Gemma 3's images) is sharded the same way by tiles, its
-last hidden states gathered.
+(`tile_local_tower`: InternVL's 448-px tiles, Gemma 3's and 4's images) is sharded the same way by
+tiles, its outputs gathered.
 """
 
 from __future__ import annotations
@@ -184,22 +184,30 @@ def _shard_tower(tower: nn.Module, split: _Split):
 
 
 def _shard_tiles(tower: nn.Module, split: _Split):
-    """`tower.forward` for a tower that encodes each tile of pixel_values [tiles, C, H, W] alone
-    (`tile_local_tower`): this rank's contiguous share of the tiles, the group's last hidden states
-    (and per-layer hidden states, where the call returns them) gathered. With fewer tiles than ranks,
-    every rank encodes all. An instance attribute, removed by the caller."""
+    """`tower.forward` for a tower that encodes each tile (or image) of pixel_values [tiles, ...] alone
+    (`tile_local_tower`): this rank's contiguous share of the tiles, with the same rows of any other
+    per-tile input (Gemma 4's pixel_position_ids), then the group's outputs gathered in tile order:
+    the last hidden states (per tile, or their rows flattened: Gemma 4 strips each image's padding),
+    the per-layer hidden states and pooled outputs where the call returns them. With fewer tiles than
+    ranks, every rank encodes all. An instance attribute, removed by the caller."""
     original = tower.forward
 
     def forward(pixel_values, *args, **kwargs):
         tiles = pixel_values.shape[0]
         if tiles < split.size or args:
             return original(pixel_values, *args, **kwargs)
-        sizes = [tiles // split.size + (r < tiles % split.size) for r in range(split.size)]  # about equal
-        start = sum(sizes[: split.rank])
-        out = original(pixel_values[start : start + sizes[split.rank]], **kwargs)
+        share = [tiles // split.size + (r < tiles % split.size) for r in range(split.size)]  # about equal
+        mine = slice(sum(share[: split.rank]), sum(share[: split.rank + 1]))
+        kwargs = {key: value[mine] if torch.is_tensor(value) and value.dim() and value.shape[0] == tiles else value
+                  for key, value in kwargs.items()}  # fmt: skip
+        out = original(pixel_values[mine], **kwargs)
+        count = torch.tensor([out.last_hidden_state.shape[0]], device=pixel_values.device)
+        counts = [torch.empty_like(count) for _ in range(split.size)]
+        dist.all_gather(counts, count, group=split.group)  # rows a rank's tiles gave (tiles, or valid tokens)
+        sizes = [int(c) for c in counts]
 
-        def gathered(states: torch.Tensor) -> torch.Tensor:  # [n_r, ...] -> [tiles, ...]
-            return _GatherRows.apply(states.flatten(1), sizes, split.group).view(tiles, *states.shape[1:])
+        def gathered(states: torch.Tensor) -> torch.Tensor:  # [rows_r, ...] -> [sum rows_r, ...]
+            return _GatherRows.apply(states.flatten(1), sizes, split.group).view(-1, *states.shape[1:])
 
         out.last_hidden_state = gathered(out.last_hidden_state)
         if getattr(out, "hidden_states", None) is not None:

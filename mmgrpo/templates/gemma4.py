@@ -184,6 +184,7 @@ class Gemma4Template(Template):
     never_sample_tokens = ("<|image|>", "<|image>", "<image|>", "<|audio|>", "<|audio>", "<audio|>", "<|video|>")
     shared_prefix = True  # mm_token_type_ids on the prompt forward only; KV-shared layers read the K/V their source returns
     sliding_window_layers = True  # sliding-window and full layers interleave, as in Gemma3
+    tile_local_tower = True  # each image (video frame) encoded alone: a batch row, its padding masked and stripped
     token_type_key = "mm_token_type_ids"
     token_types = {"image": 1, "video": 2, "audio": 3}
     expand_in_text = True  # a video's "mm:ss" timestamps are text beside the prompt's own
