@@ -4,8 +4,8 @@ A long video row (tens of thousands of prompt tokens) is what runs a device out 
 log-prob and update forwards: every decoder layer keeps activations for every token. Here the
 decoder runs on 1/N of the tokens per rank:
 
-    towers:     a Qwen-style vision tower encodes 1/N of the images and video frames on each rank;
-                one all-gather gives every rank the whole row's merged features (`_shard_tower`)
+    towers:     the vision tower encodes 1/N of the images, tiles and video frames on each rank;
+                one all-gather gives every rank the whole row's features (tower_split.py)
     backbone:   embeddings and 3-D mRoPE positions on the whole row                 (every rank)
     split:      inputs_embeds and position_ids cut into N contiguous slices         (rank r: slice r)
     each layer: norms, projections, MLP on the rank's slice; attention exchanges heads for tokens
@@ -45,16 +45,7 @@ same prompts, train on their leader's rollout, run the policy's, reference's and
 forwards split (with the shared prefix where the policy shares it), and scale the loss by N so that
 FSDP2's average over the world sums each group's shares.
 
-The vision tower (templates with `frame_local_tower`: Qwen2-VL to Qwen3.5, the Omni thinkers,
-GLM-4.1V) is sharded across the group: its inputs are cut at image and frame boundaries (its
-attention never crosses a frame: windows and full-attention blocks both stop at one, and positions
-are per frame) into N contiguous
-runs of about equal patches, each rank encodes its run, and one all-gather of the merged features
-(and Qwen3-VL's deepstack features) gives every rank the whole row's; its backward sums the group's
-gradients of each rank's features, so each rank's tower gradient covers its own run. With fewer
-images and frames than ranks, every rank encodes all of them. A tower that encodes each tile alone
-(`tile_local_tower`: InternVL's 448-px tiles, Gemma 3's and 4's images) is sharded the same way by
-tiles, its outputs gathered.
+The vision towers are split across the group too (mmgrpo/forward/tower_split.py).
 """
 
 from __future__ import annotations
@@ -62,7 +53,6 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from functools import partial
-from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
@@ -71,6 +61,7 @@ from torch import nn
 
 from mmgrpo.errors import ConfigError
 from mmgrpo.forward.shared_prefix import model_parts, prepend_prompt, rows_of_prompts
+from mmgrpo.forward.tower_split import split_tower
 
 ATTENTION = "mmgrpo_ulysses"  # the decoder's attention implementation while a split forward runs
 
@@ -107,116 +98,6 @@ class _SumOverGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """Each rank's rows [n_r, D] -> all the group's rows in rank order [sum n_r, D] on every rank. Every
-    rank's loss may read every rank's rows, so the backward sums the gradient over the group and keeps
-    this rank's rows of it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-        ctx.group, ctx.sizes, ctx.rank = group, sizes, dist.get_rank(group)
-        padded = F.pad(x, (0, 0, 0, max(sizes) - x.shape[0])).contiguous()
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=group)
-        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad[start : start + ctx.sizes[ctx.rank]], None, None
-
-
-def tower_runs(grid_thw: torch.Tensor, merge: int, size: int) -> list[tuple[int, int, list[list[int]], int]] | None:
-    """The tower's inputs cut into `size` contiguous runs at frame boundaries, about equal in patches:
-    per run (first patch row, end row, its grid_thw rows, its merged tokens); None with fewer frames
-    (an image is one) than runs.
-
-    >>> [(a, b, grid, n) for a, b, grid, n in tower_runs(torch.tensor([[3, 2, 2], [1, 4, 4]]), 2, 2)]
-    [(0, 12, [[3, 2, 2]], 3), (12, 28, [[1, 4, 4]], 4)]
-    >>> tower_runs(torch.tensor([[1, 4, 4]]), 2, 2) is None  # one image, two ranks: each encodes it
-    True
-    """
-    shapes = grid_thw.tolist()
-    frames = [item for item, (t, _, _) in enumerate(shapes) for _ in range(t)]  # each frame's image or video
-    if len(frames) < size:
-        return None
-    patches = [shapes[item][1] * shapes[item][2] for item in frames]
-    starts = [0, *accumulate(patches)]  # starts[i]: frame i's first patch row
-    cuts = [0]
-    for r in range(1, size):  # run r starts at the first frame whose middle is past r/N of the patches
-        middle = sum(start + n / 2 <= starts[-1] * r / size for start, n in zip(starts, patches))
-        cuts.append(min(max(middle, cuts[-1] + 1), len(frames) - (size - r)))  # a frame or more in every run
-    cuts.append(len(frames))
-    runs = []
-    for a, b in zip(cuts, cuts[1:]):
-        grid = [[len(list(run)), shapes[item][1], shapes[item][2]] for item, run in groupby(frames[a:b])]
-        runs.append((starts[a], starts[b], grid, (starts[b] - starts[a]) // merge**2))
-    return runs
-
-
-def _shard_tower(tower: nn.Module, split: _Split):
-    """`tower.forward` encoding this rank's run of the inputs (`tower_runs`) and gathering the group's
-    merged features: an instance attribute, removed by the caller."""
-    original = tower.forward
-    merge = getattr(tower, "spatial_merge_size", None) or tower.config.spatial_merge_size
-
-    def forward(hidden_states, grid_thw, **kwargs):
-        runs = tower_runs(grid_thw, merge, split.size)
-        if runs is None:
-            return original(hidden_states, grid_thw=grid_thw, **kwargs)
-        start, end, rows, _ = runs[split.rank]
-        out = original(hidden_states[start:end], grid_thw=torch.tensor(rows, dtype=grid_thw.dtype, device=grid_thw.device),
-                       **kwargs)  # fmt: skip
-        features = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
-        gathered = _GatherRows.apply(torch.cat(features, dim=-1), [run[3] for run in runs], split.group)
-        parts = list(gathered.split([f.shape[-1] for f in features], dim=-1))
-        out.pooler_output = parts[0]
-        if len(parts) > 1:
-            out.deepstack_features = parts[1:]
-        out.last_hidden_state = None  # this rank's patches only: nothing downstream reads it
-        return out
-
-    return forward
-
-
-def _shard_tiles(tower: nn.Module, split: _Split):
-    """`tower.forward` for a tower that encodes each tile (or image) of pixel_values [tiles, ...] alone
-    (`tile_local_tower`): this rank's contiguous share of the tiles, with the same rows of any other
-    per-tile input (Gemma 4's pixel_position_ids), then the group's outputs gathered in tile order:
-    the last hidden states (per tile, or their rows flattened: Gemma 4 strips each image's padding),
-    the per-layer hidden states and pooled outputs where the call returns them. With fewer tiles than
-    ranks, every rank encodes all. An instance attribute, removed by the caller."""
-    original = tower.forward
-
-    def forward(pixel_values, *args, **kwargs):
-        tiles = pixel_values.shape[0]
-        if tiles < split.size or args:
-            return original(pixel_values, *args, **kwargs)
-        share = [tiles // split.size + (r < tiles % split.size) for r in range(split.size)]  # about equal
-        mine = slice(sum(share[: split.rank]), sum(share[: split.rank + 1]))
-        kwargs = {key: value[mine] if torch.is_tensor(value) and value.dim() and value.shape[0] == tiles else value
-                  for key, value in kwargs.items()}  # fmt: skip
-        out = original(pixel_values[mine], **kwargs)
-        count = torch.tensor([out.last_hidden_state.shape[0]], device=pixel_values.device)
-        counts = [torch.empty_like(count) for _ in range(split.size)]
-        dist.all_gather(counts, count, group=split.group)  # rows a rank's tiles gave (tiles, or valid tokens)
-        sizes = [int(c) for c in counts]
-
-        def gathered(states: torch.Tensor) -> torch.Tensor:  # [rows_r, ...] -> [sum rows_r, ...]
-            return _GatherRows.apply(states.flatten(1), sizes, split.group).view(-1, *states.shape[1:])
-
-        out.last_hidden_state = gathered(out.last_hidden_state)
-        if getattr(out, "hidden_states", None) is not None:
-            out.hidden_states = tuple(states if states is None else gathered(states) for states in out.hidden_states)
-        if getattr(out, "pooler_output", None) is not None:
-            out.pooler_output = gathered(out.pooler_output)
-        return out
-
-    return forward
 
 
 class _Split:
@@ -469,10 +350,7 @@ def ulysses(model: nn.Module, template, group):
     checkpoints = [layer._gradient_checkpointing_func for layer in checkpointed]
     for layer, checkpoint in zip(checkpointed, checkpoints):
         layer._gradient_checkpointing_func = partial(_replayable, checkpoint, split, decoder, linear)
-    sharded = template.frame_local_tower or template.tile_local_tower
-    tower = model.get_submodule(template.components["vision"]) if sharded else None
-    if tower is not None:  # an instance attribute, removed below
-        tower.forward = (_shard_tower if template.frame_local_tower else _shard_tiles)(tower, split)
+    tower = split_tower(model, template, split)  # its forward an instance attribute, removed below
     try:
         with _installed(split, decoder, linear):
             yield split

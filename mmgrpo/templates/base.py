@@ -127,7 +127,7 @@ class Template:
     lean_decode: bool = False
     zero_centered_norm: bool = False
     # frame_local_tower: the vision tower takes (pixel rows, grid_thw) and its attention and positions
-    # never cross a frame, so --sequence_parallel_size shards it by frames (forward/sequence_parallel.py).
+    # never cross a frame, so --sequence_parallel_size shards it by frames (forward/tower_split.py).
     frame_local_tower: bool = False
     # tile_local_tower: the vision tower takes pixel_values [tiles, C, H, W] and encodes each tile alone
     # (no attention across tiles), so --sequence_parallel_size shards it by tiles.
