@@ -71,9 +71,12 @@ def _linear(x: torch.Tensor, module: nn.Module, wide: bool = False) -> torch.Ten
     other), op for op: the base projection, then each active adapter's B(A(x)) x scaling added in
     the adapters' dtype and the sum cast back (peft's `lora.Linear.forward` in eval mode, where its
     dropout is the identity). wide: the base by `wide_linear`."""
-    base = getattr(module, "base_layer", module)
-    out = (wide_linear if wide else F.linear)(x, base.weight, base.bias)
-    if base is module or module.merged or module.disable_adapters:
+    linear = wide_linear if wide else F.linear
+    if type(module) is nn.Linear:  # the common case, on the hot path: one check
+        return linear(x, module.weight, module.bias)
+    base = module.base_layer
+    out = linear(x, base.weight, base.bias)
+    if module.merged or module.disable_adapters:
         return out
     dtype = out.dtype
     for name in module.active_adapters:
@@ -84,7 +87,7 @@ def _linear(x: torch.Tensor, module: nn.Module, wide: bool = False) -> torch.Ten
     return out.to(dtype)
 
 
-def _lora_refusal(name: str, module: nn.Module) -> str:
+def _projection_refusal(name: str, module: nn.Module) -> str:
     """Why the step cannot run projection `module` ("" if it can): nn.Linear, or peft's LoRA layer
     over one without a variant (DoRA's magnitude and others change the forward)."""
     if type(module) is nn.Linear:
@@ -193,7 +196,7 @@ class LeanDecoder:
         for layer in layers:
             mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
             for name, module in (*mixer.named_children(), *layer.mlp.named_children()):
-                if "_proj" in name and (why := _lora_refusal(name, module)):  # q_proj ... in_proj_qkv, out_proj
+                if "_proj" in name and (why := _projection_refusal(name, module)):  # q_proj ... in_proj_qkv, out_proj
                     return False, why
         return True, ""
 

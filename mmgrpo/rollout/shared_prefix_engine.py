@@ -473,8 +473,8 @@ class _TransformersSteps:
 def lean_applies(model, template) -> bool:
     """True if the rollout's decode steps run as lean steps: the template declares its decoder
     layers lean-compatible and the loaded layers are plain (nn.Linear projections or LoRA over
-    them, SiLU, no sliding window). After the prefill they call no module, so on a sharded model whose weights
-    are gathered for the whole rollout a rank can stop when its own rows finish."""
+    them, SiLU, no sliding window). After the prefill they call no module, so on a sharded model
+    whose weights are gathered for the whole rollout a rank can stop when its own rows finish."""
     if not template.lean_decode:
         return False
     try:
