@@ -164,7 +164,6 @@ def step_part(settings: dict, work: Path, end_s: float, with_7b: bool, started: 
     peak = matmul_peak(device)
     device_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else 24.0
     print(f"matmul peak {peak / 1e9:.0f} GFLOP/s ({'bf16 8192^3' if device == 'cuda' else 'fp32, 1 thread'})", flush=True)
-    budget_s = end_s
     spec = base_spec(settings, work)
     print(f"set-up done at {time.perf_counter() - started:.0f} s: prompt {spec['prompt_tokens']:.0f} tokens, "
           f"{spec['shape']['n_total'] / 1e9:.2f}B parameters", flush=True)
@@ -178,7 +177,7 @@ def step_part(settings: dict, work: Path, end_s: float, with_7b: bool, started: 
             if name in failures:
                 continue
             expected = durations.get(name, 60.0 if device == "cuda" else 20.0)
-            if time.perf_counter() - started + expected > budget_s:
+            if time.perf_counter() - started + expected > end_s:
                 continue
             outcome = run_one(kind, {**spec, **options}, work, f"{name}-{index}")
             durations[name] = outcome.pop("run_s", expected)
@@ -198,7 +197,7 @@ def step_part(settings: dict, work: Path, end_s: float, with_7b: bool, started: 
         report["estimate_gb"] = predicted_gb(spec, device_gb)
     if with_7b:
         spec_7b = base_spec({**settings, **SEVEN_B}, work)
-        if time.perf_counter() - started + 2 * durations.get("mmgrpo", 60.0) < budget_s:
+        if time.perf_counter() - started + 2 * durations.get("mmgrpo", 60.0) < end_s:
             outcome = run_one("mmgrpo", spec_7b, work, "mmgrpo-7b")
             if "error" not in outcome:
                 report["qwen2.5-vl-7b-lora"] = figures(outcome, spec_7b, peak)

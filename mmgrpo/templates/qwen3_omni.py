@@ -107,7 +107,6 @@ class Qwen3OmniTemplate(Qwen2_5OmniTemplate):
     never_sample_tokens = (*QWEN_VL_NEVER_SAMPLE, "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
     shared_prefix = True  # router and experts act per token: a prompt's K/V serve its G completions exactly
     lean_decode = False  # MoE blocks: the lean step has a SwiGLU MLP, not a router and experts
-    frame_local_tower = True  # the thinker's vision tower is Qwen-VL's: windows, blocks and positions stop at a frame
     # vLLM loads the thinker of a full checkpoint (`thinker.model.layers.*`, `thinker.visual.*`,
     # `thinker.audio_tower.*`, `thinker.lm_head.*`) or a thinker folder (the same without `thinker.`),
     # experts one by one or fused, and maps both itself. transformers 5.19 holds a thinker under those
